@@ -1,0 +1,49 @@
+"""Records that workers publish in discovery and the frontend reads."""
+
+from __future__ import annotations
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class InstanceRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One serving endpoint of one process: where to send its requests."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: str  # hex, unique per process
+    address: str  # "host:port" of the request-plane server
+    pid: int = 0
+    hostname: str = ""
+    v: int = WIRE_VERSION
+
+    @property
+    def path(self) -> str:
+        return f"{self.namespace}/{self.component}/{self.endpoint}/{self.instance_id}"
+
+
+class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What a frontend needs to serve a model that this worker instance generates for."""
+
+    name: str  # served model name
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: str
+    engine: str = "vllm"  # "vllm" | "mocker"
+    # Local folder holding tokenizer.json / tokenizer_config.json (the model folder).
+    tokenizer_path: str
+    chat_template_path: str | None = None  # --custom-jinja-template
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    endpoint_types: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    migration_limit: int = 0
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    v: int = WIRE_VERSION

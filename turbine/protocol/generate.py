@@ -1,0 +1,82 @@
+"""The token-in/token-out `generate` contract between frontend and workers.
+
+The frontend tokenizes, applies templates and handles stop strings; workers see only
+token ids and sampling options. Unknown fields are ignored (forward compatibility);
+missing required fields fail decoding with a clear msgspec error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    # Number of top logprobs per sampled token; None = no logprobs at all.
+    logprobs: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    v: int = WIRE_VERSION
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+
+class GenerateOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One chunk of a generate stream: only the tokens new since the previous chunk."""
+
+    token_ids: list[int]
+    index: int = 0  # choice index when n > 1
+    log_probs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    # "stop" | "length" | "cancelled" | "error: <message>"; None while streaming.
+    finish_reason: str | None = None
+    # The stop token id that ended the sequence, if any.
+    stop_reason: int | None = None
+    usage: Usage | None = None  # last chunk of a choice only
+    v: int = WIRE_VERSION
+
+
+class ClearKvBlocksRequest(msgspec.Struct, kw_only=True):
+    v: int = WIRE_VERSION
+
+
+class StatusReply(msgspec.Struct, kw_only=True):
+    status: str  # "success" | "error"
+    message: str = ""
+    v: int = WIRE_VERSION
