@@ -1,0 +1,58 @@
+"""Shared fixtures: a real etcd server, and Python child processes to kill."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_server import EtcdServer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint() -> Iterator[str]:
+    """"127.0.0.1:PORT" of a real etcd: $TURBINE_TEST_ETCD, else a private one started here."""
+    external = os.environ.get("TURBINE_TEST_ETCD")
+    if external:
+        yield external
+        return
+    with tempfile.TemporaryDirectory(prefix="turbine-etcd-") as work_dir:
+        server = EtcdServer(Path(work_dir))
+        try:
+            server.start()
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        try:
+            yield server.endpoint
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def python_child():
+    """`await python_child(code, *args)` runs `python -c code args` in the repo and returns
+    (process, its first stdout line). Every child is killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    async def start(code: str, *args: object, timeout: float = 15.0) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE, text=True, cwd=REPO
+        )
+        procs.append(proc)
+        async with asyncio.timeout(timeout):
+            line = await asyncio.to_thread(proc.stdout.readline)
+        return proc, line.strip()
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

@@ -1,0 +1,331 @@
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+
+import msgspec
+import pytest
+
+from turbine.protocol.discovery import InstanceRecord
+from turbine.protocol.frames import CHUNK, END, REQUEST, Frame
+from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
+from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
+from turbine.runtime.request_plane import (
+    RequestPlaneClient,
+    RequestPlaneServer,
+    StreamContext,
+    encode_frame,
+)
+
+# pyproject runs async fixtures on the session loop; run these tests on it too.
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MAX_FRAME = 1 << 20
+
+
+def req(rid: str, n: int = 3, first: int = 0) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="m", token_ids=[first], stop=StopConditions(max_tokens=n))
+
+
+class Handlers:
+    """Endpoints under test; records what happened to each stream on the server side."""
+
+    def __init__(self) -> None:
+        self.finalized: dict[str, bool] = {}  # request_id -> ctx.cancelled seen in `finally`
+        self.finally_ran = asyncio.Event()
+        self.lockstep = asyncio.Barrier(1)
+        self.server: RequestPlaneServer | None = None
+        self.inflight_in_finally: list[int] = []
+
+    async def generate(self, r: GenerateRequest, ctx: StreamContext):
+        for i in range(r.stop.max_tokens or 0):
+            yield GenerateOutput(token_ids=[r.token_ids[0], i])
+            await asyncio.sleep(0)  # let other streams interleave
+
+    async def lockstep_gen(self, r: GenerateRequest, ctx: StreamContext):
+        # Every stream must reach each step before any goes on: only possible if all
+        # streams run concurrently over the shared connection.
+        for i in range(3):
+            yield GenerateOutput(token_ids=[r.token_ids[0], i])
+            await self.lockstep.wait()
+
+    async def hang(self, r: GenerateRequest, ctx: StreamContext):
+        try:
+            yield GenerateOutput(token_ids=[0])
+            await asyncio.Event().wait()
+        finally:
+            self.finalized[r.request_id] = ctx.cancelled
+            self.finally_ran.set()
+
+    async def flood(self, r: GenerateRequest, ctx: StreamContext):
+        # Never awaits: the server task only suspends when the socket pushes back.
+        try:
+            while True:
+                yield GenerateOutput(token_ids=list(range(20_000)))
+        finally:
+            self.inflight_in_finally.append(self.server.inflight)
+
+    async def boom(self, r: GenerateRequest, ctx: StreamContext):
+        yield GenerateOutput(token_ids=[1])
+        raise ValueError("kaput")
+
+    async def big(self, r: GenerateRequest, ctx: StreamContext):
+        yield GenerateOutput(token_ids=list(range(400_000)))
+
+
+@pytest.fixture
+async def handlers():
+    return Handlers()
+
+
+@pytest.fixture
+async def server(handlers):
+    srv = RequestPlaneServer(max_frame_bytes=MAX_FRAME)
+    srv.register("generate", GenerateRequest, handlers.generate)
+    srv.register("lockstep", GenerateRequest, handlers.lockstep_gen)
+    srv.register("hang", GenerateRequest, handlers.hang)
+    srv.register("boom", GenerateRequest, handlers.boom)
+    srv.register("big", GenerateRequest, handlers.big)
+    srv.register("flood", GenerateRequest, handlers.flood)
+    handlers.server = srv
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client():
+    c = RequestPlaneClient(max_frame_bytes=MAX_FRAME, connect_timeout=2.0)
+    yield c
+    await c.close()
+
+
+async def collect(stream) -> list:
+    async with asyncio.timeout(5):
+        return [item async for item in stream]
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- streaming
+
+
+async def test_round_trip(server, client):
+    items = await collect(client.stream(server.address, "generate", req("a", n=4, first=9), GenerateOutput))
+    assert items == [GenerateOutput(token_ids=[9, i]) for i in range(4)]
+    assert server.inflight == 0
+
+
+async def test_many_streams_multiplexed_on_one_connection(server, client, handlers):
+    n = 40
+    handlers.lockstep = asyncio.Barrier(n)
+    streams = [client.stream(server.address, "lockstep", req(str(i), first=i), GenerateOutput) for i in range(n)]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for i, items in enumerate(results):
+        assert items == [GenerateOutput(token_ids=[i, step]) for step in range(3)]
+    assert len(server._connections) == 1
+
+
+async def test_interleaved_generate_streams_keep_their_own_chunks(server, client):
+    results = await asyncio.gather(
+        *(collect(client.stream(server.address, "generate", req(str(i), n=50, first=i), GenerateOutput)) for i in range(20))
+    )
+    for i, items in enumerate(results):
+        assert [o.token_ids for o in items] == [[i, k] for k in range(50)]
+
+
+async def test_aclose_sends_cancel_and_handler_finally_runs(server, client, handlers):
+    stream = client.stream(server.address, "hang", req("c"), GenerateOutput)
+    other = client.stream(server.address, "hang", req("other"), GenerateOutput)
+    async with asyncio.timeout(5):
+        assert await anext(stream) == GenerateOutput(token_ids=[0])
+        await anext(other)
+    assert server.inflight == 2
+    await stream.aclose()
+    await wait_until(lambda: "c" in handlers.finalized)
+    assert handlers.finalized["c"] is True  # ctx.cancelled was set
+    # Only that stream was cancelled: the other one is still running on the connection.
+    assert server.inflight == 1 and "other" not in handlers.finalized
+    assert not await server.drain(timeout=0.05)
+    await other.aclose()
+    assert await server.drain(timeout=5)
+
+
+async def test_cancel_under_backpressure_finishes_handler_before_stream_ends(server, client, handlers):
+    stream = client.stream(server.address, "flood", req("f"), GenerateOutput)
+    async with asyncio.timeout(5):
+        await anext(stream)
+    await stream.aclose()
+    assert await server.drain(timeout=5)
+    # The handler's cleanup ran inside the stream's task: once drain() returns, every
+    # handler `finally` (e.g. an engine abort) has completed.
+    assert handlers.inflight_in_finally == [1]
+
+
+async def test_client_disconnect_cancels_all_its_handlers(server, client, handlers):
+    streams = [client.stream(server.address, "hang", req(f"d{i}"), GenerateOutput) for i in range(3)]
+    async with asyncio.timeout(5):
+        for s in streams:
+            await anext(s)
+    assert server.inflight == 3
+    await client.close()
+    assert await server.drain(timeout=5)
+    assert handlers.finalized == {"d0": True, "d1": True, "d2": True}
+
+
+async def test_server_stop_fails_open_streams_promptly_and_pool_reconnects(server, client, handlers):
+    streams = [client.stream(server.address, "hang", req(f"s{i}"), GenerateOutput) for i in range(5)]
+    async with asyncio.timeout(5):
+        for s in streams:
+            await anext(s)
+    port = server.port
+    await server.stop()
+    start = time.monotonic()
+    for s in streams:
+        with pytest.raises(PeerDisconnected):
+            async with asyncio.timeout(2):
+                await anext(s)
+    assert time.monotonic() - start < 1.0
+
+    # A new server on the same address: the dropped connection is replaced, not reused.
+    again = RequestPlaneServer(port=port)
+    again.register("generate", GenerateRequest, handlers.generate)
+    await again.start()
+    try:
+        items = await collect(client.stream(again.address, "generate", req("after", n=2), GenerateOutput))
+        assert len(items) == 2
+    finally:
+        await again.stop()
+
+
+CHILD_SERVER = """
+import asyncio
+from turbine.protocol.generate import GenerateOutput, GenerateRequest
+from turbine.runtime.request_plane import RequestPlaneServer
+
+async def hang(r, ctx):
+    yield GenerateOutput(token_ids=[0])
+    await asyncio.Event().wait()
+
+async def main():
+    s = RequestPlaneServer()
+    s.register("hang", GenerateRequest, hang)
+    await s.start()
+    print(s.address, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_server_process_killed_gives_peer_disconnected_on_all_streams(client, python_child):
+    proc, address = await python_child(CHILD_SERVER)
+    streams = [client.stream(address, "hang", req(f"k{i}"), GenerateOutput) for i in range(5)]
+    async with asyncio.timeout(10):
+        for s in streams:
+            await anext(s)
+    os.kill(proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    for s in streams:
+        with pytest.raises(PeerDisconnected):
+            async with asyncio.timeout(3):
+                await anext(s)
+    assert time.monotonic() - start < 1.5
+    proc.wait()
+    # The pool dropped the dead connection: the next stream tries a fresh connect.
+    with pytest.raises(ConnectFailed):
+        await anext(client.stream(address, "hang", req("late"), GenerateOutput))
+
+
+# ---------------------------------------------------------------- errors
+
+
+async def test_handler_exception_is_remote_error_and_server_keeps_serving(server, client):
+    stream = client.stream(server.address, "boom", req("b"), GenerateOutput)
+    async with asyncio.timeout(5):
+        assert await anext(stream) == GenerateOutput(token_ids=[1])
+        with pytest.raises(RemoteError, match="ValueError: kaput"):
+            await anext(stream)
+    assert len(await collect(client.stream(server.address, "generate", req("ok"), GenerateOutput))) == 3
+
+
+async def test_unknown_endpoint_is_remote_error(server, client):
+    with pytest.raises(RemoteError, match="unknown endpoint 'nope'"):
+        await collect(client.stream(server.address, "nope", req("u"), GenerateOutput))
+
+
+async def test_undecodable_request_payload_is_remote_error_naming_field(server, client):
+    wrong = InstanceRecord(namespace="n", component="c", endpoint="e", instance_id="i", address="a")
+    with pytest.raises(RemoteError, match="missing required field `request_id`"):
+        await collect(client.stream(server.address, "generate", wrong, GenerateOutput))
+
+
+async def test_oversized_chunk_is_remote_error(server, client):
+    with pytest.raises(RemoteError, match="FrameTooLarge"):
+        await collect(client.stream(server.address, "big", req("big"), GenerateOutput))
+
+
+def closed_port() -> int:
+    """A local port with nothing listening on it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_connect_failed(client):
+    stream = client.stream(f"127.0.0.1:{closed_port()}", "generate", req("x"), GenerateOutput)
+    with pytest.raises(ConnectFailed):
+        await anext(stream)
+    with pytest.raises(ConnectFailed, match="invalid"):
+        await anext(client.stream("no-port-here", "generate", req("x"), GenerateOutput))
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", id="http"),
+        pytest.param(struct.pack(">I", MAX_FRAME + 1), id="oversized-length"),
+        pytest.param(struct.pack(">I", 1) + b"\xc1", id="undecodable-msgpack"),
+        pytest.param(struct.pack(">I", 3) + msgspec.msgpack.encode([1, 2]), id="not-a-frame"),
+    ],
+)
+async def test_bad_bytes_close_only_that_connection(server, client, garbage, caplog):
+    # A healthy stream on another connection must survive the bad peer.
+    healthy = client.stream(server.address, "hang", req("healthy"), GenerateOutput)
+    async with asyncio.timeout(5):
+        await anext(healthy)
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    with caplog.at_level(logging.WARNING, logger="turbine.request_plane"):
+        writer.write(garbage)
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # the server closed it
+    writer.close()
+    assert any("closing request-plane connection" in r.getMessage() for r in caplog.records)
+
+    assert server.inflight == 1  # the healthy stream is untouched
+    items = await collect(client.stream(server.address, "generate", req("after"), GenerateOutput))
+    assert len(items) == 3
+    await healthy.aclose()
+
+
+async def test_raw_frames_on_the_wire(server):
+    """The documented wire format: 4-byte big-endian length + msgpack Frame."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    payload = msgspec.msgpack.encode(req("raw", n=1, first=4))
+    writer.write(bytes(encode_frame(Frame(kind=REQUEST, stream_id=7, endpoint="generate", payload=payload), MAX_FRAME)))
+    frames = []
+    async with asyncio.timeout(5):
+        while len(frames) < 2:
+            (size,) = struct.unpack(">I", await reader.readexactly(4))
+            frames.append(msgspec.msgpack.decode(await reader.readexactly(size), type=Frame))
+    writer.close()
+    assert [(f.kind, f.stream_id) for f in frames] == [(CHUNK, 7), (END, 7)]
+    assert msgspec.msgpack.decode(frames[0].payload, type=GenerateOutput) == GenerateOutput(token_ids=[4, 0])

@@ -1,0 +1,559 @@
+"""Request plane: typed request -> stream-of-responses calls over TCP.
+
+Many streams are multiplexed on one connection per (client, server address). Wire format
+and frame kinds are defined in `turbine.protocol.frames`. Both sides use asyncio Protocols
+(no per-frame awaits on the read side) and write frames without awaiting a drain unless the
+transport reports its buffer is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from turbine.protocol.frames import CANCEL, CHUNK, END, ERROR, REQUEST, Frame
+from turbine.runtime import codec
+from turbine.runtime.errors import (
+    ConnectFailed,
+    DecodeError,
+    FrameTooLarge,
+    PeerDisconnected,
+    RemoteError,
+    RequestPlaneError,
+)
+
+logger = logging.getLogger("turbine.request_plane")
+
+DEFAULT_MAX_FRAME_BYTES = 32 << 20
+_HEADER = struct.Struct(">I")
+_MAX_ERROR_CHARS = 16 << 10  # keep error frames small whatever the exception text
+
+T = TypeVar("T")
+Handler = Callable[[Any, "StreamContext"], AsyncIterator[Any]]
+
+
+# ---------------------------------------------------------------- framing
+
+
+class FrameError(Exception):
+    """The peer sent bytes that are not a valid frame; its connection must be closed."""
+
+
+def encode_frame(frame: Frame, max_frame_bytes: int) -> bytearray:
+    """Length-prefixed msgpack of `frame`, encoded in place behind the header (no concat)."""
+    buf = bytearray(_HEADER.size)
+    codec.encode_into(frame, buf, _HEADER.size)
+    size = len(buf) - _HEADER.size
+    if size > max_frame_bytes:
+        raise FrameTooLarge(
+            f"{frame.kind} frame of {size} bytes exceeds max_frame_bytes={max_frame_bytes}"
+        )
+    _HEADER.pack_into(buf, 0, size)
+    return buf
+
+
+class FrameReader:
+    """Reassembles frames from arbitrary TCP read boundaries."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self._buf = bytearray()
+        self._max = max_frame_bytes
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Append `data`; return the frames now complete. Raises FrameError on bad input."""
+        buf = self._buf
+        buf += data
+        frames: list[Frame] = []
+        pos, end = 0, len(buf)
+        with memoryview(buf) as view:
+            while end - pos >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(buf, pos)
+                # Checked before the body arrives, so a bogus length never makes us buffer it.
+                if size > self._max:
+                    raise FrameError(f"frame length {size} exceeds max_frame_bytes={self._max}")
+                start = pos + _HEADER.size
+                if end - start < size:
+                    break
+                try:
+                    frames.append(codec.decode(view[start : start + size], Frame))
+                except DecodeError as exc:
+                    raise FrameError(str(exc)) from None
+                pos = start + size
+        del buf[:pos]
+        return frames
+
+
+def _enable_keepalive(transport: asyncio.BaseTransport) -> None:
+    """Detect a peer host that vanished without closing the socket in ~11 s, not hours."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _peer_name(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+
+# ---------------------------------------------------------------- server
+
+
+class StreamContext:
+    """Per-stream information handed to a handler."""
+
+    __slots__ = ("stream_id", "endpoint", "cancelled")
+
+    def __init__(self, stream_id: int, endpoint: str) -> None:
+        self.stream_id = stream_id
+        self.endpoint = endpoint
+        # Set before the handler task is cancelled (client cancel or disconnect).
+        self.cancelled = False
+
+
+class _Endpoint(NamedTuple):
+    request_type: type
+    handler: Handler
+
+
+class _ServerConnection(asyncio.Protocol):
+    """One accepted client connection: demultiplexes frames into handler tasks."""
+
+    def __init__(self, server: RequestPlaneServer) -> None:
+        self._server = server
+        self._reader = FrameReader(server.max_frame_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._peer = "?"
+        self._streams: dict[int, tuple[asyncio.Task[None], StreamContext]] = {}
+        # Not None while the transport's write buffer is over its high-water mark.
+        self.blocked: asyncio.Future[None] | None = None
+
+    # asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses; don't check the type.
+        self._transport = transport  # type: ignore[assignment]
+        self._peer = _peer_name(transport)
+        _enable_keepalive(transport)
+        self._server._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._reader.feed(data)
+        except FrameError as exc:
+            self._drop(str(exc))
+            return
+        for frame in frames:
+            kind = frame.kind
+            if kind == REQUEST:
+                if frame.stream_id in self._streams:
+                    self._drop(f"duplicate stream_id {frame.stream_id}")
+                    return
+                self._open(frame)
+            elif kind == CANCEL:
+                self._cancel(frame.stream_id)
+            else:
+                logger.debug("ignoring %r frame from %s", kind, self._peer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._connections.discard(self)
+        for task, ctx in self._streams.values():
+            ctx.cancelled = True
+            task.cancel()
+        self._streams.clear()
+        self.resume_writing()  # nobody may stay blocked on a dead transport
+
+    def pause_writing(self) -> None:
+        self.blocked = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self.blocked = self.blocked, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # used by the server's stream tasks
+
+    def send(self, frame: Frame) -> None:
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(encode_frame(frame, self._server.max_frame_bytes))
+
+    def stream_done(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # internals
+
+    def _open(self, frame: Frame) -> None:
+        ctx = StreamContext(frame.stream_id, frame.endpoint)
+        task = self._server._spawn(self, ctx, frame.payload)
+        self._streams[frame.stream_id] = (task, ctx)
+
+    def _cancel(self, stream_id: int) -> None:
+        entry = self._streams.pop(stream_id, None)
+        if entry is not None:
+            task, ctx = entry
+            ctx.cancelled = True
+            task.cancel()
+
+    def _drop(self, reason: str) -> None:
+        logger.warning("closing request-plane connection from %s: %s", self._peer, reason)
+        assert self._transport is not None
+        self._transport.abort()
+
+
+class RequestPlaneServer:
+    """Serves registered endpoints; each request runs its handler in its own task."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_frame_bytes = max_frame_bytes
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._server: asyncio.Server | None = None
+        self._connections: set[_ServerConnection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def register(self, endpoint: str, request_type: type, handler: Handler) -> None:
+        """`handler(request, ctx)` returns an async iterator (normally an async generator)."""
+        if endpoint in self._endpoints:
+            raise ValueError(f"endpoint {endpoint!r} is already registered")
+        self._endpoints[endpoint] = _Endpoint(request_type, handler)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self), self.host, self.port
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        """"host:port" as bound (a wildcard host is not a reachable address: advertise your own)."""
+        if self._server is None:
+            raise RuntimeError("server not started")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def inflight(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no stream is open; False if `timeout` passed first."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Stop listening, cancel open streams and close every connection."""
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in list(self._connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    def _spawn(self, conn: _ServerConnection, ctx: StreamContext, payload: bytes) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._run(conn, ctx, payload))
+        self._tasks.add(task)
+        self._idle.clear()
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not self._tasks:
+            self._idle.set()
+
+    async def _run(self, conn: _ServerConnection, ctx: StreamContext, payload: bytes) -> None:
+        sid = ctx.stream_id
+        try:
+            endpoint = self._endpoints.get(ctx.endpoint)
+            if endpoint is None:
+                known = ", ".join(sorted(self._endpoints)) or "none"
+                _send_error(conn, sid, f"unknown endpoint {ctx.endpoint!r} (known: {known})")
+                return
+            try:
+                request = codec.decode(payload, endpoint.request_type)
+            except DecodeError as exc:
+                _send_error(conn, sid, f"DecodeError: {exc}")
+                return
+            items = endpoint.handler(request, ctx)
+            try:
+                async for item in items:
+                    conn.send(Frame(kind=CHUNK, stream_id=sid, payload=codec.encode(item)))
+                    if conn.blocked is not None:  # backpressure: the client reads slowly
+                        await conn.blocked
+            finally:
+                # If we were cancelled outside the generator (e.g. waiting for the socket),
+                # close it now so the handler's `finally` runs promptly, not at GC.
+                aclose = getattr(items, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            conn.send(Frame(kind=END, stream_id=sid))
+        except asyncio.CancelledError:
+            raise  # the client cancelled or went away: nobody to tell
+        except Exception as exc:
+            logger.warning("handler for %r stream %d failed", ctx.endpoint, sid, exc_info=True)
+            _send_error(conn, sid, f"{type(exc).__name__}: {exc}")
+        finally:
+            conn.stream_done(sid)
+
+
+def _send_error(conn: _ServerConnection, stream_id: int, message: str) -> None:
+    conn.send(Frame(kind=ERROR, stream_id=stream_id, error=message[:_MAX_ERROR_CHARS]))
+
+
+# ---------------------------------------------------------------- client
+
+
+class _ClientConnection(asyncio.Protocol):
+    """One pooled connection to a server; routes incoming frames to their streams."""
+
+    def __init__(self, address: str, max_frame_bytes: int, on_lost: Callable[[_ClientConnection], None]):
+        self.address = address
+        self.max_frame_bytes = max_frame_bytes
+        self.streams: dict[int, ResponseStream[Any]] = {}
+        self.closed = False
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reader = FrameReader(max_frame_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._next_id = 1
+        self._on_lost = on_lost
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        _enable_keepalive(transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._reader.feed(data)
+        except FrameError as exc:
+            logger.warning("closing request-plane connection to %s: %s", self.address, exc)
+            self.abort()
+            return
+        streams = self.streams
+        for frame in frames:
+            kind = frame.kind
+            if kind == CHUNK:
+                stream = streams.get(frame.stream_id)
+            elif kind == END or kind == ERROR:
+                stream = streams.pop(frame.stream_id, None)
+            else:
+                continue  # a kind from a newer peer
+            # None: a stream we already cancelled; late frames are expected.
+            if stream is not None:
+                stream._push(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._on_lost(self)
+        reason = f": {exc}" if exc else ""
+        for stream in self.streams.values():
+            stream._fail(PeerDisconnected(f"connection to {self.address} lost{reason}"))
+        self.streams.clear()
+        self.lost.set_result(None)
+
+    def open_stream(self, stream: ResponseStream[Any], endpoint: str, payload: bytes) -> int:
+        stream_id = self._next_id
+        frame = encode_frame(
+            Frame(kind=REQUEST, stream_id=stream_id, endpoint=endpoint, payload=payload),
+            self.max_frame_bytes,
+        )
+        self._next_id += 1
+        self.streams[stream_id] = stream
+        assert self._transport is not None
+        self._transport.write(frame)
+        return stream_id
+
+    def cancel_stream(self, stream_id: int) -> None:
+        if self.streams.pop(stream_id, None) is not None and not self.closed:
+            assert self._transport is not None
+            self._transport.write(encode_frame(Frame(kind=CANCEL, stream_id=stream_id), self.max_frame_bytes))
+
+    def abort(self) -> None:
+        self.closed = True  # no new streams on it, even before connection_lost runs
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class ResponseStream(Generic[T]):
+    """Async iterator over one call's responses. Also an async context manager (closes on exit).
+
+    Raises ConnectFailed (first iteration), PeerDisconnected, RemoteError or DecodeError.
+    Chunks received before a disconnect are still yielded before PeerDisconnected is raised.
+    """
+
+    def __init__(
+        self, client: RequestPlaneClient, address: str, endpoint: str, payload: bytes, response_type: type[T]
+    ) -> None:
+        self._client = client
+        self._address = address
+        self._endpoint = endpoint
+        self._payload = payload
+        self._response_type = response_type
+        self._conn: _ClientConnection | None = None
+        self._stream_id = 0
+        self._frames: deque[Frame] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._failure: RequestPlaneError | None = None
+        self._finished = False  # end/error seen, failed, or closed by the caller
+
+    def __aiter__(self) -> ResponseStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._conn is None and not self._finished:
+            try:
+                await self._open()
+            except BaseException:
+                self._finished = True
+                raise
+        frames = self._frames
+        while not frames:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure
+            if self._finished:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        frame = frames.popleft()
+        if frame.kind == CHUNK:
+            try:
+                return codec.decode(frame.payload, self._response_type)
+            except DecodeError:
+                await self.aclose()
+                raise
+        if frame.kind == END:
+            raise StopAsyncIteration
+        raise RemoteError(frame.error)
+
+    async def aclose(self) -> None:
+        """Abandon the stream; if it is still open, the server's handler is cancelled."""
+        if self._finished:
+            return
+        self._finished = True
+        self._frames.clear()
+        if self._conn is not None:
+            self._conn.cancel_stream(self._stream_id)
+        self._wake()
+
+    async def __aenter__(self) -> ResponseStream[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _open(self) -> None:
+        conn = await self._client._connection(self._address)
+        if self._finished:  # closed while we were connecting
+            return
+        self._conn = conn
+        self._stream_id = conn.open_stream(self, self._endpoint, self._payload)
+
+    # called by the connection
+
+    def _push(self, frame: Frame) -> None:
+        if frame.kind != CHUNK:
+            self._finished = True
+        self._frames.append(frame)
+        self._wake()
+
+    def _fail(self, failure: RequestPlaneError) -> None:
+        self._finished = True
+        self._failure = failure
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class RequestPlaneClient:
+    """Opens streams to request-plane servers over one lazily created connection per address."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = 3.0) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.connect_timeout = connect_timeout
+        self._conns: dict[str, _ClientConnection] = {}
+        self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
+
+    def stream(self, address: str, endpoint: str, request: Any, response_type: type[T]) -> ResponseStream[T]:
+        """Start a call; nothing is sent until the first iteration."""
+        return ResponseStream(self, address, endpoint, codec.encode(request), response_type)
+
+    async def close(self) -> None:
+        """Close every pooled connection (open streams fail with PeerDisconnected)."""
+        conns = list(self._conns.values())
+        for conn in conns:
+            conn.abort()
+        await asyncio.gather(*(conn.lost for conn in conns))
+
+    async def _connection(self, address: str) -> _ClientConnection:
+        conn = self._conns.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        # Streams that start together share one connect attempt.
+        task = self._connecting.get(address)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._connect(address))
+            self._connecting[address] = task
+            task.add_done_callback(lambda t: self._connect_done(address, t))
+        return await asyncio.shield(task)
+
+    def _connect_done(self, address: str, task: asyncio.Task[_ClientConnection]) -> None:
+        if self._connecting.get(address) is task:
+            del self._connecting[address]
+        if not task.cancelled():
+            task.exception()  # retrieved here so an unawaited failure is not logged as lost
+
+    async def _connect(self, address: str) -> _ClientConnection:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConnectFailed(f"invalid request-plane address {address!r} (want host:port)")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _ClientConnection(address, self.max_frame_bytes, self._forget),
+                    host.strip("[]"),
+                    int(port),
+                )
+        except TimeoutError:
+            raise ConnectFailed(f"cannot connect to {address}: timed out after {self.connect_timeout}s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {address}: {exc}") from exc
+        self._conns[address] = conn
+        return conn
+
+    def _forget(self, conn: _ClientConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
