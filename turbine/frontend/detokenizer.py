@@ -1,0 +1,98 @@
+"""Streaming detokenization: token ids in, text that is safe to send to the client out.
+
+Two stages, both O(1)-ish per token:
+  1. UTF-8 safety. Byte-level BPE tokens can end in the middle of a character, which decodes
+     to U+FFFD. We decode only a small window of recent tokens (prefix/read offsets) and emit
+     the difference once the window no longer ends in U+FFFD.
+  2. Stop strings. A stop string can span tokens, so the tail of the text that could still
+     grow into one is held back until it either completes (we stop) or cannot (we emit it).
+Concatenating every `push()` and the final `flush()` gives the same text as decoding all
+generated ids at once, cut at the first stop string: streamed equals non-streamed.
+"""
+
+from __future__ import annotations
+
+from turbine.frontend.tokenizer import TextTokenizer
+
+# Prompt tokens kept as left context: some decoders (SentencePiece "▁" spaces) render the
+# first token of a text differently from the same token after others.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        prompt_ids: list[int] | None,
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # Window of ids still needed: ids[:read_offset] were already emitted and
+        # ids[prefix_offset:read_offset] is the context their successors are decoded after.
+        self._ids = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stops = [s for s in stop if s]  # "" would match everywhere: it means no stop
+        self._include_stop = include_stop_str_in_output
+        self._held = ""  # decoded text that may be the start of a stop string
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    def push(self, token_ids: list[int]) -> str:
+        """Feed newly generated ids; returns the new text that is safe to emit (maybe "")."""
+        if self.stopped or not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        return self._cut_at_stop(self._decode_complete_chars(), final=False)
+
+    def flush(self) -> str:
+        """End of stream: returns everything still held back, incomplete characters included."""
+        if self.stopped:
+            return ""
+        prefix_text, text = self._decode_window()
+        self._ids, self._prefix_offset, self._read_offset = [], 0, 0
+        return self._cut_at_stop(text[len(prefix_text):], final=True)
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        ids, start = self._ids, self._prefix_offset
+        prefix_text = decode(ids[start:self._read_offset], skip_special_tokens=self._skip_special_tokens)
+        text = decode(ids[start:], skip_special_tokens=self._skip_special_tokens)
+        return prefix_text, text
+
+    def _decode_complete_chars(self) -> str:
+        prefix_text, text = self._decode_window()
+        # Nothing new (e.g. a skipped special token), or a character still awaits its next bytes.
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        # The emitted tokens become the context of the next ones; older ids are dropped.
+        del self._ids[:self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return text[len(prefix_text):]
+
+    def _cut_at_stop(self, new_text: str, final: bool) -> str:
+        if not self._stops:
+            return new_text
+        text = self._held + new_text
+        # The stop string that completes first wins (what a char-by-char scan would see),
+        # so the result does not depend on how tokens were chunked; ties go to the longer one.
+        found = [(i + len(s), i, s) for s in self._stops if (i := text.find(s)) >= 0]
+        if found:
+            end, start, stop = min(found, key=lambda f: (f[0], f[1]))
+            self.stopped, self.stop_reason, self._held = True, stop, ""
+            return text[:end] if self._include_stop else text[:start]
+        keep = 0 if final else self._stop_prefix_len(text)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that some stop string starts with."""
+        longest = max(len(s) for s in self._stops) - 1
+        for n in range(min(longest, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
