@@ -1,0 +1,46 @@
+"""Frontend command line → FrontendConfig."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from turbine.config import add_discovery_args, discovery_config_from_args
+from turbine.frontend.app import FrontendConfig
+from turbine.frontend.router import ROUTER_MODES
+
+
+def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
+    env = os.environ.get
+    g = parser.add_argument_group("Turbine frontend")
+    g.add_argument("--http-host", default=env("TURBINE_HTTP_HOST", "127.0.0.1"),
+                   help="address the OpenAI HTTP server binds (default 127.0.0.1)")
+    g.add_argument("--http-port", type=int, default=int(env("TURBINE_HTTP_PORT", str(default_port))))
+    g.add_argument("--router-mode", choices=ROUTER_MODES, default=env("TURBINE_ROUTER_MODE", "round-robin"))
+    g.add_argument("--namespace", default=env("TURBINE_NAMESPACE"),
+                   help="serve only models registered in this namespace (default: all)")
+    g.add_argument("--api-key", default=env("TURBINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env TURBINE_API_KEY)")
+    g.add_argument("--max-request-bytes", type=int, default=int(env("TURBINE_MAX_REQUEST_BYTES", str(8 << 20))),
+                   help="larger request bodies get HTTP 413")
+
+
+def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
+    if not 0 <= args.http_port <= 65535:
+        parser.error(f"--http-port {args.http_port}: must be between 0 and 65535")
+    if args.max_request_bytes < 1024:
+        parser.error("--max-request-bytes must be at least 1024")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key is empty")
+    return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router_mode=args.router_mode,
+                          namespace=args.namespace, api_key=args.api_key,
+                          max_request_bytes=args.max_request_bytes,
+                          discovery=discovery_config_from_args(args, parser))
+
+
+def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
+    parser = argparse.ArgumentParser(prog="python -m turbine.frontend",
+                                     description="Turbine OpenAI-compatible frontend.")
+    add_frontend_args(parser)
+    add_discovery_args(parser)
+    return frontend_config_from_args(parser.parse_args(argv), parser)

@@ -1,0 +1,152 @@
+"""One request's trip to a worker: route, stream token ids, detokenize per choice, apply
+stop strings, and count usage. Formatting (chat vs completions, SSE vs JSON) is not here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from turbine.frontend.detokenizer import IncrementalDetokenizer
+from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.models import ServedModel
+from turbine.frontend.openai_schemas import RequestError
+from turbine.protocol.generate import GenerateOutput, GenerateRequest
+from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
+
+log = logging.getLogger("turbine.frontend")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class UsageCount:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class WorkerFailed(Exception):
+    """The worker failed or vanished after the request reached it (HTTP 502 / SSE error)."""
+
+
+class Generation:
+    def __init__(self, model: ServedModel, client, request: GenerateRequest, *, stop: list[str],
+                 include_stop_str_in_output: bool, skip_special_tokens: bool, metrics: FrontendMetrics):
+        self.model = model
+        self.client = client
+        self.request = request
+        self.metrics = metrics
+        n = request.sampling.n
+        self.detoks = [
+            IncrementalDetokenizer(model.tokenizer, request.token_ids, stop=stop,
+                                   skip_special_tokens=skip_special_tokens,
+                                   include_stop_str_in_output=include_stop_str_in_output)
+            for _ in range(n)
+        ]
+        self.finished = [False] * n
+        self.usage = UsageCount(prompt_tokens=len(request.token_ids))
+        self._stream = None
+
+    async def _open(self) -> GenerateOutput:
+        """Open a stream on some live instance and return its first chunk. An instance that
+        cannot be reached is skipped (it may have died since the last discovery snapshot)."""
+        tried: set[str] = set()
+        while True:
+            candidates = [i for i in self.model.instances if i.instance_id not in tried]
+            if not candidates:
+                raise RequestError(f"no live worker for model {self.model.name!r}", param="model",
+                                   status=503, type_="service_unavailable")
+            inst = self.model.router.select(candidates)
+            stream = self.client.stream(inst.address, inst.endpoint, self.request, GenerateOutput)
+            try:
+                first = await anext(stream)
+            except (asyncio.CancelledError, GeneratorExit):
+                await stream.aclose()  # the client left before the first token: cancel on the worker
+                raise
+            except ConnectFailed:
+                log.warning("worker %s at %s unreachable; trying another", inst.instance_id, inst.address)
+                tried.add(inst.instance_id)
+                continue
+            except (PeerDisconnected, RemoteError) as exc:
+                raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
+            except StopAsyncIteration:
+                raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
+            self._stream = stream
+            return first
+
+    async def events(self) -> AsyncIterator[ChoiceDelta]:
+        start = time.monotonic()
+        name = self.model.name
+        chunk = await self._open()
+        first_token_at = last_token_at = None
+        try:
+            while True:
+                if chunk.finish_reason and chunk.finish_reason.startswith("error"):
+                    message = chunk.finish_reason.removeprefix("error: ")
+                    if message.startswith("invalid request"):
+                        raise RequestError(message)
+                    raise WorkerFailed(message)
+                if chunk.token_ids:
+                    now = time.monotonic()
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.metrics.ttft.labels(name).observe(now - start)
+                    elif last_token_at is not None:
+                        self.metrics.itl.labels(name).observe((now - last_token_at) / len(chunk.token_ids))
+                    last_token_at = now
+                delta = self._apply(chunk)
+                if delta is not None:
+                    yield delta
+                if all(self.finished):
+                    return
+                try:
+                    chunk = await anext(self._stream)
+                except StopAsyncIteration:
+                    raise WorkerFailed("worker ended the stream before every choice finished") from None
+                except (PeerDisconnected, RemoteError) as exc:
+                    raise WorkerFailed(f"worker failed mid-stream: {exc}") from exc
+        finally:
+            # Closing early (stop string, client gone, error) cancels the worker's request.
+            await self._stream.aclose()
+            self.metrics.output_tokens.labels(name).inc(self.usage.completion_tokens)
+
+    def _apply(self, chunk: GenerateOutput) -> ChoiceDelta | None:
+        i = chunk.index
+        if self.finished[i]:
+            return None
+        detok = self.detoks[i]
+        self.usage.completion_tokens += len(chunk.token_ids)
+        text = detok.push(chunk.token_ids) if chunk.token_ids else ""
+        delta = ChoiceDelta(index=i, text=text)
+        if chunk.log_probs is not None:
+            tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
+            delta.logprobs = [TokenLogprob(t, lp, [(x.token_id, x.logprob) for x in top])
+                              for t, lp, top in zip(chunk.token_ids, chunk.log_probs, tops)]
+        if detok.stopped:
+            delta.finish_reason = "stop"
+        elif chunk.finish_reason == "cancelled":
+            raise WorkerFailed("the worker cancelled the request")
+        elif chunk.finish_reason is not None:
+            delta.text += detok.flush()
+            delta.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
+        if delta.finish_reason is not None:
+            self.finished[i] = True
+        return delta

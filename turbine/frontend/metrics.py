@@ -1,0 +1,28 @@
+"""Frontend Prometheus metrics (own registry, so tests and embedding stay isolated)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class FrontendMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("turbine_frontend_requests", "HTTP requests by model, endpoint and status",
+                                ["model", "endpoint", "status"], registry=r)
+        self.inflight = Gauge("turbine_frontend_inflight_requests", "requests being served", ["model"], registry=r)
+        self.ttft = Histogram("turbine_frontend_time_to_first_token_seconds", "time to first token",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("turbine_frontend_inter_token_latency_seconds", "time between output tokens",
+                             ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("turbine_frontend_request_duration_seconds", "whole request",
+                                  ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.input_tokens = Counter("turbine_frontend_input_tokens", "prompt tokens", ["model"], registry=r)
+        self.output_tokens = Counter("turbine_frontend_output_tokens", "generated tokens", ["model"], registry=r)
+        self.cached_tokens = Counter("turbine_frontend_cached_tokens", "prompt tokens served from KV cache",
+                                     ["model"], registry=r)
+        self.disconnects = Counter("turbine_frontend_disconnected_clients", "clients gone before the end",
+                                   ["model"], registry=r)
