@@ -1,0 +1,58 @@
+"""The `turbine` command: serve, frontend, worker, model."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: turbine COMMAND [ARGS]
+
+commands:
+  serve      frontend + one vLLM worker on this machine (the embedded default model unless --model)
+  frontend   the OpenAI-compatible HTTP frontend (same as python -m turbine.frontend)
+  worker     a vLLM worker (same as python -m turbine.vllm)
+  model      prepare [NAME]: fetch and convert an embedded model into the cache
+
+Run 'turbine COMMAND --help' for the flags of a command.
+"""
+
+
+def _model(argv: list[str]) -> int:
+    import argparse
+
+    from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, prepare
+
+    p = argparse.ArgumentParser(prog="turbine model")
+    sub = p.add_subparsers(dest="action", required=True)
+    prep = sub.add_parser("prepare", help="fetch and convert an embedded model (cached)")
+    prep.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED_MODELS))
+    args = p.parse_args(argv)
+    print(prepare(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from turbine.serve import main as serve_main
+
+        return serve_main(rest)
+    if command == "frontend":
+        from turbine.frontend.server import main as frontend_main
+
+        return frontend_main(rest)
+    if command == "worker":
+        from turbine.vllm.worker import main as worker_main
+
+        return worker_main(rest)
+    if command == "model":
+        return _model(rest)
+    print(f"turbine: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`turbine serve`: one frontend + one vLLM worker on this machine, file discovery in a
+private directory, Ctrl-C stops both cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, resolve
+
+STARTUP_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 40
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="turbine serve",
+        description="Serve a model with one frontend and one vLLM worker. Flags not listed here "
+                    "are passed to the worker (any vLLM engine flag, e.g. --max-model-len 4096).")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded model name, local Hugging Face folder or hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TURBINE_API_KEY"))
+    p.add_argument("--router-mode", default="round-robin")
+    return p
+
+
+def _wait_ready(url: str, model: str, procs: list[subprocess.Popen]) -> bool:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if model in json.load(resp).get("models", {}):
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args, worker_args = parser.parse_known_args(argv)
+    if not 0 < args.http_port <= 65535:
+        parser.error(f"--http-port {args.http_port}: must be between 1 and 65535")
+    model_path = resolve(args.model)  # prepare the embedded model here, with visible progress
+    # The same default the worker applies: the embedded model's name, else the model as given.
+    name = _served_name(worker_args) or (args.model if args.model in EMBEDDED_MODELS else model_path)
+    env = dict(os.environ)
+    env["TURBINE_DISCOVERY_BACKEND"] = "file"
+    env["TURBINE_DISCOVERY_DIR"] = tempfile.mkdtemp(prefix="turbine-serve-")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is sized for servers
+
+    worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", args.model, *worker_args]
+    frontend_cmd = [sys.executable, "-m", "turbine.frontend", "--http-host", args.http_host,
+                    "--http-port", str(args.http_port), "--router-mode", args.router_mode]
+    if args.api_key:
+        env["TURBINE_API_KEY"] = args.api_key
+
+    # Children ignore Ctrl-C from the terminal; we stop them in order with SIGTERM.
+    procs = [subprocess.Popen(frontend_cmd, env=env, preexec_fn=os.setpgrp),
+             subprocess.Popen(worker_cmd, env=env, preexec_fn=os.setpgrp)]
+    url = f"http://{args.http_host}:{args.http_port}"
+    try:
+        print(f"[turbine] starting worker for {name!r} (the engine takes ~30 s on a small CPU)…", flush=True)
+        if not _wait_ready(url, name, procs):
+            print("[turbine] failed to start; see the logs above", file=sys.stderr)
+            return 1
+        print(f"[turbine] ready: OpenAI API at {url}/v1  (model {name!r}); Ctrl-C to stop", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("[turbine] a process exited; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n[turbine] stopping…", flush=True)
+        return 0
+    finally:
+        _stop(procs[::-1])  # worker first (it drains), then the frontend
+
+
+def _served_name(worker_args: list[str]) -> str | None:
+    for i, a in enumerate(worker_args):
+        if a == "--served-model-name" and i + 1 < len(worker_args):
+            return worker_args[i + 1]
+        if a.startswith("--served-model-name="):
+            return a.split("=", 1)[1]
+    return None
