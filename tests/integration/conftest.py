@@ -1,0 +1,47 @@
+"""Shared real parts for the integration tests: two vLLM CPU workers on the embedded
+SmolLM2 model and one frontend, started once per test session (engines are slow to start)."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.procs import (
+    base_env,
+    instances_of,
+    start_frontend,
+    start_worker,
+    wait_until,
+    worker_ready,
+)
+from turbine.model.prepare import DEFAULT_MODEL, prepare
+
+MODEL = DEFAULT_MODEL
+ENGINE_START_TIMEOUT = 300
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return str(prepare())
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, model_dir):
+    """Frontend + workers A and B sharing a private file-discovery directory."""
+    root = tmp_path_factory.mktemp("cluster")
+    env = base_env(str(root / "discovery"))
+    workers = [start_worker(n, env, root) for n in ("worker-a", "worker-b")]
+    frontend = start_frontend("frontend", env, root)
+    procs = [*workers, frontend]
+    try:
+        wait_until(lambda: all(worker_ready(w) for w in workers), ENGINE_START_TIMEOUT, "workers ready", procs)
+        wait_until(lambda: instances_of(frontend, MODEL) == 2, 30, "frontend sees 2 workers", procs)
+        yield {"env": env, "root": root, "frontend": frontend, "workers": workers}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture(scope="session")
+def client(cluster) -> OpenAI:
+    return OpenAI(base_url=f"{cluster['frontend'].url}/v1", api_key="unused", max_retries=0, timeout=120)

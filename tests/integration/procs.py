@@ -1,0 +1,127 @@
+"""Starting and stopping real Turbine processes for the integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINE_FLAGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def http_text(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of all samples of a Prometheus metric in an exposition text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    port: int | None = None  # HTTP port (frontend) or system port (worker)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int | None:
+        if self.alive():
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        return self.popen.returncode
+
+
+def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
+    env = dict(os.environ)
+    env.update(TURBINE_DISCOVERY_BACKEND="file", TURBINE_DISCOVERY_DIR=discovery_dir,
+               TURBINE_DISCOVERY_TTL=str(ttl), VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_worker(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
+    port = free_port()
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "turbine.vllm", *ENGINE_FLAGS, "--system-port", str(port), *extra]
+    popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    return Proc(name, popen, log_path, port)
+
+
+def start_frontend(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
+    port = free_port()
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "turbine.frontend", "--http-port", str(port), *extra]
+    popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    return Proc(name, popen, log_path, port)
+
+
+def wait_until(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                raise AssertionError(f"{p.name} exited ({p.popen.returncode}) while waiting for {what}:\n"
+                                     f"{p.log_tail()}")
+        try:
+            if cond():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in procs)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+
+
+def worker_ready(w: Proc) -> bool:
+    status, _ = http_json(f"{w.url}/health", timeout=15)
+    return status == 200
+
+
+def instances_of(frontend: Proc, model: str) -> int:
+    status, body = http_json(f"{frontend.url}/health")
+    return body.get("models", {}).get(model, 0)

@@ -1,0 +1,141 @@
+"""Worker lifecycle on real engines: graceful SIGTERM, engine death, SIGKILL, and the
+`turbine serve` command."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+from openai import OpenAI
+
+from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
+from tests.integration.procs import (
+    free_port,
+    instances_of,
+    start_frontend,
+    start_worker,
+    wait_until,
+    worker_ready,
+)
+
+
+def _isolated(cluster, name: str):
+    """A worker and a frontend in their own namespace, so traffic reaches only this worker."""
+    worker = start_worker(name, cluster["env"], cluster["root"], "--namespace", name)
+    frontend = start_frontend(f"{name}-frontend", cluster["env"], cluster["root"], "--namespace", name)
+    wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, f"{name} ready", [worker, frontend])
+    wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, f"{name} visible", [worker, frontend])
+    return worker, frontend
+
+
+def test_sigterm_unregisters_then_finishes_inflight_requests(cluster):
+    worker, frontend = _isolated(cluster, "graceful")
+    try:
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+        result = {}
+
+        def consume():
+            stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=80,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            chunks = [c for c in stream]
+            result["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
+            result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+        t = threading.Thread(target=consume)
+        t.start()
+        wait_until(lambda: _engine_busy(worker), 30, "request running on the worker", [worker])
+        worker.popen.send_signal(signal.SIGTERM)
+        # Unregistered first: the frontend stops offering the model while the request still runs.
+        wait_until(lambda: instances_of(frontend, MODEL) == 0, 10, "worker unregistered", [])
+        t.join(120)
+        assert result.get("finish") == "length", result
+        assert worker.popen.wait(60) == 0, worker.log_tail()
+    finally:
+        worker.stop(signal.SIGKILL)
+        frontend.stop()
+
+
+def _engine_busy(worker) -> bool:
+    from tests.integration.procs import http_text, metric
+
+    return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_inflight_requests") > 0
+
+
+def test_engine_death_unregisters_and_exits_nonzero(cluster):
+    worker, frontend = _isolated(cluster, "enginedeath")
+    try:
+        engine_procs = [p for p in psutil.Process(worker.popen.pid).children(recursive=True)
+                        if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+        assert engine_procs, [p.cmdline() for p in psutil.Process(worker.popen.pid).children(recursive=True)]
+        for p in engine_procs:
+            p.kill()
+        code = worker.popen.wait(90)
+        assert code not in (0, None), worker.log_tail()
+        assert "engine is dead" in worker.log_path.read_text(errors="replace")
+        wait_until(lambda: instances_of(frontend, MODEL) == 0, 15, "dead worker gone from discovery", [])
+    finally:
+        worker.stop(signal.SIGKILL)
+        frontend.stop()
+
+
+def test_sigkilled_worker_leaves_discovery_and_traffic(cluster, client):
+    frontend = cluster["frontend"]
+    doomed = start_worker("worker-doomed", cluster["env"], cluster["root"])
+    try:
+        wait_until(lambda: worker_ready(doomed), ENGINE_START_TIMEOUT, "doomed worker ready", [doomed])
+        wait_until(lambda: instances_of(frontend, MODEL) == 3, 30, "frontend sees 3 workers", [doomed])
+        children = psutil.Process(doomed.popen.pid).children(recursive=True)
+        doomed.popen.kill()
+        doomed.popen.wait(10)
+        killed_at = time.monotonic()
+        for c in children:  # the orphaned engine process
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        ttl = float(cluster["env"]["TURBINE_DISCOVERY_TTL"])
+        wait_until(lambda: instances_of(frontend, MODEL) == 2, ttl + 5, "killed worker dropped", [])
+        assert time.monotonic() - killed_at <= ttl + 5
+        for _ in range(6):
+            r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+            assert r.choices[0].text is not None
+    finally:
+        doomed.stop(signal.SIGKILL)
+
+
+def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path):
+    port = free_port()
+    env = dict(cluster["env"])
+    env.pop("TURBINE_DISCOVERY_DIR")
+    log = open(tmp_path / "serve.log", "w+b")
+    serve = subprocess.Popen([sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(port),
+                              "--enforce-eager", "--max-model-len", "1024"],
+                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def ready():
+            log.seek(0)
+            return b"ready: OpenAI API at" in log.read()
+
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT
+        while not ready():
+            assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                           max_tokens=8)
+        assert r.choices[0].message.content
+        children = psutil.Process(serve.pid).children(recursive=True)
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(90) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+        log.seek(0)
+        assert re.search(rb"stopping", log.read())
+    finally:
+        if serve.poll() is None:
+            serve.kill()
