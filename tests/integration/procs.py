@@ -25,7 +25,7 @@ def free_port() -> int:
 def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, json.load(resp)
+            return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
 
