@@ -24,17 +24,19 @@ from tests.integration.procs import (
 )
 
 
-def _isolated(cluster, name: str):
+def _isolated(cluster, name: str, *flags: str):
     """A worker and a frontend in their own namespace, so traffic reaches only this worker."""
-    worker = start_worker(name, cluster["env"], cluster["root"], "--namespace", name)
-    frontend = start_frontend(f"{name}-frontend", cluster["env"], cluster["root"], "--namespace", name)
+    worker = start_worker(name, cluster["env"], cluster["root"], "--namespace", name, *flags)
+    frontend = start_frontend(f"{name}-frontend", cluster["env"], cluster["root"], "--namespace", name, *flags)
     wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, f"{name} ready", [worker, frontend])
     wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, f"{name} visible", [worker, frontend])
     return worker, frontend
 
 
-def test_sigterm_unregisters_then_finishes_inflight_requests(cluster):
-    worker, frontend = _isolated(cluster, "graceful")
+def test_sigterm_unregisters_then_finishes_inflight_requests(cluster, etcd_endpoint):
+    # Through a real etcd: registration, the frontend's watch, and unregistration on SIGTERM.
+    worker, frontend = _isolated(cluster, "graceful", "--discovery-backend", "etcd",
+                                 "--etcd-endpoints", etcd_endpoint)
     try:
         client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
         result = {}

@@ -24,6 +24,14 @@ ENGINE_CHECK_INTERVAL_S = 2.0
 EXIT_ENGINE_DEAD = 3
 
 
+def advertised_address(bound: str) -> str:
+    """A wildcard bind (0.0.0.0 / ::) is not an address others can dial: publish this host's."""
+    host, _, port = bound.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
 def tokenizer_folder(model_path: str) -> str:
     """The frontend needs the tokenizer files locally; for a hub id, find the cached copy."""
     if os.path.isdir(model_path):
@@ -81,7 +89,7 @@ class Worker:
         registry = make_registry(cfg.discovery)
         await registry.backend.start()
         try:
-            await self._register(registry, server.address, vcfg)
+            await self._register(registry, advertised_address(server.address), vcfg)
             status.ready = True
             log.info("worker %s serving %r at %s", self.instance_id, cfg.served_model_name, server.address)
             monitor = asyncio.create_task(self._monitor_engine(engine))
