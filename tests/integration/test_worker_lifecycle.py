@@ -68,9 +68,24 @@ def _engine_busy(worker) -> bool:
     return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_inflight_requests") > 0
 
 
-def test_engine_death_unregisters_and_exits_nonzero(cluster):
-    worker, frontend = _isolated(cluster, "enginedeath")
+CUSTOM_TEMPLATE = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}### assistant:"
+
+
+def test_custom_template_then_engine_death_unregisters_and_exits_nonzero(cluster, model_dir):
+    template = cluster["root"] / "custom.jinja"
+    template.write_text(CUSTOM_TEMPLATE)
+    worker, frontend = _isolated(cluster, "enginedeath", "--custom-jinja-template", str(template))
     try:
+        # The worker's --custom-jinja-template reaches the frontend through the model card.
+        from transformers import AutoTokenizer
+
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                           max_tokens=2)
+        expected = AutoTokenizer.from_pretrained(model_dir)("### user: Say hi\n### assistant:",
+                                                            add_special_tokens=False)["input_ids"]
+        assert r.usage.prompt_tokens == len(expected)
+
         engine_procs = [p for p in psutil.Process(worker.popen.pid).children(recursive=True)
                         if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
         assert engine_procs, [p.cmdline() for p in psutil.Process(worker.popen.pid).children(recursive=True)]

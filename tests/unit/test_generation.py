@@ -1,0 +1,86 @@
+"""The frontend's worker call without an engine: unreachable instances are skipped, and
+when none is left the request gets 503; a real request-plane server stands in for a worker."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from turbine.frontend.generation import Generation
+from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.models import ServedModel
+from turbine.frontend.openai_schemas import RequestError
+from turbine.frontend.router import RandomRouter, RoundRobinRouter, make_router
+from turbine.protocol.discovery import InstanceRecord, ModelCard
+from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions, Usage
+from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
+
+
+def closed_port_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
+
+
+def instance(iid: str, address: str) -> InstanceRecord:
+    return InstanceRecord(namespace="ns", component="backend", endpoint="generate", instance_id=iid,
+                          address=address)
+
+
+def served(tokenizer, instances) -> ServedModel:
+    card = ModelCard(name="m", namespace="ns", component="backend", endpoint="generate", instance_id="x",
+                     tokenizer_path="", context_length=2048, kv_block_size=128, total_kv_blocks=10,
+                     max_num_seqs=4, max_num_batched_tokens=2048)
+    return ServedModel("m", card, tokenizer, RoundRobinRouter(), list(instances))
+
+
+def request() -> GenerateRequest:
+    return GenerateRequest(request_id="r1", model="m", token_ids=[1, 2, 3], stop=StopConditions(max_tokens=2))
+
+
+async def test_no_reachable_worker_is_503(tokenizer):
+    model = served(tokenizer, [instance("a", closed_port_address()), instance("b", closed_port_address())])
+    client = RequestPlaneClient(connect_timeout=1.0)
+    gen = Generation(model, client, request(), stop=[], include_stop_str_in_output=False,
+                     skip_special_tokens=True, metrics=FrontendMetrics())
+    with pytest.raises(RequestError) as info:
+        async for _ in gen.events():
+            pass
+    assert info.value.status == 503
+    await client.close()
+
+
+async def test_unreachable_instance_is_skipped(tokenizer):
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+
+    async def generate(req, ctx):
+        yield GenerateOutput(token_ids=hello, finish_reason="stop",
+                             usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(hello)))
+
+    server = RequestPlaneServer()
+    server.register("generate", GenerateRequest, generate)
+    await server.start()
+    model = served(tokenizer, [instance("dead", closed_port_address()), instance("live", server.address)])
+    client = RequestPlaneClient(connect_timeout=1.0)
+    try:
+        for _ in range(2):  # whichever the round-robin picks first, the request succeeds
+            gen = Generation(model, client, request(), stop=[], include_stop_str_in_output=False,
+                             skip_special_tokens=True, metrics=FrontendMetrics())
+            text = "".join([d.text async for d in gen.events()])
+            assert text == "Hello"
+            assert gen.usage.completion_tokens == len(hello)
+    finally:
+        await client.close()
+        await server.stop()
+
+
+def test_routers():
+    insts = [instance(str(i), f"h:{i}") for i in range(3)]
+    rr = make_router("round-robin")
+    assert [rr.select(insts).instance_id for _ in range(6)] == ["0", "1", "2", "0", "1", "2"]
+    rnd = make_router("random")
+    assert isinstance(rnd, RandomRouter)
+    assert {rnd.select(insts).instance_id for _ in range(200)} == {"0", "1", "2"}
+    with pytest.raises(ValueError, match="--router-mode"):
+        make_router("nope")
