@@ -84,20 +84,24 @@ def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
     return env
 
 
-def start_worker(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
+def _start(name: str, env: dict, log_dir: Path, module: str, port_flag: str, *args: str) -> Proc:
     port = free_port()
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "turbine.vllm", *ENGINE_FLAGS, "--system-port", str(port), *extra]
+    cmd = [sys.executable, "-m", module, port_flag, str(port), *args]
     popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     return Proc(name, popen, log_path, port)
+
+
+def start_worker(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
+    return _start(name, env, log_dir, "turbine.vllm", "--system-port", *ENGINE_FLAGS, *extra)
+
+
+def start_mocker(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
+    return _start(name, env, log_dir, "turbine.mocker", "--system-port", *extra)
 
 
 def start_frontend(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
-    port = free_port()
-    log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "turbine.frontend", "--http-port", str(port), *extra]
-    popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    return Proc(name, popen, log_path, port)
+    return _start(name, env, log_dir, "turbine.frontend", "--http-port", *extra)
 
 
 def wait_until(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:

@@ -24,10 +24,12 @@ from tests.integration.procs import (
 )
 
 
-def _isolated(cluster, name: str, *flags: str):
+def _isolated(cluster, name: str, discovery_flags=(), worker_flags=()):
     """A worker and a frontend in their own namespace, so traffic reaches only this worker."""
-    worker = start_worker(name, cluster["env"], cluster["root"], "--namespace", name, *flags)
-    frontend = start_frontend(f"{name}-frontend", cluster["env"], cluster["root"], "--namespace", name, *flags)
+    worker = start_worker(name, cluster["env"], cluster["root"], "--namespace", name, *discovery_flags,
+                          *worker_flags)
+    frontend = start_frontend(f"{name}-frontend", cluster["env"], cluster["root"], "--namespace", name,
+                              *discovery_flags)
     wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, f"{name} ready", [worker, frontend])
     wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, f"{name} visible", [worker, frontend])
     return worker, frontend
@@ -35,8 +37,8 @@ def _isolated(cluster, name: str, *flags: str):
 
 def test_sigterm_unregisters_then_finishes_inflight_requests(cluster, etcd_endpoint):
     # Through a real etcd: registration, the frontend's watch, and unregistration on SIGTERM.
-    worker, frontend = _isolated(cluster, "graceful", "--discovery-backend", "etcd",
-                                 "--etcd-endpoints", etcd_endpoint)
+    worker, frontend = _isolated(cluster, "graceful",
+                                 discovery_flags=("--discovery-backend", "etcd", "--etcd-endpoints", etcd_endpoint))
     try:
         client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
         result = {}
@@ -74,7 +76,7 @@ CUSTOM_TEMPLATE = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }
 def test_custom_template_then_engine_death_unregisters_and_exits_nonzero(cluster, model_dir):
     template = cluster["root"] / "custom.jinja"
     template.write_text(CUSTOM_TEMPLATE)
-    worker, frontend = _isolated(cluster, "enginedeath", "--custom-jinja-template", str(template))
+    worker, frontend = _isolated(cluster, "enginedeath", worker_flags=("--custom-jinja-template", str(template)))
     try:
         # The worker's --custom-jinja-template reaches the frontend through the model card.
         from transformers import AutoTokenizer

@@ -116,3 +116,12 @@ def resolve(model: str | None) -> str:
     if os.path.isdir(os.path.expanduser(model)):
         return os.path.abspath(os.path.expanduser(model))
     return model
+
+
+def tokenizer_folder(model_path: str) -> str:
+    """The frontend needs the tokenizer files locally; for a hub id, find the cached copy."""
+    if os.path.isdir(model_path):
+        return model_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_path, allow_patterns=["*.json", "*.jinja", "tokenizer*"])

@@ -17,7 +17,7 @@ from turbine.protocol.generate import (
     TopLogprob,
     Usage,
 )
-from turbine.vllm.metrics import WorkerMetrics
+from turbine.runtime.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
 

@@ -1,0 +1,36 @@
+"""Prometheus metrics that every worker-kind process exports, one labelled series per served
+instance (a mocker process serves many). Families are created once per process: names in
+prometheus_client's default registry are global. vLLM registers its own `vllm:*` metrics
+in the same registry, so one /metrics page shows both."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+LABELS = ("namespace", "component", "model", "worker_id")
+
+_requests = Counter("turbine_worker_requests", "generate requests by outcome", [*LABELS, "outcome"])
+_errors = Counter("turbine_worker_errors", "generate errors by type", [*LABELS, "error_type"])
+_cancellations = Counter("turbine_worker_cancellations", "generate requests aborted before they finished",
+                         LABELS)
+_inflight = Gauge("turbine_worker_inflight_requests", "generate requests in flight", LABELS)
+_engine_unfinished = Gauge("turbine_worker_engine_unfinished_requests", "requests the engine still holds",
+                           LABELS)
+_total_kv_blocks = Gauge("turbine_worker_total_kv_blocks", "KV cache blocks", LABELS)
+
+
+class WorkerMetrics:
+    """The series of one instance; `labels` has exactly the keys of LABELS."""
+
+    def __init__(self, labels: dict[str, str]):
+        self._values = [labels[name] for name in LABELS]
+        self.cancellations = _cancellations.labels(*self._values)
+        self.inflight = _inflight.labels(*self._values)
+        self.engine_unfinished = _engine_unfinished.labels(*self._values)
+        self.total_kv_blocks = _total_kv_blocks.labels(*self._values)
+
+    def request_done(self, outcome: str) -> None:
+        _requests.labels(*self._values, outcome).inc()
+
+    def error(self, error_type: str) -> None:
+        _errors.labels(*self._values, error_type).inc()
