@@ -1,4 +1,4 @@
-"""The `turbine` command: serve, frontend, worker, model."""
+"""The `turbine` command: serve, frontend, worker, mocker, model."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ commands:
   serve      frontend + one vLLM worker on this machine (the embedded default model unless --model)
   frontend   the OpenAI-compatible HTTP frontend (same as python -m turbine.frontend)
   worker     a vLLM worker (same as python -m turbine.vllm)
+  mocker     simulated vLLM workers, no model (same as python -m turbine.mocker);
+             mocker calibrate: measure a running worker and write a timing profile for --profile
   model      prepare [NAME]: fetch and convert an embedded model into the cache
 
 Run 'turbine COMMAND --help' for the flags of a command.
@@ -48,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         from turbine.vllm.worker import main as worker_main
 
         return worker_main(rest)
+    if command == "mocker" and rest[:1] == ["calibrate"]:
+        from turbine.mocker.calibrate import main as calibrate_main
+
+        return calibrate_main(rest[1:])
+    if command == "mocker":
+        from turbine.mocker.worker import main as mocker_main
+
+        return mocker_main(rest)
     if command == "model":
         return _model(rest)
     print(f"turbine: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -1,0 +1,35 @@
+"""The mocker's command line: defaults from the model folder, and bad flags named."""
+
+import pytest
+
+from turbine.mocker.args import parse_mocker_args
+
+
+def test_defaults_come_from_the_embedded_model(model_dir):
+    cfg = parse_mocker_args([])
+    assert cfg.served_model_name == "smollm2-135m-instruct"
+    assert cfg.tokenizer_path == str(model_dir)
+    assert cfg.max_model_len == 8192  # the model's max_position_embeddings
+    assert (cfg.model_info.vocab_size, cfg.model_info.eos_token_ids) == (49152, (2,))
+    assert (cfg.num_workers, cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching) == (1, 16384, 64, True)
+    card = cfg.model_card("abc", engine="mocker", tokenizer_path=cfg.tokenizer_path, context_length=8192,
+                          kv_block_size=64, total_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192)
+    assert (card.engine, card.endpoint, card.endpoint_types) == ("mocker", "generate", ["chat", "completions"])
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--num-workers", "0"], "--num-workers"),
+    (["--block-size", "0"], "--block-size"),
+    (["--speedup-ratio", "-1"], "--speedup-ratio"),
+    (["--natural-output-len", "-1"], "--natural-output-len"),
+    (["--num-gpu-blocks", "10", "--max-model-len", "4096"], "--num-gpu-blocks"),
+    (["--profile", "/no/such/profile.json"], "--profile"),
+    (["--num-workers", "2", "--port", "9000"], "--port"),
+    (["--model", "/no/such/model/folder"], "--model"),
+    (["--endpoint", "a.b"], "--endpoint"),
+])
+def test_bad_mocker_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_mocker_args(argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err

@@ -1,0 +1,210 @@
+"""`turbine mocker calibrate`: measure a running worker and fit the mocker's timing profile.
+
+It finds one live instance of the model in discovery and calls its `generate` endpoint
+directly over the request plane, so the frontend's overhead is not counted as the engine's:
+- prefill: one request at a time, max_tokens 1, a fresh random prompt of each length (so no
+  prefix-cache hit); the time to first token is one step with P = the prompt length;
+- decode: B requests at once with P-token prompts, ignore_eos; once all B decode together,
+  the median gap between tokens is one step with B sequences and K = B x their context.
+A least-squares fit of TimingProfile's coefficients (kept >= 0) over all measurements is
+written as a profile JSON for `--profile`. Run it on an otherwise idle worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from turbine.config import add_discovery_args, discovery_config_from_args, make_registry
+from turbine.mocker.model_info import read_model_info
+from turbine.mocker.timing import TimingProfile
+from turbine.protocol.discovery import InstanceRecord, ModelCard
+from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
+from turbine.runtime.request_plane import RequestPlaneClient
+
+COEFFICIENTS = ("step_base_ms", "prefill_ms_per_token", "prefill_ms_per_token_squared", "decode_ms_per_seq",
+                "decode_ms_per_kv_token")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One observed step: its duration and what it computed."""
+
+    ms: float
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    decode_kv_tokens: int = 0
+
+    def features(self) -> list[float]:
+        p = float(self.prefill_tokens)
+        return [1.0, p, p * p, float(self.decode_seqs), float(self.decode_kv_tokens)]
+
+
+def fit(measurements: list[Measurement]) -> dict[str, float]:
+    """Least squares for the coefficients, none negative: a coefficient that fits below zero
+    is fixed at 0 and the rest are fitted again (an active-set loop; it ends within 5 rounds)."""
+    active = list(range(len(COEFFICIENTS)))
+    while True:
+        rows = [[m.features()[j] for j in active] for m in measurements]
+        solution = _least_squares(rows, [m.ms for m in measurements])
+        negative = [j for j, value in zip(active, solution) if value < 0]
+        if not negative:
+            coefficients = dict.fromkeys(COEFFICIENTS, 0.0)
+            coefficients.update({COEFFICIENTS[j]: value for j, value in zip(active, solution)})
+            return coefficients
+        active.remove(min(negative, key=lambda j: solution[active.index(j)]))
+
+
+def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Solve the normal equations (columns scaled to unit size, so they are well conditioned)."""
+    n = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    a = [[sum(r[i] * r[j] for r in rows) / (scale[i] * scale[j]) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * t for r, t in zip(rows, targets)) / scale[i] for i in range(n)]
+    for col in range(n):  # Gaussian elimination with partial pivoting
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            raise ValueError("the measurements cannot tell the coefficients apart; vary the sweep")
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+            b[r] -= f * b[col]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return [x[i] / scale[i] for i in range(n)]
+
+
+class Prober:
+    """Sends measured requests to one worker instance."""
+
+    def __init__(self, record: InstanceRecord, vocab_size: int):
+        self.record = record
+        self.vocab_size = vocab_size
+        self.client = RequestPlaneClient()
+        self.rng = random.Random(0)
+
+    def _request(self, prompt_len: int, max_tokens: int) -> GenerateRequest:
+        # Random ids away from the (usually low) special tokens: no two prompts share a prefix.
+        prompt = [self.rng.randrange(1000, self.vocab_size) for _ in range(prompt_len)]
+        return GenerateRequest(request_id=f"calibrate-{uuid.uuid4().hex[:8]}", model="", token_ids=prompt,
+                               stop=StopConditions(max_tokens=max_tokens, ignore_eos=True))
+
+    async def _arrivals(self, req: GenerateRequest) -> list[tuple[float, int]]:
+        """(arrival time, tokens in the chunk) of each chunk of one stream."""
+        arrivals = []
+        stream = self.client.stream(self.record.address, self.record.endpoint, req, GenerateOutput)
+        async for chunk in stream:
+            if chunk.finish_reason and chunk.finish_reason.startswith("error"):
+                raise RuntimeError(f"the worker refused a calibration request: {chunk.finish_reason}")
+            if chunk.token_ids:
+                arrivals.append((time.monotonic(), len(chunk.token_ids)))
+        return arrivals
+
+    async def prefill(self, prompt_len: int) -> Measurement:
+        started = time.monotonic()
+        arrivals = await self._arrivals(self._request(prompt_len, 1))
+        return Measurement(ms=(arrivals[0][0] - started) * 1000, prefill_tokens=prompt_len)
+
+    async def decode(self, batch: int, prompt_len: int, tokens: int) -> Measurement:
+        streams = await asyncio.gather(*(self._arrivals(self._request(prompt_len, tokens)) for _ in range(batch)))
+        # The middle half of each stream: every sequence was admitted and none has finished.
+        gaps = []
+        for arrivals in streams:
+            middle = arrivals[len(arrivals) // 4: 3 * len(arrivals) // 4 + 1]
+            gaps += [(t1 - t0) / n for (t0, _), (t1, n) in zip(middle, middle[1:])]
+        context = prompt_len + tokens / 2
+        return Measurement(ms=statistics.median(gaps) * 1000, decode_seqs=batch,
+                           decode_kv_tokens=round(batch * context))
+
+
+async def find_instance(args) -> tuple[ModelCard, InstanceRecord]:
+    registry = make_registry(args.discovery)
+    await registry.backend.start()
+    try:
+        cards = [c for c in await registry.list_models()
+                 if c.name == args.model and (args.namespace is None or c.namespace == args.namespace)]
+        records = {r.path: r for r in await registry.list_instances()}
+    finally:
+        await registry.backend.close()
+    for card in cards:
+        record = records.get(f"{card.namespace}/{card.component}/{card.endpoint}/{card.instance_id}")
+        if record is not None:
+            return card, record
+    raise LookupError(f"no live worker serves the model {args.model!r}")
+
+
+async def calibrate(args) -> TimingProfile:
+    card, record = await find_instance(args)
+    prober = Prober(record, read_model_info(card.tokenizer_path).vocab_size)
+    longest = min(card.max_num_batched_tokens, card.context_length - 2)  # one step, one prompt
+    measurements: list[Measurement] = []
+    for prompt_len in (p for p in args.prompt_lens if p <= longest):
+        # Noise only ever adds time: the fastest run is the best estimate.
+        runs = [await prober.prefill(prompt_len) for _ in range(args.repeats)]
+        measurements.append(min(runs, key=lambda m: m.ms))
+        print(f"prefill {prompt_len:6d} tokens: {measurements[-1].ms:8.1f} ms", file=sys.stderr)
+    for batch in (b for b in args.batch_sizes if b <= card.max_num_seqs):
+        for prompt_len in args.decode_prompt_lens:
+            m = await prober.decode(batch, prompt_len, args.decode_tokens)
+            measurements.append(m)
+            print(f"decode batch {batch:3d}, prompt {prompt_len:5d}: {m.ms:8.1f} ms/token", file=sys.stderr)
+    await prober.client.close()
+    source = (f"turbine mocker calibrate: model {card.name!r} ({card.engine}) instance {card.instance_id}, "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+    return TimingProfile(**fit(measurements), source=source)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="turbine mocker calibrate",
+                                description="Measure a running worker and write a mocker timing profile (JSON).")
+    p.add_argument("--model", required=True, help="served model name of the worker to measure")
+    p.add_argument("--namespace", default=None, help="only instances of this namespace")
+    p.add_argument("--output", required=True, help="where to write the profile JSON")
+    p.add_argument("--prompt-lens", type=_int_list, default=[32, 128, 512, 1024, 2048],
+                   help="prefill sweep: prompt lengths (longer than one step's budget are skipped)")
+    p.add_argument("--repeats", type=int, default=3, help="prefill runs per length; the fastest counts")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="decode sweep: concurrent requests")
+    p.add_argument("--decode-prompt-lens", type=_int_list, default=[64, 512],
+                   help="decode sweep: prompt lengths (they set the KV tokens read per step)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request")
+    add_discovery_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.decode_tokens < 8:
+        parser.error("--decode-tokens must be >= 8 (the middle half of each stream is measured)")
+    args.discovery = discovery_config_from_args(args, parser)
+    try:
+        profile = asyncio.run(calibrate(args))
+    except (LookupError, ValueError, RuntimeError) as exc:
+        print(f"turbine mocker calibrate: {exc}", file=sys.stderr)
+        return 1
+    with open(args.output, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,124 @@
+"""Request-plane handlers of one simulated worker: `generate` and `clear_kv_blocks`, with the
+same payloads and the same answers as the vLLM worker's (turbine/vllm/handlers.py)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from turbine.mocker.engine import MockEngine
+from turbine.mocker.scheduler import SeqOutput, Sequence
+from turbine.mocker.tokens import Choice, prompt_seed
+from turbine.protocol.generate import (
+    ClearKvBlocksRequest,
+    GenerateOutput,
+    GenerateRequest,
+    StatusReply,
+    TopLogprob,
+    Usage,
+)
+from turbine.runtime.worker_metrics import WorkerMetrics
+
+MAX_N = 16  # choices per request; the frontend allows no more
+MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default limit
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+class Handlers:
+    def __init__(self, engine: MockEngine, metrics: WorkerMetrics, vocab_size: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self.max_model_len = engine.scheduler.max_model_len
+
+    def sequences(self, req: GenerateRequest) -> list[Sequence]:
+        """The request's choices as scheduler sequences, after vLLM's input checks."""
+        prompt = req.token_ids
+        if not prompt:
+            raise InvalidRequest("token_ids is empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the context length is {self.max_model_len}")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise InvalidRequest(f"token id out of vocabulary (size {self.vocab_size})")
+        n = req.sampling.n
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {n}")
+        if req.output.logprobs is not None and not 0 <= req.output.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.output.logprobs}")
+        stop = req.stop
+        max_tokens = stop.max_tokens if stop.max_tokens is not None else self.max_model_len - len(prompt)
+        min_tokens = stop.min_tokens or 0
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        if not 0 <= min_tokens <= max_tokens:
+            raise InvalidRequest(f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}")
+        seed = prompt_seed(prompt)
+        stop_ids = frozenset(stop.stop_token_ids or ())
+        # Unique per attempt, so a retried request id never collides inside the engine.
+        base_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+        return [Sequence(seq_id=f"{base_id}-{i}",
+                         choice=Choice(seed=seed, index=i, min_tokens=min_tokens, stop_token_ids=stop_ids,
+                                       ignore_eos=stop.ignore_eos),
+                         tokens=list(prompt), num_prompt_tokens=len(prompt), max_tokens=max_tokens)
+                for i in range(n)]
+
+    async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[GenerateOutput]:
+        try:
+            seqs = self.sequences(req)
+        except InvalidRequest as exc:
+            self.metrics.error("invalid_request")
+            yield GenerateOutput(token_ids=[], finish_reason=f"error: invalid request: {exc}")
+            return
+        queue = self.engine.submit(seqs)
+        unfinished = len(seqs)
+        self.metrics.inflight.inc()
+        try:
+            while unfinished:
+                # Outputs that piled up while we waited leave as one chunk per choice, like
+                # vLLM's output collector merging deltas for a slow consumer.
+                outs = [await queue.get()]
+                while not queue.empty():
+                    outs.append(queue.get_nowait())
+                for chunk in self._chunks(outs, req):
+                    unfinished -= chunk.finish_reason is not None
+                    yield chunk
+            self.metrics.request_done("success")
+        finally:
+            self.metrics.inflight.dec()
+            if unfinished:
+                # Caller cancelled or went away: free the simulated KV blocks now.
+                self.metrics.cancellations.inc()
+                self.engine.abort(seqs)
+
+    async def clear_kv_blocks(self, req: ClearKvBlocksRequest, ctx) -> AsyncIterator[StatusReply]:
+        if self.engine.scheduler.pool.reset():
+            yield StatusReply(status="success", message="KV cache cleared")
+        else:
+            yield StatusReply(status="error", message="prefix cache not reset (requests still running)")
+
+    def _chunks(self, outs: list[SeqOutput], req: GenerateRequest) -> list[GenerateOutput]:
+        """One chunk per choice from the outputs of one or more steps."""
+        top_k = req.output.logprobs
+        chunks: dict[int, GenerateOutput] = {}
+        for out in outs:
+            index = out.seq.choice.index
+            chunk = chunks.get(index)
+            if chunk is None:
+                chunk = chunks[index] = GenerateOutput(token_ids=[], index=index)
+                if top_k is not None:
+                    chunk.log_probs, chunk.top_logprobs = [], []
+            chunk.token_ids.append(out.token)
+            if top_k is not None:
+                # Made-up but well-formed: the sampled token ranks first, the others follow it.
+                logprob = -(out.token % 997) / 499
+                chunk.log_probs.append(logprob)
+                chunk.top_logprobs.append([TopLogprob(token_id=(out.token + r) % self.vocab_size, logprob=logprob - r)
+                                           for r in range(top_k)])
+            if out.finish_reason is not None:
+                chunk.finish_reason, chunk.stop_reason = out.finish_reason, out.stop_reason
+                chunk.usage = Usage(prompt_tokens=len(req.token_ids), completion_tokens=out.seq.num_output_tokens,
+                                    cached_tokens=max(out.seq.num_cached_tokens, 0))
+        return list(chunks.values())

@@ -1,0 +1,30 @@
+"""Prometheus gauges of the simulated engines (beside the worker metrics every worker has),
+one labelled series per simulated worker, set when /metrics is scraped."""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge
+
+from turbine.mocker.scheduler import Scheduler
+from turbine.runtime.worker_metrics import LABELS
+
+_blocks_in_use = Gauge("turbine_mocker_kv_blocks_in_use", "KV blocks held by running sequences", LABELS)
+_blocks_cached = Gauge("turbine_mocker_kv_blocks_cached",
+                       "KV blocks no sequence holds that keep their prefix for reuse (LRU pool)", LABELS)
+_waiting = Gauge("turbine_mocker_waiting_sequences", "sequences in the waiting queue", LABELS)
+_running = Gauge("turbine_mocker_running_sequences", "sequences in the running batch", LABELS)
+
+
+class EngineGauges:
+    def __init__(self, labels: dict[str, str], scheduler: Scheduler):
+        values = [labels[name] for name in LABELS]
+        self._scheduler = scheduler
+        self._in_use, self._cached = _blocks_in_use.labels(*values), _blocks_cached.labels(*values)
+        self._waiting, self._running = _waiting.labels(*values), _running.labels(*values)
+
+    def refresh(self) -> None:
+        sched = self._scheduler
+        self._in_use.set(sched.pool.num_in_use)
+        self._cached.set(len(sched.pool.evictable))
+        self._waiting.set(len(sched.waiting))
+        self._running.set(len(sched.running))

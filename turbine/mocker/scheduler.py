@@ -1,0 +1,221 @@
+"""vLLM v1's scheduler, simulated: continuous batching over a paged KV cache.
+
+Each step has a token budget (max_num_batched_tokens). Running sequences are served first,
+in admission order; one that needs a block when none is left preempts the newest running
+sequence (its blocks are freed and it goes back to the head of the waiting queue, to be
+recomputed later; possibly itself). Waiting sequences are admitted only in steps without
+preemption, up to max_num_seqs, after a prefix-cache lookup; a prompt larger than what is
+left of the budget is prefilled in chunks over several steps. A sequence samples a token
+in the step that computes the last of its known tokens.
+
+The scheduler is synchronous and knows no time: `schedule()` plans a step, the caller
+lets the step's (simulated) time pass, then `complete()` applies it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from turbine.mocker.kv_cache import BlockPool, block_hash
+from turbine.mocker.tokens import Choice, TokenSampler
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of one request."""
+
+    seq_id: str
+    choice: Choice
+    tokens: list[int]  # the prompt, then every generated token
+    num_prompt_tokens: int
+    max_tokens: int
+    status: str = WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of `tokens`
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 before that
+    answer_len: int | None = None  # from TokenSampler.answer_len
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+
+@dataclass
+class Step:
+    """One planned forward pass."""
+
+    scheduled: list[tuple[Sequence, int]]  # (sequence, tokens computed for it in this step)
+    prefill_tokens: int  # tokens of prompts (or recomputed sequences) in this step
+    decode_seqs: int  # sequences computing just their last sampled token
+    decode_kv_tokens: int  # context length summed over those sequences
+
+
+@dataclass
+class SeqOutput:
+    seq: Sequence
+    token: int
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | None = None  # the stop token id that ended the sequence, if any
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, sampler: TokenSampler, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.pool = pool
+        self.sampler = sampler
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.answer_len = self.sampler.answer_len(seq.choice)
+        self._extend_hashes(seq)
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence now, freeing its blocks (a cancelled request)."""
+        if seq.status == WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == RUNNING:
+            self.running.remove(seq)
+            self._free(seq)
+        seq.status = FINISHED
+
+    def schedule(self) -> Step:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._allocate(seq, n):
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:
+                break
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+
+        # Like vLLM: no admissions in a step that had to preempt.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # A full hit still recomputes the last token: the step must produce its logits.
+            hits = self.pool.lookup(seq.hashes[:(len(seq.tokens) - 1) // self.pool.block_size])
+            num_hit_tokens = len(hits) * self.pool.block_size
+            n = min(len(seq.tokens) - num_hit_tokens, budget)
+            if not self._allocate(seq, n, hits):
+                break
+            self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+            scheduled.append((seq, n))
+            budget -= n
+
+        prefill_tokens = decode_seqs = decode_kv_tokens = 0
+        for seq, n in scheduled:
+            if n == 1 and seq.num_output_tokens and seq.num_computed == len(seq.tokens) - 1:
+                decode_seqs += 1
+                decode_kv_tokens += len(seq.tokens)
+            else:
+                prefill_tokens += n
+        return Step(scheduled, prefill_tokens, decode_seqs, decode_kv_tokens)
+
+    def complete(self, step: Step) -> list[SeqOutput]:
+        """Apply a planned step: advance each sequence, sample, and finish those that stop.
+        Sequences aborted while the step ran are skipped."""
+        outputs = []
+        finished = False
+        for seq, n in step.scheduled:
+            if seq.status != RUNNING:
+                continue
+            seq.num_computed += n
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prompt chunk: no token yet
+            out = self._sample(seq)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                seq.status = FINISHED
+                self._free(seq)
+                finished = True
+        if finished:
+            self.running = [s for s in self.running if s.status == RUNNING]
+        return outputs
+
+    # ------------------------------------------------------------------ internals
+
+    def _sample(self, seq: Sequence) -> SeqOutput:
+        token = self.sampler.token(seq.choice, seq.num_output_tokens, seq.answer_len)
+        seq.tokens.append(token)
+        self._extend_hashes(seq)
+        # vLLM's order: length caps first, then nothing before min_tokens, then EOS, stop ids.
+        out = SeqOutput(seq, token)
+        if len(seq.tokens) >= self.max_model_len or seq.num_output_tokens >= seq.max_tokens:
+            out.finish_reason = "length"
+        elif seq.num_output_tokens < seq.choice.min_tokens:
+            pass
+        elif token == self.sampler.eos_token_id and not seq.choice.ignore_eos:
+            out.finish_reason = "stop"
+        elif token in seq.choice.stop_token_ids:
+            out.finish_reason, out.stop_reason = "stop", token
+        return out
+
+    def _allocate(self, seq: Sequence, num_new: int, hits: list[int] | tuple[()] = ()) -> bool:
+        """Give `seq` the blocks for `num_new` more tokens (after taking the prefix-cache `hits`,
+        for a sequence being admitted); False, changing nothing, if the pool is short."""
+        pool, bs = self.pool, self.pool.block_size
+        num_computed = seq.num_computed + len(hits) * bs
+        needed = max(0, -(-(num_computed + num_new) // bs) - len(seq.blocks) - len(hits))
+        # Hit blocks sitting in the LRU pool stop being available once taken.
+        reclaimed = sum(1 for b in hits if pool.ref_counts[b] == 0)
+        if needed + reclaimed > pool.num_available:
+            return False
+        if hits:
+            pool.acquire(hits)
+            seq.blocks.extend(hits)
+            seq.num_computed = num_computed
+            seq.num_cached_blocks = len(hits)
+        if needed:
+            seq.blocks.extend(pool.allocate(needed))
+        # Like vLLM, full blocks are cached when allocated, before the step computes them.
+        num_full = min(num_computed + num_new, len(seq.tokens)) // bs
+        if num_full > seq.num_cached_blocks:
+            pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
+            seq.num_cached_blocks = num_full
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free everything now; the prefix cache may keep much of it."""
+        self._free(seq)
+        seq.status = WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.free(reversed(seq.blocks))  # suffix first: evicted before the shared prefix
+        seq.blocks = []
+        seq.num_cached_blocks = 0
+
+    def _extend_hashes(self, seq: Sequence) -> None:
+        bs, tokens, hashes = self.pool.block_size, seq.tokens, seq.hashes
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs]))

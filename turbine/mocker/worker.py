@@ -1,0 +1,158 @@
+"""The mocker process: N simulated workers, each registered and served exactly like one
+vLLM worker (its own instance id, request-plane server, discovery records and model card),
+sharing one discovery lease and one status server.
+
+Lifecycle as the vLLM worker's: serve, register, ready. SIGTERM/SIGINT: unregister every
+worker first, let in-flight requests finish within the grace period, exit 0. A simulated
+engine that crashes (a bug) takes the process down the same way, exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from turbine.mocker.args import MockerConfig
+from turbine.mocker.engine import MockEngine
+from turbine.mocker.handlers import Handlers
+from turbine.mocker.kv_cache import BlockPool
+from turbine.mocker.metrics import EngineGauges
+from turbine.mocker.scheduler import Scheduler
+from turbine.mocker.tokens import TokenSampler
+from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
+from turbine.runtime.registration import CLEAR_KV_BLOCKS
+from turbine.runtime.request_plane import RequestPlaneServer
+from turbine.runtime.status_server import Health
+from turbine.runtime.worker_metrics import WorkerMetrics
+
+log = logging.getLogger("turbine.mocker")
+
+EXIT_ENGINE_DEAD = 3
+CANARY_TIMEOUT_S = 10.0
+
+
+class SimulatedWorker:
+    """One simulated worker: engine, handlers and request-plane server of one instance."""
+
+    def __init__(self, cfg: MockerConfig, sampler: TokenSampler, health: Health):
+        self.instance_id = uuid.uuid4().hex[:16]
+        labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
+                  "worker_id": self.instance_id}
+        pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
+                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
+        self.engine = MockEngine(scheduler, cfg.timing, cfg.speedup_ratio)
+        self.metrics = WorkerMetrics(labels)
+        self.metrics.total_kv_blocks.set(cfg.num_gpu_blocks)
+        self.gauges = EngineGauges(labels, scheduler)
+        self.handlers = Handlers(self.engine, self.metrics, cfg.model_info.vocab_size)
+        self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        self.server.register(cfg.endpoint, GenerateRequest, health.tracked(self.handlers.generate))
+        self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
+        self.card = cfg.model_card(
+            self.instance_id, engine="mocker", tokenizer_path=cfg.tokenizer_path,
+            context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
+
+    def refresh_gauges(self) -> None:
+        sched = self.engine.scheduler
+        self.metrics.engine_unfinished.set(len(sched.waiting) + len(sched.running))
+        self.gauges.refresh()
+
+    async def canary(self) -> str | None:
+        """Generate one token on this worker's engine (not counted as a served request)."""
+        req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
+                              stop=StopConditions(max_tokens=1))
+        seqs = self.handlers.sequences(req)
+        queue = self.engine.submit(seqs)
+        try:
+            async with asyncio.timeout(CANARY_TIMEOUT_S):
+                while (await queue.get()).finish_reason is None:
+                    pass
+        except TimeoutError:
+            self.engine.abort(seqs)
+            return f"worker {self.instance_id}: canary did not finish in {CANARY_TIMEOUT_S:.0f}s"
+        return None
+
+
+class Mocker:
+    def __init__(self, cfg: MockerConfig):
+        self.cfg = cfg
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+
+    async def run(self) -> int:
+        from turbine.config import make_registry
+        from turbine.runtime.lifecycle import drain_and_stop, stop_on_signals
+        from turbine.runtime.registration import advertised_address, register, unregister
+        from turbine.runtime.status_server import make_app, serve_status
+
+        cfg = self.cfg
+        stop_on_signals(self.stopping)
+        health = Health()
+        info = cfg.model_info
+        sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len)
+        workers = [SimulatedWorker(cfg, sampler, health) for _ in range(cfg.num_workers)]
+
+        status_server = None
+        if cfg.system_port is not None:
+            def refresh_gauges():
+                for w in workers:
+                    w.refresh_gauges()
+            status_server = await serve_status(make_app(health, refresh_gauges), cfg.system_host, cfg.system_port)
+            log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
+
+        engines = [asyncio.create_task(w.engine.run()) for w in workers]
+        for task in engines:
+            task.add_done_callback(self._engine_stopped)
+        servers = [w.server for w in workers]
+        for server in servers:
+            await server.start()
+
+        registry = make_registry(cfg.discovery)
+        await registry.backend.start()
+        try:
+            records = []
+            for w in workers:
+                records += await register(registry, w.card, advertised_address(w.server.address))
+            health.set_ready(lambda: _first_failure([w.canary() for w in workers]))
+            log.info("%d simulated worker(s) serving %r", len(workers), cfg.served_model_name)
+            await self.stopping.wait()
+            health.set_not_ready()
+            # Unregister first so no new traffic arrives, then let in-flight requests finish.
+            await unregister(registry, records)
+            await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0)
+        finally:
+            for task in engines:
+                task.remove_done_callback(self._engine_stopped)
+                task.cancel()
+            await registry.backend.close()
+            if status_server is not None:
+                status_server.should_exit = True
+        return self.exit_code
+
+    def _engine_stopped(self, task: asyncio.Task) -> None:
+        if not task.cancelled():
+            log.error("a simulated engine stopped: %r; unregistering and exiting", task.exception())
+            self.exit_code = EXIT_ENGINE_DEAD
+            self.stopping.set()
+
+
+async def _first_failure(canaries) -> str | None:
+    for reason in await asyncio.gather(*canaries):
+        if reason:
+            return reason
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvloop
+
+    from turbine.logging_setup import setup_logging
+    from turbine.mocker.args import parse_mocker_args
+
+    setup_logging()
+    cfg = parse_mocker_args(argv)
+    # uvloop: the event loop is most of the work of 100+ simulated workers.
+    return uvloop.run(Mocker(cfg).run())

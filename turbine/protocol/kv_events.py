@@ -1,0 +1,35 @@
+"""KV cache events of one worker: which prefix blocks it holds. A KV-aware router mirrors
+each worker's cache from them. Block hashes are the engine's own chained hashes (opaque ids:
+a block's hash covers its parent's hash and its own token ids); only full blocks are stored."""
+
+from __future__ import annotations
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True):
+    """Consecutive full blocks of one sequence entered the prefix cache, in sequence order."""
+
+    block_hashes: list[int]
+    parent_hash: int | None  # hash of the block before the first one; None at sequence start
+    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    block_size: int
+    v: int = WIRE_VERSION
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", omit_defaults=True, kw_only=True):
+    """Blocks were evicted from the prefix cache."""
+
+    block_hashes: list[int]
+    v: int = WIRE_VERSION
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared", omit_defaults=True, kw_only=True):
+    """The whole prefix cache was dropped (clear_kv_blocks)."""
+
+    v: int = WIRE_VERSION
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
