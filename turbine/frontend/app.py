@@ -33,7 +33,7 @@ from turbine.frontend.openai_schemas import (
     validate_chat,
     validate_completion,
 )
-from turbine.frontend.router import make_router
+from turbine.frontend.router import RouterConfig, make_router
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from turbine.runtime.request_plane import RequestPlaneClient
 
@@ -45,7 +45,7 @@ _json = msgspec.json.Encoder()
 class FrontendConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
-    router_mode: str = "round-robin"
+    router: RouterConfig = RouterConfig()
     namespace: str | None = None  # serve models of this namespace only; None = all
     api_key: str | None = None
     max_request_bytes: int = 8 << 20
@@ -62,7 +62,7 @@ class Frontend:
         self.cfg = cfg
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
-        self.models = ModelTable(self.registry, lambda: make_router(cfg.router_mode), cfg.namespace)
+        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card), cfg.namespace)
         self.client = RequestPlaneClient()
         self._watch_task = None
 

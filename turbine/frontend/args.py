@@ -7,7 +7,7 @@ import os
 
 from turbine.config import add_discovery_args, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
-from turbine.frontend.router import ROUTER_MODES
+from turbine.frontend.router import ROUTER_MODES, RouterConfig
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
@@ -17,6 +17,14 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    help="address the OpenAI HTTP server binds (default 127.0.0.1)")
     g.add_argument("--http-port", type=int, default=int(env("TURBINE_HTTP_PORT", str(default_port))))
     g.add_argument("--router-mode", choices=ROUTER_MODES, default=env("TURBINE_ROUTER_MODE", "round-robin"))
+    g.add_argument("--router-kv-overlap-score-weight", type=float, default=1.0,
+                   help="kv mode: weight of the prefill blocks a worker would still compute, against its "
+                        "decode load")
+    g.add_argument("--router-temperature", type=float, default=0.0,
+                   help="kv mode: 0 picks the cheapest worker; > 0 samples by softmax over the costs")
+    g.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
+                   help="kv mode: approximate routing, learned from the router's own decisions (entries "
+                        "expire after 120 s) instead of the workers' KV events")
     g.add_argument("--namespace", default=env("TURBINE_NAMESPACE"),
                    help="serve only models registered in this namespace (default: all)")
     g.add_argument("--api-key", default=env("TURBINE_API_KEY"),
@@ -32,7 +40,17 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
         parser.error("--max-request-bytes must be at least 1024")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty")
-    return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router_mode=args.router_mode,
+    if args.router_kv_overlap_score_weight < 0:
+        parser.error("--router-kv-overlap-score-weight must be >= 0")
+    if args.router_temperature < 0:
+        parser.error("--router-temperature must be >= 0")
+    if args.router_mode == "kv" and args.router_kv_events:
+        # Said loudly rather than falling back: workers do not publish KV events yet.
+        parser.error("--router-mode kv needs --no-router-kv-events in this version: workers do not "
+                     "publish KV events yet, so only approximate KV routing is available")
+    router = RouterConfig(mode=args.router_mode, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
+                          temperature=args.router_temperature, kv_events=args.router_kv_events)
+    return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
                           namespace=args.namespace, api_key=args.api_key,
                           max_request_bytes=args.max_request_bytes,
                           discovery=discovery_config_from_args(args, parser))

@@ -72,21 +72,26 @@ class Generation:
             if not candidates:
                 raise RequestError(f"no live worker for model {self.model.name!r}", param="model",
                                    status=503, type_="service_unavailable")
-            inst = self.model.router.select(candidates)
+            router = self.model.router
+            inst = router.select(candidates, self.request)
             stream = self.client.stream(inst.address, inst.endpoint, self.request, GenerateOutput)
             try:
                 first = await anext(stream)
-            except (asyncio.CancelledError, GeneratorExit):
-                await stream.aclose()  # the client left before the first token: cancel on the worker
+            except BaseException as exc:
+                # The request never got going on this instance: the router stops counting it.
+                router.finished(self.request.request_id)
+                if isinstance(exc, ConnectFailed):
+                    log.warning("worker %s at %s unreachable; trying another", inst.instance_id, inst.address)
+                    tried.add(inst.instance_id)
+                    continue
+                if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                    await stream.aclose()  # the client left before the first token: cancel on the worker
+                    raise
+                if isinstance(exc, (PeerDisconnected, RemoteError)):
+                    raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
+                if isinstance(exc, StopAsyncIteration):
+                    raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
                 raise
-            except ConnectFailed:
-                log.warning("worker %s at %s unreachable; trying another", inst.instance_id, inst.address)
-                tried.add(inst.instance_id)
-                continue
-            except (PeerDisconnected, RemoteError) as exc:
-                raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
-            except StopAsyncIteration:
-                raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
             self._stream = stream
             return first
 
@@ -107,6 +112,7 @@ class Generation:
                     if first_token_at is None:
                         first_token_at = now
                         self.metrics.ttft.labels(name).observe(now - start)
+                        self.model.router.first_token(self.request.request_id)
                     elif last_token_at is not None:
                         self.metrics.itl.labels(name).observe((now - last_token_at) / len(chunk.token_ids))
                     last_token_at = now
@@ -123,6 +129,7 @@ class Generation:
                     raise WorkerFailed(f"worker failed mid-stream: {exc}") from exc
         finally:
             # Closing early (stop string, client gone, error) cancels the worker's request.
+            self.model.router.finished(self.request.request_id)
             await self._stream.aclose()
             self.metrics.output_tokens.labels(name).inc(self.usage.completion_tokens)
 

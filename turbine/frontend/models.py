@@ -57,7 +57,9 @@ class ModelTable:
                 tokenizer = await self._tokenizer(card)
                 if tokenizer is None:
                     continue
-                router = self._routers.setdefault(card.name, self.make_router())
+                router = self._routers.get(card.name)
+                if router is None:
+                    router = self._routers[card.name] = self.make_router(card)
                 model = models[card.name] = ServedModel(card.name, card, tokenizer, router)
             elif card.kv_block_size != model.card.kv_block_size or card.context_length != model.card.context_length:
                 log.warning("worker %s of model %r differs from its peers (block size %d vs %d, context %d vs %d)",
@@ -67,6 +69,7 @@ class ModelTable:
         for name in self.models.keys() - models.keys():
             log.info("model %r has no live worker any more", name)
         for name, model in models.items():
+            model.router.instances_changed(model.instances)
             if name not in self.models or len(self.models[name].instances) != len(model.instances):
                 log.info("model %r served by %d worker(s)", name, len(model.instances))
         self.models = models

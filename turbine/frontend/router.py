@@ -4,33 +4,84 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 
-from turbine.protocol.discovery import InstanceRecord
+from turbine.protocol.discovery import InstanceRecord, ModelCard
+from turbine.protocol.generate import GenerateRequest
+from turbine.router.indexer import WorkerKey
+from turbine.router.kv_router import KvRouter, KvRouterConfig
 
-ROUTER_MODES = ("round-robin", "random")
+ROUTER_MODES = ("round-robin", "random", "kv")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: str = "round-robin"
+    kv_overlap_score_weight: float = 1.0
+    temperature: float = 0.0
+    kv_events: bool = True  # False: approximate KV routing, learned from our own decisions
 
 
 class Router:
-    def select(self, instances: list[InstanceRecord]) -> InstanceRecord:
+    def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> InstanceRecord:
         raise NotImplementedError
+
+    # Request lifecycle and fleet changes, for routers that keep state.
+    def first_token(self, request_id: str) -> None:
+        pass
+
+    def finished(self, request_id: str) -> None:
+        pass
+
+    def instances_changed(self, live: list[InstanceRecord]) -> None:
+        pass
 
 
 class RoundRobinRouter(Router):
     def __init__(self):
         self._counter = itertools.count()
 
-    def select(self, instances: list[InstanceRecord]) -> InstanceRecord:
+    def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> InstanceRecord:
         return instances[next(self._counter) % len(instances)]
 
 
 class RandomRouter(Router):
-    def select(self, instances: list[InstanceRecord]) -> InstanceRecord:
+    def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> InstanceRecord:
         return random.choice(instances)
 
 
-def make_router(mode: str) -> Router:
-    if mode == "round-robin":
+class KvAwareRouter(Router):
+    """Routes to the instance that already holds most of the prompt's prefix, weighed against load."""
+
+    def __init__(self, cfg: RouterConfig, block_size: int):
+        self.kv = KvRouter(KvRouterConfig(block_size=block_size, overlap_weight=cfg.kv_overlap_score_weight,
+                                          temperature=cfg.temperature, use_kv_events=cfg.kv_events))
+        self._known: set[str] = set()
+
+    def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> InstanceRecord:
+        by_id = {i.instance_id: i for i in instances}
+        decision = self.kv.decide(request.request_id, request.token_ids, [WorkerKey(i) for i in by_id],
+                                  lora_name=None)
+        return by_id[decision.worker.instance_id]
+
+    def first_token(self, request_id: str) -> None:
+        self.kv.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.kv.finished(request_id)
+
+    def instances_changed(self, live: list[InstanceRecord]) -> None:
+        ids = {i.instance_id for i in live}
+        for gone in self._known - ids:
+            self.kv.worker_left(WorkerKey(gone))
+        self._known = ids
+
+
+def make_router(cfg: RouterConfig, card: ModelCard) -> Router:
+    if cfg.mode == "round-robin":
         return RoundRobinRouter()
-    if mode == "random":
+    if cfg.mode == "random":
         return RandomRouter()
-    raise ValueError(f"--router-mode {mode!r}: choose from {', '.join(ROUTER_MODES)}")
+    if cfg.mode == "kv":
+        return KvAwareRouter(cfg, card.kv_block_size)
+    raise ValueError(f"--router-mode {cfg.mode!r}: choose from {', '.join(ROUTER_MODES)}")

@@ -1,0 +1,65 @@
+"""KV-aware routing (approximate mode) through the real frontend, on a simulated fleet whose
+workers report the prefix-cache hits they really had."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.procs import base_env, instances_of, start_frontend, start_mocker, wait_until, worker_ready
+from turbine.model.prepare import DEFAULT_MODEL
+
+MODEL = DEFAULT_MODEL
+WORKERS = 4
+SYSTEM = "You are a meticulous assistant. " * 40  # a long shared system prompt (several blocks)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv-routing")
+    env = base_env(str(root / "discovery"))
+    mockers = start_mocker("kv-mockers", env, root, "--num-workers", str(WORKERS), "--speedup-ratio", "0",
+                           "--block-size", "16")
+    kv = start_frontend("kv-frontend", env, root, "--router-mode", "kv", "--no-router-kv-events")
+    rr = start_frontend("rr-frontend", env, root, "--router-mode", "round-robin")
+    procs = [mockers, kv, rr]
+    try:
+        wait_until(lambda: worker_ready(mockers), 60, "mockers ready", procs)
+        wait_until(lambda: instances_of(kv, MODEL) == WORKERS and instances_of(rr, MODEL) == WORKERS, 30,
+                   "frontends see the fleet", procs)
+        yield {"kv": kv, "rr": rr}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def cached_tokens_of_followups(frontend, tag: str) -> list[int]:
+    client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+    def ask(question):
+        r = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "system", "content": tag + SYSTEM}, {"role": "user", "content": question}])
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    ask("First question?")
+    return [ask(f"Follow-up number {i}?") for i in range(WORKERS)]
+
+
+def test_kv_router_sends_shared_prefixes_to_the_worker_that_has_them(fleet):
+    cached = cached_tokens_of_followups(fleet["kv"], "kv ")
+    assert all(c >= 16 * 10 for c in cached), cached  # the shared system prompt: 10+ full blocks
+
+
+def test_round_robin_does_not(fleet):
+    # The control: the same traffic spread round-robin mostly misses the cache.
+    cached = cached_tokens_of_followups(fleet["rr"], "rr ")
+    assert sum(c == 0 for c in cached) >= WORKERS - 1, cached
+
+
+def test_kv_mode_without_events_is_refused_loudly(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "turbine.frontend", "--router-mode", "kv"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--no-router-kv-events" in r.stderr
