@@ -34,7 +34,7 @@ class ServingConfig:
 
     def model_card(self, instance_id: str, *, engine: str, tokenizer_path: str, context_length: int,
                    kv_block_size: int, total_kv_blocks: int, max_num_seqs: int,
-                   max_num_batched_tokens: int) -> ModelCard:
+                   max_num_batched_tokens: int, kv_events_address: str | None = None) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself."""
         return ModelCard(
             name=self.served_model_name, namespace=self.namespace, component=self.component,
@@ -44,6 +44,7 @@ class ServingConfig:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             endpoint_types=list(self.endpoint_types), tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser, migration_limit=self.migration_limit,
+            kv_events_address=kv_events_address,
         )
 
 

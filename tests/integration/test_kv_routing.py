@@ -20,14 +20,15 @@ def fleet(tmp_path_factory):
     env = base_env(str(root / "discovery"))
     mockers = start_mocker("kv-mockers", env, root, "--num-workers", str(WORKERS), "--speedup-ratio", "0",
                            "--block-size", "16")
-    kv = start_frontend("kv-frontend", env, root, "--router-mode", "kv", "--no-router-kv-events")
+    kv = start_frontend("kv-frontend", env, root, "--router-mode", "kv")
+    approx = start_frontend("approx-frontend", env, root, "--router-mode", "kv", "--no-router-kv-events")
     rr = start_frontend("rr-frontend", env, root, "--router-mode", "round-robin")
-    procs = [mockers, kv, rr]
+    procs = [mockers, kv, approx, rr]
     try:
         wait_until(lambda: worker_ready(mockers), 60, "mockers ready", procs)
-        wait_until(lambda: instances_of(kv, MODEL) == WORKERS and instances_of(rr, MODEL) == WORKERS, 30,
+        wait_until(lambda: all(instances_of(f, MODEL) == WORKERS for f in (kv, approx, rr)), 30,
                    "frontends see the fleet", procs)
-        yield {"kv": kv, "rr": rr}
+        yield {"kv": kv, "approx": approx, "rr": rr, "env": env, "root": root}
     finally:
         for p in procs:
             p.stop()
@@ -45,8 +46,10 @@ def cached_tokens_of_followups(frontend, tag: str) -> list[int]:
     return [ask(f"Follow-up number {i}?") for i in range(WORKERS)]
 
 
-def test_kv_router_sends_shared_prefixes_to_the_worker_that_has_them(fleet):
-    cached = cached_tokens_of_followups(fleet["kv"], "kv ")
+@pytest.mark.parametrize("mode", ["kv", "approx"])
+def test_kv_router_sends_shared_prefixes_to_the_worker_that_has_them(fleet, mode):
+    # kv: the index follows the workers' KV events; approx: the router's own decisions.
+    cached = cached_tokens_of_followups(fleet[mode], f"{mode} ")
     assert all(c >= 16 * 10 for c in cached), cached  # the shared system prompt: 10+ full blocks
 
 
@@ -56,10 +59,14 @@ def test_round_robin_does_not(fleet):
     assert sum(c == 0 for c in cached) >= WORKERS - 1, cached
 
 
-def test_kv_mode_without_events_is_refused_loudly(tmp_path):
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "turbine.frontend", "--router-mode", "kv"], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and "--no-router-kv-events" in r.stderr
+def test_worker_without_kv_events_is_reported_loudly(fleet):
+    # A worker that publishes no events (prefix caching off) is named in a warning: the kv
+    # router does not quietly pretend to see its cache.
+    silent = start_mocker("silent-mocker", fleet["env"], fleet["root"], "--served-model-name", "silent",
+                          "--speedup-ratio", "0", "--no-enable-prefix-caching")
+    try:
+        wait_until(lambda: instances_of(fleet["kv"], "silent") == 1, 60, "silent worker visible", [silent])
+        wait_until(lambda: "publishes no KV events" in fleet["kv"].log_path.read_text(errors="replace"), 10,
+                   "the warning", [])
+    finally:
+        silent.stop()

@@ -44,10 +44,6 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
         parser.error("--router-kv-overlap-score-weight must be >= 0")
     if args.router_temperature < 0:
         parser.error("--router-temperature must be >= 0")
-    if args.router_mode == "kv" and args.router_kv_events:
-        # Said loudly rather than falling back: workers do not publish KV events yet.
-        parser.error("--router-mode kv needs --no-router-kv-events in this version: workers do not "
-                     "publish KV events yet, so only approximate KV routing is available")
     router = RouterConfig(mode=args.router_mode, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
                           temperature=args.router_temperature, kv_events=args.router_kv_events)
     return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,

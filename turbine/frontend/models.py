@@ -20,6 +20,7 @@ class ServedModel:
     tokenizer: TextTokenizer
     router: Router
     instances: list[InstanceRecord] = field(default_factory=list)
+    cards: dict[str, ModelCard] = field(default_factory=dict)  # instance id -> its card
 
 
 class ModelTable:
@@ -66,10 +67,11 @@ class ModelTable:
                             card.instance_id, card.name, card.kv_block_size, model.card.kv_block_size,
                             card.context_length, model.card.context_length)
             model.instances.append(rec)
+            model.cards[card.instance_id] = card
         for name in self.models.keys() - models.keys():
             log.info("model %r has no live worker any more", name)
         for name, model in models.items():
-            model.router.instances_changed(model.instances)
+            model.router.instances_changed(model.instances, model.cards)
             if name not in self.models or len(self.models[name].instances) != len(model.instances):
                 log.info("model %r served by %d worker(s)", name, len(model.instances))
         self.models = models

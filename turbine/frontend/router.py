@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateRequest
 from turbine.router.indexer import WorkerKey
+from turbine.router.kv_events_consumer import KvEventsConsumer
 from turbine.router.kv_router import KvRouter, KvRouterConfig
 
 ROUTER_MODES = ("round-robin", "random", "kv")
@@ -33,7 +34,7 @@ class Router:
     def finished(self, request_id: str) -> None:
         pass
 
-    def instances_changed(self, live: list[InstanceRecord]) -> None:
+    def instances_changed(self, live: list[InstanceRecord], cards: dict[str, ModelCard]) -> None:
         pass
 
 
@@ -57,6 +58,7 @@ class KvAwareRouter(Router):
         self.kv = KvRouter(KvRouterConfig(block_size=block_size, overlap_weight=cfg.kv_overlap_score_weight,
                                           temperature=cfg.temperature, use_kv_events=cfg.kv_events))
         self._known: set[str] = set()
+        self._events = KvEventsConsumer(self.kv.index) if cfg.kv_events else None
 
     def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> InstanceRecord:
         by_id = {i.instance_id: i for i in instances}
@@ -70,11 +72,13 @@ class KvAwareRouter(Router):
     def finished(self, request_id: str) -> None:
         self.kv.finished(request_id)
 
-    def instances_changed(self, live: list[InstanceRecord]) -> None:
+    def instances_changed(self, live: list[InstanceRecord], cards: dict[str, ModelCard]) -> None:
         ids = {i.instance_id for i in live}
         for gone in self._known - ids:
             self.kv.worker_left(WorkerKey(gone))
         self._known = ids
+        if self._events is not None:
+            self._events.sync(cards)
 
 
 def make_router(cfg: RouterConfig, card: ModelCard) -> Router:

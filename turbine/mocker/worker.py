@@ -17,6 +17,7 @@ from turbine.mocker.args import MockerConfig
 from turbine.mocker.engine import MockEngine
 from turbine.mocker.handlers import Handlers
 from turbine.mocker.kv_cache import BlockPool
+from turbine.runtime.kv_publisher import KvEventPublisher
 from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
@@ -39,7 +40,10 @@ class SimulatedWorker:
         self.instance_id = uuid.uuid4().hex[:16]
         labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
                   "worker_id": self.instance_id}
-        pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        # With prefix caching on, the pool's events go out on the event plane for KV routers.
+        self.kv_events = KvEventPublisher(self.instance_id, cfg.host) if cfg.enable_prefix_caching else None
+        pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                         on_event=(lambda e: self.kv_events.publish([e])) if self.kv_events else None)
         scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
         self.engine = MockEngine(scheduler, cfg.timing, cfg.speedup_ratio)
@@ -53,7 +57,8 @@ class SimulatedWorker:
         self.card = cfg.model_card(
             self.instance_id, engine="mocker", tokenizer_path=cfg.tokenizer_path,
             context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            kv_events_address=self.kv_events.address if self.kv_events else None)
 
     def refresh_gauges(self) -> None:
         sched = self.engine.scheduler

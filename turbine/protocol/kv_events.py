@@ -33,3 +33,15 @@ class AllBlocksCleared(msgspec.Struct, tag="cleared", omit_defaults=True, kw_onl
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What a worker publishes on the event plane: its events in order, numbered so that a
+    subscriber can tell when it missed some (event_id grows by one per batch)."""
+
+    instance_id: str
+    event_id: int
+    events: list[KvEvent]
+    dp_rank: int = 0
+    lora_name: str | None = None
+    v: int = WIRE_VERSION
