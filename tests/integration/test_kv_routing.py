@@ -70,3 +70,15 @@ def test_worker_without_kv_events_is_reported_loudly(fleet):
                    "the warning", [])
     finally:
         silent.stop()
+
+
+def test_router_metrics(fleet):
+    from tests.integration.procs import http_text, metric
+
+    cached_tokens_of_followups(fleet["kv"], "metrics ")
+    text = http_text(f"{fleet['kv'].url}/metrics")
+    assert metric(text, "turbine_router_decisions_total") >= WORKERS + 1
+    assert metric(text, "turbine_router_indexed_blocks") > 0  # learned from the workers' events
+    assert metric(text, "turbine_router_kv_events_applied") > 0
+    assert metric(text, "turbine_router_kv_event_gaps") == 0
+    assert "turbine_router_decision_seconds_bucket" in text and "turbine_router_overlap_ratio_bucket" in text

@@ -78,10 +78,10 @@ async def test_unreachable_instance_is_skipped(tokenizer):
 def test_routers(tokenizer):
     insts = [instance(str(i), f"h:{i}") for i in range(3)]
     card = served(tokenizer, insts).card
-    rr = make_router(RouterConfig(mode="round-robin"), card)
+    rr = make_router(RouterConfig(mode="round-robin"), card, FrontendMetrics())
     assert [rr.select(insts, request()).instance_id for _ in range(6)] == ["0", "1", "2", "0", "1", "2"]
-    rnd = make_router(RouterConfig(mode="random"), card)
+    rnd = make_router(RouterConfig(mode="random"), card, FrontendMetrics())
     assert isinstance(rnd, RandomRouter)
     assert {rnd.select(insts, request()).instance_id for _ in range(200)} == {"0", "1", "2"}
     with pytest.raises(ValueError, match="--router-mode"):
-        make_router(RouterConfig(mode="nope"), card)
+        make_router(RouterConfig(mode="nope"), card, FrontendMetrics())

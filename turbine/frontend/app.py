@@ -62,7 +62,7 @@ class Frontend:
         self.cfg = cfg
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
-        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card), cfg.namespace)
+        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics), cfg.namespace)
         self.client = RequestPlaneClient()
         self._watch_task = None
 
@@ -109,6 +109,8 @@ class Frontend:
         return JSONResponse({"status": "healthy", "models": models})
 
     async def prometheus(self, request: Request):
+        for model in self.models.models.values():
+            model.router.export_metrics()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def list_models(self, request: Request):

@@ -28,6 +28,7 @@ class Decision:
     overlap_blocks: int
     costs: dict[WorkerKey, float]
     seconds: float  # decision latency, for the router's metrics
+    overlap_ratio: float  # cached share of the prompt's full blocks on the chosen worker
 
 
 class KvRouter:
@@ -51,7 +52,8 @@ class KvRouter:
                        blocks=new_blocks(len(token_ids), overlap, self.cfg.block_size))
         if isinstance(self.index, ApproxKvIndexer):
             self.index.record(worker, hashes)
-        return Decision(worker, overlap, costs, time.perf_counter() - started)
+        return Decision(worker, overlap, costs, time.perf_counter() - started,
+                        overlap / len(hashes) if hashes else 0.0)
 
     def first_token(self, request_id: str) -> None:
         self.loads.prefill_done(request_id)

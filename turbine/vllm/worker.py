@@ -57,6 +57,17 @@ class Worker:
             status_server = await serve_status(make_app(health, refresh_gauges), cfg.system_host, cfg.system_port)
             log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
 
+        # With prefix caching on, the engine's KV events are relayed to the event plane for KV
+        # routers, unless the user configured vLLM's KV events themselves.
+        relay = None
+        if cfg.engine_args.enable_prefix_caching and cfg.engine_args.kv_events_config is None:
+            from turbine.runtime.kv_publisher import KvEventPublisher
+            from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+
+            relay = VllmKvEventsRelay(KvEventPublisher(self.instance_id, cfg.host))
+            cfg.engine_args.kv_events_config = relay.engine_config()
+            relay_task = asyncio.create_task(relay.run())
+
         engine = AsyncLLM.from_engine_args(cfg.engine_args)
         vcfg = engine.vllm_config
         metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
@@ -75,7 +86,8 @@ class Worker:
                 self.instance_id, engine="vllm", tokenizer_path=tokenizer_folder(cfg.model_path),
                 context_length=vcfg.model_config.max_model_len, kv_block_size=vcfg.cache_config.block_size,
                 total_kv_blocks=vcfg.cache_config.num_gpu_blocks or 0, max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=sched.max_num_batched_tokens)
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                kv_events_address=relay.publisher.address if relay else None)
             records = await register(registry, card, advertised_address(server.address))
             health.set_ready(lambda: engine_canary(engine),
                              failure=lambda: "engine is dead" if engine.errored else None)
@@ -92,6 +104,9 @@ class Worker:
             if status_server is not None:
                 status_server.should_exit = True
             engine.shutdown()
+            if relay is not None:
+                relay_task.cancel()
+                relay.close()
         return self.exit_code
 
     async def _monitor_engine(self, engine) -> None:

@@ -1,0 +1,77 @@
+"""KV-aware routing on the two real vLLM CPU workers of the session cluster, fed by the
+engines' own KV cache events relayed by the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.conftest import MODEL
+from tests.integration.procs import http_text, instances_of, start_frontend, wait_until
+from turbine.protocol.generate import ClearKvBlocksRequest, StatusReply
+from turbine.runtime.request_plane import RequestPlaneClient
+
+PREFIX = "Background: " + "The river flows past the old mill and the stone bridge. " * 45
+
+
+@pytest.fixture(scope="module")
+def kv_frontend(cluster):
+    f = start_frontend("kv-frontend-vllm", cluster["env"], cluster["root"], "--router-mode", "kv")
+    try:
+        wait_until(lambda: instances_of(f, MODEL) == 2, 30, "kv frontend sees both workers", [f])
+        yield f
+    finally:
+        f.stop()
+
+
+def indexed_blocks(frontend) -> dict[str, float]:
+    out = {}
+    for line in http_text(f"{frontend.url}/metrics").splitlines():
+        if line.startswith("turbine_router_indexed_blocks{"):
+            worker = line.split('worker="')[1].split('"')[0]
+            out[worker] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_shared_prefix_goes_to_the_worker_that_cached_it(kv_frontend):
+    client = OpenAI(base_url=f"{kv_frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def ask(q):
+        r = client.completions.create(model=MODEL, prompt=PREFIX + q, max_tokens=2, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert ask("Question one?") == 0
+    # The engine's BlockStored events reach the router's index.
+    wait_until(lambda: sum(indexed_blocks(kv_frontend).values()) >= 4, 20, "blocks indexed", [kv_frontend])
+    cached = [ask(f"Question {n}?") for n in ("two", "three", "four")]
+    assert all(c >= 4 * 128 for c in cached), cached
+
+
+def test_clear_kv_blocks_makes_the_index_forget_that_worker(kv_frontend, cluster):
+    client = OpenAI(base_url=f"{kv_frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+    client.completions.create(model=MODEL, prompt=PREFIX + "Anything?", max_tokens=2, temperature=0)
+    wait_until(lambda: max(indexed_blocks(kv_frontend).values(), default=0) >= 4, 20, "blocks indexed",
+               [kv_frontend])
+    holder = max(indexed_blocks(kv_frontend).items(), key=lambda kv: kv[1])[0]
+
+    async def clear():
+        from turbine.config import DiscoveryConfig, make_registry
+
+        registry = make_registry(DiscoveryConfig(file_dir=cluster["env"]["TURBINE_DISCOVERY_DIR"]))
+        address = next(r.address for r in await registry.list_instances() if r.instance_id == holder)
+        rp = RequestPlaneClient()
+        try:
+            replies = [r async for r in rp.stream(address, "clear_kv_blocks", ClearKvBlocksRequest(), StatusReply)]
+        finally:
+            await rp.close()
+        return replies
+
+    for _ in range(20):  # refused while a request still runs there
+        if asyncio.run(clear())[0].status == "success":
+            break
+        time.sleep(0.5)
+    wait_until(lambda: indexed_blocks(kv_frontend).get(holder, 0) == 0, 20, "index forgot the worker",
+               [kv_frontend])

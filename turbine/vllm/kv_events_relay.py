@@ -1,0 +1,76 @@
+"""Relays the vLLM engine's own KV cache events to Turbine's event plane.
+
+vLLM publishes msgpack KV event batches over zmq (KVEventsConfig); its publisher connects
+when its endpoint names a host, so the relay binds a SUB socket on loopback and hands vLLM
+that address. Each vLLM batch is decoded with vLLM's own typed structs (never unpickled) and
+republished as a numbered Turbine KvEventBatch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import xxhash
+import zmq
+import zmq.asyncio
+from vllm.distributed import kv_events as vllm_events
+
+from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from turbine.runtime.kv_publisher import KvEventPublisher
+
+log = logging.getLogger("turbine.vllm")
+
+_decoder = msgspec.msgpack.Decoder(vllm_events.KVEventBatch)
+
+
+def engine_hash(h: bytes | int) -> int:
+    """vLLM's block hashes are ints or bytes (e.g. sha256): opaque ids, mapped to 64 bits."""
+    return h if isinstance(h, int) else xxhash.xxh3_64_intdigest(h)
+
+
+def translate(event) -> KvEvent | None:
+    if isinstance(event, vllm_events.BlockStored):
+        return BlockStored(block_hashes=[engine_hash(h) for h in event.block_hashes],
+                           parent_hash=None if event.parent_block_hash is None
+                           else engine_hash(event.parent_block_hash),
+                           token_ids=list(event.token_ids), block_size=event.block_size)
+    if isinstance(event, vllm_events.BlockRemoved):
+        return BlockRemoved(block_hashes=[engine_hash(h) for h in event.block_hashes])
+    if isinstance(event, vllm_events.AllBlocksCleared):
+        return AllBlocksCleared()
+    return None
+
+
+class VllmKvEventsRelay:
+    def __init__(self, publisher: KvEventPublisher):
+        self.publisher = publisher
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.engine_endpoint = f"tcp://127.0.0.1:{port}"  # what vLLM's publisher connects to
+
+    def engine_config(self):
+        from vllm.config import KVEventsConfig
+
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self.engine_endpoint)
+
+    async def run(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                batch = _decoder.decode(frames[-1])  # frames: topic, sequence number, payload
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable KV event batch from the engine dropped: %s", exc)
+                continue
+            by_lora: dict[str | None, list[KvEvent]] = {}
+            for event in batch.events:
+                ours = translate(event)
+                if ours is not None:
+                    by_lora.setdefault(getattr(event, "lora_name", None), []).append(ours)
+            for lora_name, events in by_lora.items():
+                self.publisher.publish(events, lora_name=lora_name)
+
+    def close(self) -> None:
+        self._sock.close()
