@@ -61,13 +61,14 @@ def test_clear_kv_blocks_makes_the_index_forget_that_worker(kv_frontend, cluster
         from turbine.config import DiscoveryConfig, make_registry
 
         registry = make_registry(DiscoveryConfig(file_dir=cluster["env"]["TURBINE_DISCOVERY_DIR"]))
-        address = next(r.address for r in await registry.list_instances() if r.instance_id == holder)
+        await registry.backend.start()
         rp = RequestPlaneClient()
         try:
-            replies = [r async for r in rp.stream(address, "clear_kv_blocks", ClearKvBlocksRequest(), StatusReply)]
+            address = next(r.address for r in await registry.list_instances() if r.instance_id == holder)
+            return [r async for r in rp.stream(address, "clear_kv_blocks", ClearKvBlocksRequest(), StatusReply)]
         finally:
             await rp.close()
-        return replies
+            await registry.backend.close()
 
     for _ in range(20):  # refused while a request still runs there
         if asyncio.run(clear())[0].status == "success":
