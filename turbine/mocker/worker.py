@@ -20,8 +20,8 @@ from turbine.mocker.kv_cache import BlockPool
 from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
-from turbine.runtime.kv_publisher import KvEventPublisher
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
+from turbine.runtime.kv_publisher import KvEventPublisher
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
