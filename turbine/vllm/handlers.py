@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
@@ -60,9 +60,12 @@ def build_sampling_params(req: GenerateRequest, defaults: dict, max_model_len: i
 
 
 class Handlers:
-    def __init__(self, engine, metrics: WorkerMetrics):
+    def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None):
         self.engine = engine
         self.metrics = metrics
+        # vLLM flushes its own AllBlocksCleared event only at its next step; an idle worker
+        # would leave KV routers believing in the old cache, so we announce it at once.
+        self.on_cleared = on_cleared
         cfg = engine.vllm_config
         self.max_model_len = cfg.model_config.max_model_len
         self.sampling_defaults = cfg.model_config.get_diff_sampling_param()
@@ -116,6 +119,8 @@ class Handlers:
             yield StatusReply(status="error", message=f"{type(exc).__name__}: {exc}")
             return
         if ok:
+            if self.on_cleared is not None:
+                self.on_cleared()
             yield StatusReply(status="success", message="KV cache cleared")
         else:
             yield StatusReply(status="error", message="prefix cache not reset (requests still running)")

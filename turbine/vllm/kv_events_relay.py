@@ -72,5 +72,9 @@ class VllmKvEventsRelay:
             for lora_name, events in by_lora.items():
                 self.publisher.publish(events, lora_name=lora_name)
 
+    def cleared(self) -> None:
+        """The worker reset the prefix cache: tell subscribers now, not at the engine's next step."""
+        self.publisher.publish([AllBlocksCleared()])
+
     def close(self) -> None:
         self._sock.close()

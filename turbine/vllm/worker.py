@@ -71,7 +71,7 @@ class Worker:
         engine = AsyncLLM.from_engine_args(cfg.engine_args)
         vcfg = engine.vllm_config
         metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
-        handlers = Handlers(engine, metrics)
+        handlers = Handlers(engine, metrics, on_cleared=relay.cleared if relay else None)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         server.register(cfg.endpoint, GenerateRequest, health.tracked(handlers.generate))
