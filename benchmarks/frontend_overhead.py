@@ -291,13 +291,14 @@ def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, artifact_di
             "--endpoint-type", "chat", "--streaming",
             "--tokenizer", args.tokenizer or args.model,
             "--concurrency", str(concurrency), "--request-count", str(n),
-            "--warmup-request-count", str(warmup_for(args, concurrency)),
             "--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0",
             "--extra-inputs", "ignore_eos:true",
             "--random-seed", str(args.seed),
             "--ui", "none", "--no-gpu-telemetry", "--no-server-metrics",
             "--artifact-dir", str(artifact_dir)]
+    if warmup_for(args, concurrency) > 0:  # aiperf rejects 0; leaving the flag out means no warmup
+        argv += ["--warmup-request-count", str(warmup_for(args, concurrency))]
     if args.use_server_token_count:
         argv.append("--use-server-token-count")
     if args.aiperf_workers:

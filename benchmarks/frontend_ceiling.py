@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+r"""Frontend ceiling: Turbine's frontend vs NVIDIA Dynamo 1.6.1's, each in front of its own mocker
+with no simulated delay, so the frontend (plus aiperf on the same cores) is the bottleneck.
+
+  turbine  python -m turbine.frontend + python -m turbine.mocker --speedup-ratio 0
+  dynamo   python -m dynamo.frontend  + python -m dynamo.mocker --speedup-ratio 1000
+           (file discovery, TCP request plane, ZMQ event plane through a local XSUB/XPUB broker,
+           everything on loopback: the recipe of ../shared/peer/README.md; in 1.6.1
+           --speedup-ratio 0 behaves like 1, so 1000 stands for "no delay")
+
+The load is the peer's bench.sh load, through frontend_overhead's aiperf runner: streaming
+chat, 200 synthetic input / 64 output tokens, ignore_eos, output tokens from usage, warmup
+max(2, C) requests, concurrency 1, 8, 32, max(300, 40 x C) measured requests.  The systems alternate (ABBA by default); the
+reported values are medians over repeats, with per-repeat ratios in the JSON.  The CPU
+seconds each process used during each point are recorded too.
+
+--py-spy PATH: afterwards, start Turbine once more and record its frontend with py-spy during
+one extra point (not part of the measurement) and write the raw stacks plus a top-N summary.
+
+  .venv/bin/python benchmarks/frontend_ceiling.py --aiperf /work/bench-tools/aiperf/bin/aiperf \
+      --dynamo-python /work/bench-tools/dynamo/bin/python --repeats 3 \
+      --py-spy /work/bench-tools/dynamo/bin/py-spy
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    REPO_ROOT, Stack, aiperf_point, default_model, fmt, free_port, log, median, parse_int_list, proc_cpu_s,
+    ratio, start_turbine, versions, wait_quiet)
+
+SERVED = "smollm2-135m-instruct"
+PEER_DIR = Path("/work/shared/peer")
+SYSTEMS = ("turbine", "dynamo")
+
+
+def start_turbine_stack(a, run_dir: Path, tag: str) -> Stack:
+    st = Stack("turbine", run_dir, tag)
+    start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
+                                 "--speedup-ratio", "0", "--system-port", str(free_port()), *a.turbine_mocker_args.split()])
+    st.wait_ready(lambda: st.models_ready(SERVED, True), a.startup_timeout)
+    st.sanity_check(SERVED)
+    return st
+
+
+def start_dynamo_stack(a, run_dir: Path, tag: str) -> Stack:
+    st = Stack("dynamo", run_dir, tag)
+    peer = Path(tempfile.mkdtemp(prefix="dynamo_", dir=run_dir))
+    (peer / "home").mkdir()
+    xsub, xpub = free_port(), free_port()
+    env = dict(os.environ,
+               DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(peer / "dynkv"), DYN_REQUEST_PLANE="tcp",
+               DYN_EVENT_PLANE="zmq", DYN_TCP_RPC_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1",
+               DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_SYSTEM_HOST="127.0.0.1",
+               DYN_ZMQ_BROKER_URL=f"xsub=tcp://127.0.0.1:{xsub},xpub=tcp://127.0.0.1:{xpub}",
+               HOME=str(peer / "home"), DYN_SELF_HOST_METADATA="0", HF_HUB_OFFLINE="1")
+    py = a.dynamo_python
+    st.spawn("broker", [py, str(PEER_DIR / "zmq_broker.py"), str(xsub), str(xpub)], env)
+    time.sleep(1)
+    st.spawn("frontend", [py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(st.port)], env)
+    st.spawn("worker", [py, "-m", "dynamo.mocker", "--model-path", a.model, "--model-name", SERVED,
+                        "--speedup-ratio", str(a.dynamo_speedup), *a.dynamo_mocker_args.split()], env)
+    st.wait_ready(lambda: st.models_ready(SERVED, False), a.startup_timeout)
+    st.sanity_check(SERVED)
+    return st
+
+
+def requests_for(a, c: int) -> int:
+    return max(a.min_requests, a.requests_multiplier * c)
+
+
+def run_point(a, st: Stack, c: int, rep: int, run_dir: Path, seed_offset: int = 0) -> dict:
+    tag = f"r{rep}_{st.name}_c{c}"
+    cpu0 = {p.name.split()[-1]: proc_cpu_s(p.popen.pid) for p in st.procs}
+    rec = aiperf_point(aiperf=a.aiperf, url=st.base_url, model=SERVED, tokenizer=a.model, concurrency=c,
+                       requests=requests_for(a, c), warmup=max(2, c), isl=a.isl, osl=a.osl, seed=a.seed + seed_offset,
+                       artifact_dir=run_dir / tag, log_path=run_dir / f"{tag}_aiperf.log", timeout=a.point_timeout)
+    cpu1 = {p.name.split()[-1]: proc_cpu_s(p.popen.pid) for p in st.procs}
+    rec["cpu_s"] = {k: (cpu1[k] - cpu0[k]) if cpu0.get(k) is not None and cpu1.get(k) is not None else None
+                    for k in cpu1}
+    rec.update({"repeat": rep, "system": st.name})
+    m = rec["metrics"]
+    if rec["ok"]:
+        log(f"{tag}: {m['output_tok_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms']:.1f} p99 {m['ttft_p99_ms']:.1f} ms, "
+            f"ITL p50 {m['itl_p50_ms']:.2f} ms, cpu {rec['cpu_s']} ({rec['wall_s']:.0f}s)")
+    return rec
+
+
+def summarize(runs: list[dict], concs: list[int]) -> dict:
+    summary = {}
+    for c in concs:
+        row = {}
+        for s in SYSTEMS:
+            ok = [r for r in runs if r["system"] == s and r["concurrency"] == c and r["ok"]]
+            row[s] = {k: median([r["metrics"][k] for r in ok])
+                      for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "request_per_s")}
+            row[s]["n_ok_runs"] = len(ok)
+            row[s]["frontend_cpu_ms_per_request"] = median(
+                [r["cpu_s"].get("frontend") * 1000 / (r["metrics"].get("requests") or r["requests"])
+                 for r in ok if r.get("cpu_s", {}).get("frontend") is not None])
+        row["throughput_ratio"] = ratio(row["turbine"]["output_tok_s"], row["dynamo"]["output_tok_s"])
+        row["ttft_p50_ratio"] = ratio(row["turbine"]["ttft_p50_ms"], row["dynamo"]["ttft_p50_ms"])
+        row["ttft_p99_ratio"] = ratio(row["turbine"]["ttft_p99_ms"], row["dynamo"]["ttft_p99_ms"])
+        per = []
+        for rep in sorted({r["repeat"] for r in runs}):
+            pair = {r["system"]: r for r in runs if r["repeat"] == rep and r["concurrency"] == c and r["ok"]}
+            if len(pair) == 2:
+                per.append(ratio(pair["turbine"]["metrics"]["output_tok_s"], pair["dynamo"]["metrics"]["output_tok_s"]))
+        row["per_repeat_throughput_ratio"] = per
+        summary[str(c)] = row
+    return summary
+
+
+def markdown(summary: dict, runs: list[dict]) -> str:
+    lines = ["| C | out tok/s Turbine | out tok/s Dynamo | **ratio T/D** | TTFT p50 T / D (ms) | TTFT p99 T / D (ms) "
+             "| ITL p50 T / D (ms) | frontend CPU ms/request T / D | per-repeat tok/s ratios | runs |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for c, row in summary.items():
+        t, d = row["turbine"], row["dynamo"]
+        per = ", ".join(fmt(x, 2) for x in row["per_repeat_throughput_ratio"])
+        lines.append(f"| {c} | {fmt(t['output_tok_s'], 0)} | {fmt(d['output_tok_s'], 0)} | **{fmt(row['throughput_ratio'], 2)}** "
+                     f"| {fmt(t['ttft_p50_ms'])} / {fmt(d['ttft_p50_ms'])} | {fmt(t['ttft_p99_ms'])} / {fmt(d['ttft_p99_ms'])} "
+                     f"| {fmt(t['itl_p50_ms'], 2)} / {fmt(d['itl_p50_ms'], 2)} "
+                     f"| {fmt(t['frontend_cpu_ms_per_request'], 1)} / {fmt(d['frontend_cpu_ms_per_request'], 1)} "
+                     f"| {per} | {t['n_ok_runs']}/{d['n_ok_runs']} |")
+    lines += ["", "Per run:", "", "| repeat | system | C | ok | tok/s | TTFT p50 | TTFT p99 | ITL p50 | CPU s (per process) | wall s |",
+              "|---:|---|---:|---|---:|---:|---:|---:|---|---:|"]
+    for r in runs:
+        m = r.get("metrics") or {}
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("cpu_s") or {}).items() if v is not None)
+        lines.append(f"| {r['repeat']} | {r['system']} | {r['concurrency']} | {'yes' if r['ok'] else 'NO'} "
+                     f"| {fmt(m.get('output_tok_s'), 0)} | {fmt(m.get('ttft_p50_ms'))} | {fmt(m.get('ttft_p99_ms'))} "
+                     f"| {fmt(m.get('itl_p50_ms'), 2)} | {cpu} | {fmt(r.get('wall_s'), 0)} |")
+    return "\n".join(lines)
+
+
+def summarize_raw_stacks(raw: Path, top: int = 25) -> dict:
+    """py-spy --format raw: 'frame;frame;... count' lines.  Self and inclusive sample shares per function."""
+    self_c, incl_c, total = collections.Counter(), collections.Counter(), 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        n = int(n)
+        total += n
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        self_c[frames[-1]] += n
+        for f in set(frames):
+            incl_c[f] += n
+    return {"samples": total,
+            "self_top": [(f, round(100 * n / total, 1)) for f, n in self_c.most_common(top)] if total else [],
+            "inclusive_top": [(f, round(100 * n / total, 1)) for f, n in incl_c.most_common(top)] if total else []}
+
+
+def profile_turbine(a, run_dir: Path, out_dir: Path) -> dict:
+    wait_quiet()
+    st = start_turbine_stack(a, run_dir, "pyspy_turbine")
+    fe = next(p for p in st.procs if p.name.endswith("frontend"))
+    stamp = _dt.date.today().isoformat()
+    raw = out_dir / f"frontend_ceiling-pyspy-{stamp}.txt"
+    svg = out_dir / f"frontend_ceiling-pyspy-{stamp}.svg"
+    c = a.py_spy_concurrency
+    try:
+        res = {}
+        for i, (fmt_, path) in enumerate((("raw", raw), ("flamegraph", svg))):
+            spy = subprocess.Popen([a.py_spy, "record", "--pid", str(fe.popen.pid), "--duration", str(a.py_spy_seconds),
+                                    "--rate", "100", "--format", fmt_, "--output", str(path), "--nonblocking"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            time.sleep(1)
+            rec = run_point(a, st, c, -1 - i, run_dir, seed_offset=7 + i)
+            spy_out = spy.communicate(timeout=a.py_spy_seconds + 60)[0]
+            res[fmt_] = {"path": str(path), "pyspy_log": spy_out[-2000:], "point": rec["metrics"]}
+        res["summary"] = summarize_raw_stacks(raw) if raw.exists() else None
+        return res
+    finally:
+        st.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    today = _dt.date.today().isoformat()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--aiperf", required=True)
+    p.add_argument("--python", default=sys.executable, help="Turbine's python")
+    p.add_argument("--dynamo-python", default="/work/bench-tools/dynamo/bin/python",
+                   help="python of the venv with ai-dynamo 1.6.1 (see ../shared/peer/README.md)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 32])
+    p.add_argument("--isl", type=int, default=200)
+    p.add_argument("--osl", type=int, default=64)
+    p.add_argument("--min-requests", type=int, default=300,
+                   help="measured requests = max(this, --requests-multiplier × C); the peer's bench.sh used 100 / 10")
+    p.add_argument("--requests-multiplier", type=int, default=40)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--order", choices=("abab", "abba"), default="abba")
+    p.add_argument("--systems", default="turbine,dynamo")
+    p.add_argument("--dynamo-speedup", default="1000")
+    p.add_argument("--turbine-mocker-args", default="")
+    p.add_argument("--dynamo-mocker-args", default="")
+    p.add_argument("--py-spy", default=None, help="py-spy executable: profile Turbine's frontend afterwards")
+    p.add_argument("--py-spy-seconds", type=int, default=30)
+    p.add_argument("--py-spy-concurrency", type=int, default=32)
+    p.add_argument("--startup-timeout", type=float, default=180)
+    p.add_argument("--point-timeout", type=float, default=300)
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_ceiling-{today}.json"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    a.model = a.model or default_model(a.python)
+    systems = [s for s in a.systems.split(",") if s]
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log(f"logs under {run_dir}")
+    runs: list[dict] = []
+    failures = 0
+    started = time.time()
+    starters = {"turbine": start_turbine_stack, "dynamo": start_dynamo_stack}
+    try:
+        for rep in range(a.repeats):
+            order = systems if (a.order == "abab" or rep % 2 == 0) else list(reversed(systems))
+            for s in order:
+                tag = f"r{rep}_{s}"
+                wait_quiet()
+                log(f"repeat {rep + 1}/{a.repeats}: starting {s}")
+                st = None
+                try:
+                    st = starters[s](a, run_dir, tag)
+                    for c in a.concurrency:
+                        wait_quiet()
+                        rec = run_point(a, st, c, rep, run_dir)
+                        runs.append(rec)
+                        failures += not rec["ok"]
+                        if st.any_dead():
+                            raise RuntimeError(f"{tag}: a process died:\n{st.logs_tail()}")
+                except RuntimeError as e:
+                    failures += 1
+                    log(f"{tag}: {e}")
+                finally:
+                    if st is not None:
+                        st.stop()
+                    time.sleep(3)
+    except KeyboardInterrupt:
+        failures += 1
+        log("interrupted")
+    profile = None
+    if a.py_spy:
+        try:
+            profile = profile_turbine(a, run_dir, out.parent)
+        except Exception as e:  # noqa: BLE001 - the profile is extra; keep the measurement
+            log(f"py-spy profile failed: {e}")
+            profile = {"error": str(e)}
+    summary = summarize(runs, a.concurrency)
+    table = markdown(summary, runs)
+    print(table)
+    if profile and profile.get("summary"):
+        print("\npy-spy self time (% of samples):")
+        for f, pct in profile["summary"]["self_top"]:
+            print(f"  {pct:5.1f}  {f}")
+    result = {"benchmark": "turbine_frontend_ceiling", "date": _dt.datetime.now().isoformat(timespec="seconds"),
+              "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "versions": {"turbine_venv": versions(a.python),
+                           "dynamo_venv": subprocess.run([a.dynamo_python, "-c", "import importlib.metadata as m, json;"
+                                                          "print(json.dumps({d: m.version(d) for d in ('ai-dynamo', 'ai-dynamo-runtime')}))"],
+                                                         capture_output=True, text=True).stdout.strip()},
+              "config": vars(a), "work_dir": str(run_dir), "summary": summary, "runs": runs,
+              "py_spy": profile, "markdown": table}
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    log(f"wrote {out}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
