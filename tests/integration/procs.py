@@ -13,6 +13,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 ENGINE_FLAGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16"]
 
 
@@ -66,13 +68,22 @@ class Proc:
             return ""
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int | None:
+        """Stop the process, then any child it left behind (a SIGKILLed worker cannot stop its
+        engine process, which would otherwise idle on for the rest of the test run)."""
         if self.alive():
+            try:
+                children = psutil.Process(self.popen.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                children = []
             self.popen.send_signal(sig)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(10)
+            _, alive = psutil.wait_procs(children, timeout=10)
+            for child in alive:
+                child.kill()
         return self.popen.returncode
 
 

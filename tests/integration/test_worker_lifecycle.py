@@ -30,8 +30,14 @@ def _isolated(cluster, name: str, discovery_flags=(), worker_flags=()):
                           *worker_flags)
     frontend = start_frontend(f"{name}-frontend", cluster["env"], cluster["root"], "--namespace", name,
                               *discovery_flags)
-    wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, f"{name} ready", [worker, frontend])
-    wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, f"{name} visible", [worker, frontend])
+    try:
+        wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, f"{name} ready", [worker, frontend])
+        wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, f"{name} visible", [worker, frontend])
+    except BaseException:
+        # The test never gets them, so it cannot stop them: don't leave an engine running.
+        worker.stop(signal.SIGKILL)
+        frontend.stop()
+        raise
     return worker, frontend
 
 
