@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from dataclasses import dataclass, field
+
+from turbine.runtime.discovery import default_file_dir
 
 DEFAULT_NAMESPACE = "turbine"
 DISCOVERY_BACKENDS = ("file", "etcd")
@@ -14,7 +15,7 @@ DISCOVERY_BACKENDS = ("file", "etcd")
 @dataclass(frozen=True)
 class DiscoveryConfig:
     backend: str = "file"
-    file_dir: str = field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "turbine_discovery"))
+    file_dir: str = field(default_factory=default_file_dir)
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     ttl: float = 10.0
 
@@ -46,11 +47,8 @@ def discovery_config_from_args(args: argparse.Namespace, parser: argparse.Argume
     endpoints = tuple(e.strip().removeprefix("http://") for e in args.etcd_endpoints.split(",") if e.strip())
     if args.discovery_backend == "etcd" and not endpoints:
         parser.error("--etcd-endpoints is empty but --discovery-backend is etcd")
-    cfg = DiscoveryConfig(backend=args.discovery_backend, etcd_endpoints=endpoints, ttl=args.discovery_ttl)
-    if args.discovery_dir:
-        cfg = DiscoveryConfig(backend=cfg.backend, file_dir=args.discovery_dir,
-                              etcd_endpoints=endpoints, ttl=cfg.ttl)
-    return cfg
+    return DiscoveryConfig(backend=args.discovery_backend, file_dir=args.discovery_dir or default_file_dir(),
+                           etcd_endpoints=endpoints, ttl=args.discovery_ttl)
 
 
 def make_registry(cfg: DiscoveryConfig):

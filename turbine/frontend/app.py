@@ -347,9 +347,10 @@ class Frontend:
             content = []
             for e in entries:
                 s = piece(e.token_id)
+                tops = [(piece(t), lp) for t, lp in e.top]
                 content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())}
-                                                 for t, lp in e.top]})
+                                "top_logprobs": [{"token": ts, "logprob": lp, "bytes": list(ts.encode())}
+                                                 for ts, lp in tops]})
             return {"content": content}
         tokens = [piece(e.token_id) for e in entries]
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],

@@ -33,7 +33,6 @@ class ModelTable:
         self.models: dict[str, ServedModel] = {}
         self._tokenizers: dict[tuple[str, str | None], TextTokenizer] = {}
         self._routers: dict[str, Router] = {}
-        self.changed = asyncio.Event()
 
     async def run(self) -> None:
         async for instances, cards in self.registry.watch():
@@ -41,8 +40,6 @@ class ModelTable:
                 await self._apply(instances, cards)
             except Exception:  # a bad card must not stop the watcher
                 log.exception("could not apply discovery snapshot")
-            self.changed.set()
-            self.changed = asyncio.Event()
 
     async def _apply(self, instances: list[InstanceRecord], cards: list[ModelCard]) -> None:
         by_path = {rec.path: rec for rec in instances}

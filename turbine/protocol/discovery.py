@@ -47,5 +47,4 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     migration_limit: int = 0
     # Where this instance publishes its KV cache events ("tcp://host:port"); None: it doesn't.
     kv_events_address: str | None = None
-    eos_token_ids: list[int] = msgspec.field(default_factory=list)
     v: int = WIRE_VERSION
