@@ -55,7 +55,7 @@ class KvEventsConsumer:
 
     async def _run(self) -> None:
         while True:
-            payload = await self._sub.recv()
+            _topic, payload = await self._sub.recv()
             try:
                 batch = decode(payload, KvEventBatch)
             except DecodeError as exc:

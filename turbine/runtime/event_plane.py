@@ -19,23 +19,24 @@ from turbine.runtime.registration import advertised_address
 log = logging.getLogger("turbine.event_plane")
 
 KV_EVENTS_TOPIC = b"kv-events"
+LOAD_METRICS_TOPIC = b"load-metrics"
 SEND_HWM = 100_000  # queued messages per subscriber before PUB drops
 
 
 class EventPublisher:
-    def __init__(self, host: str = "127.0.0.1", topic: bytes = KV_EVENTS_TOPIC,
-                 context: zmq.Context | None = None):
+    """One per worker process side (one address in its model card), shared by every topic it publishes."""
+
+    def __init__(self, host: str = "127.0.0.1", context: zmq.Context | None = None):
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = "tcp://" + advertised_address(f"{host}:{port}")
-        self._topic = topic
 
-    def publish(self, message: msgspec.Struct) -> None:
+    def publish(self, topic: bytes, message: msgspec.Struct) -> None:
         try:
-            self._sock.send_multipart([self._topic, encode(message)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([topic, encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:  # no room: dropped, and the event id gap tells subscribers
             pass
 
@@ -44,10 +45,11 @@ class EventPublisher:
 
 
 class EventSubscriber:
-    def __init__(self, topic: bytes = KV_EVENTS_TOPIC):
+    def __init__(self, topics: tuple[bytes, ...] = (KV_EVENTS_TOPIC,)):
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        for topic in topics:
+            self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         self._sock.setsockopt(zmq.RCVHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.addresses: set[str] = set()
@@ -65,9 +67,10 @@ class EventSubscriber:
             except zmq.ZMQError:
                 pass
 
-    async def recv(self) -> bytes:
-        _topic, payload = await self._sock.recv_multipart()
-        return payload
+    async def recv(self) -> tuple[bytes, bytes]:
+        """The next (topic, payload)."""
+        topic, payload = await self._sock.recv_multipart()
+        return topic, payload
 
     def close(self) -> None:
         self._sock.close()
