@@ -43,7 +43,7 @@ async def test_no_reachable_worker_is_503(tokenizer):
     model = served(tokenizer, [instance("a", closed_port_address()), instance("b", closed_port_address())])
     client = RequestPlaneClient(connect_timeout=1.0)
     gen = Generation(model, client, request(), stop=[], include_stop_str_in_output=False,
-                     skip_special_tokens=True, metrics=FrontendMetrics())
+                     skip_special_tokens=True, metrics=FrontendMetrics().of("m"))
     with pytest.raises(RequestError) as info:
         async for _ in gen.events():
             pass
@@ -66,7 +66,7 @@ async def test_unreachable_instance_is_skipped(tokenizer):
     try:
         for _ in range(2):  # whichever the round-robin picks first, the request succeeds
             gen = Generation(model, client, request(), stop=[], include_stop_str_in_output=False,
-                             skip_special_tokens=True, metrics=FrontendMetrics())
+                             skip_special_tokens=True, metrics=FrontendMetrics().of("m"))
             text = "".join([d.text async for d in gen.events()])
             assert text == "Hello"
             assert gen.usage.completion_tokens == len(hello)

@@ -1,3 +1,4 @@
+import asyncio
 import json
 import subprocess
 import sys
@@ -139,6 +140,7 @@ def test_malformed_messages_are_rejected(tokenizer, messages):
 def test_encode_decode_match_transformers(tokenizer, hf, text, add_special_tokens):
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     assert ids == hf.encode(text, add_special_tokens=add_special_tokens)
+    assert asyncio.run(tokenizer.encode_off_loop(text, add_special_tokens=add_special_tokens)) == ids
     for skip in (True, False):
         assert tokenizer.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 

@@ -16,11 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbine.config import DiscoveryConfig, make_registry
 from turbine.frontend.generation import ChoiceDelta, Generation, WorkerFailed
+from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.models import ModelTable, ServedModel
 from turbine.frontend.openai_schemas import (
@@ -78,17 +79,36 @@ class Frontend:
             await self.client.close()
             await self.registry.backend.close()
 
-    def app(self) -> Starlette:
+    def app(self):
+        """The ASGI app. The two generation routes are served here directly; the rest (and
+        the lifespan) by Starlette. Generation responses carry one write per token or so,
+        and Starlette's middleware would wrap every one of those writes twice."""
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self.lifespan,
-                         exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+        others = Starlette(routes=routes, lifespan=self.lifespan,
+                           exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+        generation_routes = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+        async def app(scope, receive, send):
+            kind = generation_routes.get(scope["path"]) if scope["type"] == "http" else None
+            if kind is None:
+                return await others(scope, receive, send)
+            request = Request(scope, receive)
+            if scope["method"] != "POST":
+                response = _error(405, f"{scope['path']} takes POST", "invalid_request_error")
+                response.headers["allow"] = "POST"
+            else:
+                try:
+                    response = await self._serve(request, kind)
+                except Exception as exc:
+                    response = await self._internal_error(request, exc)
+            await response(scope, receive, send)
+
+        return app
 
     async def _http_error(self, request: Request, exc: HTTPException):
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -121,12 +141,6 @@ class Frontend:
         return JSONResponse({"object": "list", "data": data})
 
     # -- generation endpoints ----------------------------------------------------------
-    async def chat_completions(self, request: Request):
-        return await self._serve(request, "chat")
-
-    async def completions(self, request: Request):
-        return await self._serve(request, "completions")
-
     async def _serve(self, request: Request, kind: str):
         model_name = "-"
         try:
@@ -141,8 +155,8 @@ class Frontend:
                 validate_completion(req)
             model = self._model(req.model, kind)
             model_name = model.name
-            gen = self._generation(model, req, kind)
-            self.metrics.input_tokens.labels(model_name).inc(len(gen.request.token_ids))
+            gen = await self._generation(model, req, kind)
+            gen.metrics.input_tokens.inc(len(gen.request.token_ids))
             if req.stream:
                 response = await self._stream(gen, req, kind)
             else:
@@ -190,19 +204,21 @@ class Frontend:
             raise RequestError(f"the model {name!r} does not serve {kind} requests", param="model")
         return model
 
-    def _generation(self, model: ServedModel, req, kind: str) -> Generation:
+    async def _generation(self, model: ServedModel, req, kind: str) -> Generation:
         tok = model.tokenizer
         if kind == "chat":
             try:
-                token_ids = tok.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                            tools=req.tools, **(req.chat_template_kwargs or {}))
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                               tools=req.tools, **(req.chat_template_kwargs or {}))
             except ValueError as exc:
                 raise RequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+            # The template writes BOS and friends itself: no post-processor on top.
+            token_ids = await tok.encode_off_loop(text, add_special_tokens=False)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             prompt = prompt_of(req)
-            token_ids = tok.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+            token_ids = await tok.encode_off_loop(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
             max_tokens = req.max_tokens
             logprobs = req.logprobs
             vocab = tok.vocab_size
@@ -238,7 +254,7 @@ class Frontend:
         )
         return Generation(model, self.client, gen_req, stop=stop_list(req.stop),
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          skip_special_tokens=req.skip_special_tokens, metrics=self.metrics)
+                          skip_special_tokens=req.skip_special_tokens, metrics=self.metrics.of(model.name))
 
     async def _complete(self, gen: Generation, req, kind: str) -> JSONResponse:
         n = gen.request.sampling.n
@@ -246,7 +262,7 @@ class Frontend:
         logprobs = [[] for _ in range(n)]
         finish = [None] * n
         started = time.monotonic()
-        self.metrics.inflight.labels(gen.model.name).inc()
+        gen.metrics.inflight.inc()
         try:
             async for delta in gen.events():
                 texts[delta.index].append(delta.text)
@@ -254,8 +270,8 @@ class Frontend:
                 if delta.finish_reason:
                     finish[delta.index] = delta.finish_reason
         finally:
-            self.metrics.inflight.labels(gen.model.name).dec()
-            self.metrics.duration.labels(gen.model.name).observe(time.monotonic() - started)
+            gen.metrics.inflight.dec()
+            gen.metrics.duration.observe(time.monotonic() - started)
         choices = []
         for i in range(n):
             text = "".join(texts[i])
@@ -278,16 +294,19 @@ class Frontend:
         # (or no reachable worker) still become a proper HTTP status.
         first = await anext(events, None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        rid, created, name = self._response_id(gen, kind), int(time.time()), gen.model.name
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         with_logprobs = gen.request.output.logprobs is not None
-        metrics = self.metrics
+        metrics = gen.metrics
+        # Every chunk shares its head and tail: encode them once.
+        head = _json.encode({"id": self._response_id(gen, kind), "object": obj, "created": int(time.time()),
+                             "model": gen.model.name})
+        prefix = b"data: " + head[:-1] + b',"choices":'
+        tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
         def chunk(choices, usage=None) -> bytes:
-            body = {"id": rid, "object": obj, "created": created, "model": name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return b"data: " + _json.encode(body) + b"\n\n"
+            if usage is not None:
+                return prefix + _json.encode(choices) + b',"usage":' + _json.encode(usage) + b"}\n\n"
+            return prefix + _json.encode(choices) + tail
 
         def choice(delta: ChoiceDelta) -> dict:
             lp = self._format_logprobs(gen, delta.logprobs, kind) if with_logprobs else None
@@ -298,7 +317,7 @@ class Frontend:
 
         async def body():
             started = time.monotonic()
-            metrics.inflight.labels(name).inc()
+            metrics.inflight.inc()
             completed = False
             try:
                 if kind == "chat":
@@ -318,15 +337,14 @@ class Frontend:
                 yield b"data: " + _json.encode(err) + b"\n\n"
                 completed = True
             finally:
-                metrics.inflight.labels(name).dec()
-                metrics.duration.labels(name).observe(time.monotonic() - started)
+                metrics.inflight.dec()
+                metrics.duration.observe(time.monotonic() - started)
                 if not completed:
-                    metrics.disconnects.labels(name).inc()
+                    metrics.disconnects.inc()
                 await events.aclose()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStreamResponse(body(), more_ready=lambda: gen.output_ready() or all(gen.finished))
 
     @staticmethod
     def _response_id(gen: Generation, kind: str) -> str:
@@ -334,7 +352,7 @@ class Frontend:
 
     def _usage(self, gen: Generation) -> dict:
         u = gen.usage
-        self.metrics.cached_tokens.labels(gen.model.name).inc(u.cached_tokens)
+        gen.metrics.cached_tokens.inc(u.cached_tokens)
         return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

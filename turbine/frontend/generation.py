@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from turbine.frontend.detokenizer import IncrementalDetokenizer
-from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.models import ServedModel
 from turbine.frontend.openai_schemas import RequestError
 from turbine.protocol.generate import GenerateOutput, GenerateRequest
@@ -47,7 +47,7 @@ class WorkerFailed(Exception):
 
 class Generation:
     def __init__(self, model: ServedModel, client, request: GenerateRequest, *, stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool, metrics: FrontendMetrics):
+                 include_stop_str_in_output: bool, skip_special_tokens: bool, metrics: ModelMetrics):
         self.model = model
         self.client = client
         self.request = request
@@ -95,9 +95,13 @@ class Generation:
             self._stream = stream
             return first
 
+    def output_ready(self) -> bool:
+        """Whether the worker's next output has already arrived (so the next event comes
+        without waiting): lets a writer put several events into one network write."""
+        return self._stream is not None and self._stream.buffered > 0
+
     async def events(self) -> AsyncIterator[ChoiceDelta]:
         start = time.monotonic()
-        name = self.model.name
         chunk = await self._open()
         first_token_at = last_token_at = None
         try:
@@ -111,10 +115,10 @@ class Generation:
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now
-                        self.metrics.ttft.labels(name).observe(now - start)
+                        self.metrics.ttft.observe(now - start)
                         self.model.router.first_token(self.request.request_id)
                     elif last_token_at is not None:
-                        self.metrics.itl.labels(name).observe((now - last_token_at) / len(chunk.token_ids))
+                        self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
                     last_token_at = now
                 delta = self._apply(chunk)
                 if delta is not None:
@@ -131,7 +135,7 @@ class Generation:
             # Closing early (stop string, client gone, error) cancels the worker's request.
             self.model.router.finished(self.request.request_id)
             await self._stream.aclose()
-            self.metrics.output_tokens.labels(name).inc(self.usage.completion_tokens)
+            self.metrics.output_tokens.inc(self.usage.completion_tokens)
 
     def _apply(self, chunk: GenerateOutput) -> ChoiceDelta | None:
         i = chunk.index

@@ -39,3 +39,26 @@ class FrontendMetrics:
                                        ["model"], registry=r)
         self.disconnects = Counter("turbine_frontend_disconnected_clients", "clients gone before the end",
                                    ["model"], registry=r)
+        self._models: dict[str, ModelMetrics] = {}
+
+    def of(self, model: str) -> ModelMetrics:
+        """The model's bound metrics (made on first use)."""
+        bound = self._models.get(model)
+        if bound is None:
+            bound = self._models[model] = ModelMetrics(self, model)
+        return bound
+
+
+class ModelMetrics:
+    """One model's label children, bound once: `labels()` is a dict lookup under a lock, too
+    much to pay per streamed token."""
+
+    def __init__(self, m: FrontendMetrics, model: str):
+        self.inflight = m.inflight.labels(model)
+        self.ttft = m.ttft.labels(model)
+        self.itl = m.itl.labels(model)
+        self.duration = m.duration.labels(model)
+        self.input_tokens = m.input_tokens.labels(model)
+        self.output_tokens = m.output_tokens.labels(model)
+        self.cached_tokens = m.cached_tokens.labels(model)
+        self.disconnects = m.disconnects.labels(model)

@@ -8,6 +8,8 @@ vLLM's OpenAI server feeds its engine.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -78,6 +80,14 @@ class TextTokenizer:
         """Token ids of plain text. `add_special_tokens` runs the tokenizer's post-processor
         (e.g. a BOS prefix); pass False for text that already carries its special tokens."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` in a worker thread, so that a long prompt does not stall the event loop
+        (and the tokens of every other stream). `encode_batch` releases the GIL where
+        `encode` does not, so the thread really runs beside the loop."""
+        batch = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens))
+        return batch[0].ids
 
     def encode_chat(
         self,

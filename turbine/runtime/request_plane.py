@@ -425,6 +425,11 @@ class ResponseStream(Generic[T]):
     def __aiter__(self) -> ResponseStream[T]:
         return self
 
+    @property
+    def buffered(self) -> int:
+        """Frames received and not yet taken: that many next() calls return without waiting."""
+        return len(self._frames)
+
     async def __anext__(self) -> T:
         if self._conn is None and not self._finished:
             try:
