@@ -3,6 +3,7 @@ when none is left the request gets 503; a real request-plane server stands in fo
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -13,7 +14,7 @@ from turbine.frontend.models import ServedModel
 from turbine.frontend.openai_schemas import RequestError
 from turbine.frontend.router import RandomRouter, RoundRobinRouter, RouterConfig, make_router
 from turbine.protocol.discovery import InstanceRecord, ModelCard
-from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions, Usage
+from turbine.protocol.generate import GenerateOutput, GenerateRequest, OutputOptions, StopConditions, Usage
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
 
 
@@ -70,6 +71,46 @@ async def test_unreachable_instance_is_skipped(tokenizer):
             text = "".join([d.text async for d in gen.events()])
             assert text == "Hello"
             assert gen.usage.completion_tokens == len(hello)
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_outputs_that_arrive_together_are_merged(tokenizer):
+    """A burst of one-token outputs becomes fewer deltas with the same text; with logprobs
+    every token keeps its own delta."""
+    words = tokenizer.encode(" one two three four five six", add_special_tokens=False)
+    burst = asyncio.Event()
+
+    async def generate(req, ctx):
+        await burst.wait()  # all outputs are sent in one go, before the reader looks
+        for i, t in enumerate(words):
+            last = i == len(words) - 1
+            yield GenerateOutput(token_ids=[t], finish_reason="length" if last else None,
+                                 log_probs=[-0.5] if req.output.logprobs is not None else None,
+                                 usage=Usage(prompt_tokens=3, completion_tokens=len(words)) if last else None)
+
+    server = RequestPlaneServer()
+    server.register("generate", GenerateRequest, generate)
+    await server.start()
+    model = served(tokenizer, [instance("live", server.address)])
+    client = RequestPlaneClient(connect_timeout=1.0)
+    try:
+        for logprobs in (None, 0):
+            burst.clear()
+            req = GenerateRequest(request_id=f"r-{logprobs}", model="m", token_ids=[1, 2, 3],
+                                  stop=StopConditions(max_tokens=len(words)), output=OutputOptions(logprobs=logprobs))
+            gen = Generation(model, client, req, stop=[], include_stop_str_in_output=False,
+                             skip_special_tokens=True, metrics=FrontendMetrics().of("m"))
+            events = gen.events()
+            asyncio.get_running_loop().call_later(0.2, burst.set)
+            deltas = [d async for d in events]
+            assert "".join(d.text for d in deltas) == " one two three four five six"
+            assert deltas[-1].finish_reason == "length"
+            if logprobs is None:
+                assert len(deltas) < len(words)
+            else:
+                assert len(deltas) == len(words)
     finally:
         await client.close()
         await server.stop()

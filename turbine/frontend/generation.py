@@ -4,6 +4,7 @@ stop strings, and count usage. Formatting (chat vs completions, SSE vs JSON) is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -101,6 +102,25 @@ class Generation:
         return self._stream is not None and self._stream.buffered > 0
 
     async def events(self) -> AsyncIterator[ChoiceDelta]:
+        """The request's text deltas. Outputs that arrived together are merged into one delta
+        per choice (as vLLM's server does when it falls behind): the client gets the same
+        text, sooner, in fewer events, and neither side formats and parses one per token."""
+        held: ChoiceDelta | None = None
+        async with contextlib.aclosing(self._deltas()) as deltas:  # closing us cancels the request now
+            async for delta in deltas:
+                if held is not None and _mergeable(held, delta):
+                    held = ChoiceDelta(held.index, held.text + delta.text, finish_reason=delta.finish_reason)
+                else:
+                    if held is not None:
+                        yield held
+                    held = delta
+                if not self.output_ready():
+                    yield held
+                    held = None
+        if held is not None:
+            yield held
+
+    async def _deltas(self) -> AsyncIterator[ChoiceDelta]:
         start = time.monotonic()
         chunk = await self._open()
         first_token_at = last_token_at = None
@@ -161,3 +181,8 @@ class Generation:
         if delta.finish_reason is not None:
             self.finished[i] = True
         return delta
+
+
+def _mergeable(held: ChoiceDelta, delta: ChoiceDelta) -> bool:
+    return (held.index == delta.index and held.finish_reason is None
+            and not held.logprobs and not delta.logprobs)
