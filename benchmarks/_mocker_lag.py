@@ -30,8 +30,8 @@ _last_step_ms = [0.0]
 _orig_step_ms = TimingProfile.step_ms
 
 
-def _step_ms_recorded(self, prefill_tokens: int, decode_seqs: int, decode_kv_tokens: int) -> float:
-    ms = _orig_step_ms(self, prefill_tokens, decode_seqs, decode_kv_tokens)
+def _step_ms_recorded(self, *args) -> float:
+    ms = _orig_step_ms(self, *args)
     _last_step_ms[0] = ms
     return ms
 

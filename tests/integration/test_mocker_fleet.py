@@ -165,7 +165,7 @@ def test_calibrate_measures_a_workers_step_times(mockers, tmp_path):
     out = tmp_path / "fitted.json"
     cmd = [sys.executable, "-m", "turbine.cli", "mocker", "calibrate", "--model", TARGET, "--output", str(out),
            "--prompt-lens", "32,256,512", "--repeats", "2", "--batch-sizes", "1,8",
-           "--decode-prompt-lens", "64,512", "--decode-tokens", "24"]
+           "--decode-prompt-lens", "64,512", "--decode-tokens", "24", "--cached-prefix-lens", "256"]
     result = subprocess.run(cmd, env=mockers["env"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     fitted = load_profile(out)
@@ -173,7 +173,7 @@ def test_calibrate_measures_a_workers_step_times(mockers, tmp_path):
     # Here: the command measured a live worker over the request plane and wrote a usable
     # profile whose shape follows the target's (a 512-token prefill costs ~8x a 32-token one).
     assert all(v >= 0 for v in msgspec.structs.asdict(fitted).values() if isinstance(v, (int, float)))
-    assert fitted.step_ms(512, 0, 0) > 2 * fitted.step_ms(32, 0, 0)
+    assert fitted.step_ms(512, 512 * 256, 0, 0) > 2 * fitted.step_ms(32, 32 * 16, 0, 0)
 
 
 def test_sigterm_unregisters_every_worker_and_exits_cleanly(mockers):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -87,7 +88,7 @@ def run_until_idle(sched: Scheduler, timing: TimingProfile | None = None, mirror
         if not sched.has_work():
             return ttft
         step = sched.schedule()
-        now += timing.step_ms(step.prefill_tokens, step.decode_seqs, step.decode_kv_tokens)
+        now += timing.step_ms(step.prefill_tokens, step.prefill_pairs, step.decode_seqs, step.decode_kv_tokens)
         for out in sched.complete(step):
             ttft.setdefault(out.seq, now)
         if mirror is not None:
@@ -178,6 +179,33 @@ def test_shared_prefix_reports_cached_full_blocks_and_a_shorter_ttft():
     sched.add(again)
     run_until_idle(sched, mirror=mirror)
     assert again.num_cached_tokens == 24
+
+
+def test_new_tokens_on_a_cached_prefix_pay_for_attending_to_it():
+    """A prefill's cost grows with the cached context it attends to (the real engine's TTFT
+    for 158 new tokens rose from 232 to 314 ms on a 512-token cached prefix), and a batch
+    of prompts is charged per sequence, not as one long sequence."""
+    timing = TimingProfile(step_base_ms=0, prefill_ms_per_token=1.0, prefill_ms_per_token_pair=0.01,
+                           decode_ms_per_seq=0, decode_ms_per_kv_token=0)
+    sched, mirror = make_scheduler(512, 16, budget=4096)
+    prefix = list(range(1000, 1512))  # 32 full blocks
+    sched.add(make_seq(prefix, max_tokens=1))
+    run_until_idle(sched, timing, mirror)
+    on_prefix = make_seq(prefix + list(range(2000, 2128)), max_tokens=1)
+    alone = make_seq(list(range(3000, 3128)), max_tokens=1)
+    sched.add(on_prefix)
+    ttft_on_prefix = run_until_idle(sched, timing, mirror)[on_prefix]
+    sched.add(alone)
+    ttft_alone = run_until_idle(sched, timing, mirror)[alone]
+    assert on_prefix.num_cached_tokens == 512
+    assert ttft_on_prefix == pytest.approx(128 + 0.01 * 128 * (512 + 64))
+    assert ttft_alone == pytest.approx(128 + 0.01 * 128 * 64)
+
+    pair = [make_seq(list(range(4000 + 1000 * i, 4128 + 1000 * i)), max_tokens=1) for i in range(2)]
+    for seq in pair:
+        sched.add(seq)
+    ttfts = run_until_idle(sched, timing, mirror)
+    assert ttfts[pair[0]] == pytest.approx(2 * ttft_alone)  # one step, two 128-token prompts
 
 
 def test_without_prefix_caching_nothing_is_reused():

@@ -165,9 +165,9 @@ def test_timing_profile_file(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text('{"step_base_ms": 5, "prefill_ms_per_token": 0.5, "source": "test"}')
     profile = load_profile(path)
-    assert profile.step_ms(prefill_tokens=10, decode_seqs=0, decode_kv_tokens=0) == 10.0
+    assert profile.step_ms(prefill_tokens=10, prefill_pairs=0, decode_seqs=0, decode_kv_tokens=0) == 10.0
     assert profile.decode_ms_per_seq == TimingProfile().decode_ms_per_seq  # unset: the default
-    assert profile.step_ms(0, 0, 0) == 0.0
+    assert profile.step_ms(0, 0, 0, 0) == 0.0
     for bad, words in (('{"step_base_ms": 5, "typo_ms": 1}', "typo_ms"), ('{"step_base_ms": -1}', ">= 0"),
                        ('{"step_base_ms": "fast"}', "step_base_ms")):
         path.write_text(bad)

@@ -4,6 +4,8 @@ It finds one live instance of the model in discovery and calls its `generate` en
 directly over the request plane, so the frontend's overhead is not counted as the engine's:
 - prefill: one request at a time, max_tokens 1, a fresh random prompt of each length (so no
   prefix-cache hit); the time to first token is one step with P = the prompt length;
+- prefill on a cached prefix: a prompt of C tokens (whole KV blocks) is sent first, then the
+  same C tokens followed by P fresh ones: one step computing P tokens on top of C cached;
 - decode: B requests at once with P-token prompts, ignore_eos; once all B decode together,
   the median gap between tokens is one step with B sequences and K = B x their context.
 A least-squares fit of TimingProfile's coefficients (kept >= 0) over all measurements is
@@ -25,12 +27,12 @@ import msgspec
 
 from turbine.config import add_discovery_args, discovery_config_from_args, make_registry
 from turbine.mocker.model_info import read_model_info
-from turbine.mocker.timing import TimingProfile
+from turbine.mocker.timing import TimingProfile, attention_pairs
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
 from turbine.runtime.request_plane import RequestPlaneClient
 
-COEFFICIENTS = ("step_base_ms", "prefill_ms_per_token", "prefill_ms_per_token_squared", "decode_ms_per_seq",
+COEFFICIENTS = ("step_base_ms", "prefill_ms_per_token", "prefill_ms_per_token_pair", "decode_ms_per_seq",
                 "decode_ms_per_kv_token")
 
 
@@ -40,12 +42,13 @@ class Measurement:
 
     ms: float
     prefill_tokens: int = 0
+    cached_tokens: int = 0  # already in the cache when the prefill_tokens were computed
     decode_seqs: int = 0
     decode_kv_tokens: int = 0
 
     def features(self) -> list[float]:
-        p = float(self.prefill_tokens)
-        return [1.0, p, p * p, float(self.decode_seqs), float(self.decode_kv_tokens)]
+        return [1.0, float(self.prefill_tokens), attention_pairs(self.prefill_tokens, self.cached_tokens),
+                float(self.decode_seqs), float(self.decode_kv_tokens)]
 
 
 def fit(measurements: list[Measurement]) -> dict[str, float]:
@@ -93,9 +96,12 @@ class Prober:
         self.client = RequestPlaneClient()
         self.rng = random.Random(0)
 
-    def _request(self, prompt_len: int, max_tokens: int) -> GenerateRequest:
+    def _prompt(self, length: int) -> list[int]:
         # Random ids away from the (usually low) special tokens: no two prompts share a prefix.
-        prompt = [self.rng.randrange(1000, self.vocab_size) for _ in range(prompt_len)]
+        return [self.rng.randrange(1000, self.vocab_size) for _ in range(length)]
+
+    def _request(self, prompt_len: int, max_tokens: int, prefix: list[int] = ()) -> GenerateRequest:
+        prompt = [*prefix, *self._prompt(prompt_len)]
         return GenerateRequest(request_id=f"calibrate-{uuid.uuid4().hex[:8]}", model="", token_ids=prompt,
                                stop=StopConditions(max_tokens=max_tokens, ignore_eos=True))
 
@@ -110,10 +116,13 @@ class Prober:
                 arrivals.append((time.monotonic(), len(chunk.token_ids)))
         return arrivals
 
-    async def prefill(self, prompt_len: int) -> Measurement:
+    async def prefill(self, prompt_len: int, cached_len: int = 0) -> Measurement:
+        prefix = self._prompt(cached_len)
+        if prefix:
+            await self._arrivals(self._request(0, 1, prefix))  # now its whole blocks are cached
         started = time.monotonic()
-        arrivals = await self._arrivals(self._request(prompt_len, 1))
-        return Measurement(ms=(arrivals[0][0] - started) * 1000, prefill_tokens=prompt_len)
+        arrivals = await self._arrivals(self._request(prompt_len, 1, prefix))
+        return Measurement(ms=(arrivals[0][0] - started) * 1000, prefill_tokens=prompt_len, cached_tokens=cached_len)
 
     async def decode(self, batch: int, prompt_len: int, tokens: int) -> Measurement:
         streams = await asyncio.gather(*(self._arrivals(self._request(prompt_len, tokens)) for _ in range(batch)))
@@ -153,6 +162,14 @@ async def calibrate(args) -> TimingProfile:
         runs = [await prober.prefill(prompt_len) for _ in range(args.repeats)]
         measurements.append(min(runs, key=lambda m: m.ms))
         print(f"prefill {prompt_len:6d} tokens: {measurements[-1].ms:8.1f} ms", file=sys.stderr)
+    for cached_len in args.cached_prefix_lens:
+        cached_len -= cached_len % card.kv_block_size  # only whole blocks are cached
+        prompt_len = args.cached_prefill_len
+        if not cached_len or cached_len + prompt_len > card.context_length - 2:
+            continue
+        runs = [await prober.prefill(prompt_len, cached_len) for _ in range(args.repeats)]
+        measurements.append(min(runs, key=lambda m: m.ms))
+        print(f"prefill {prompt_len:6d} tokens on {cached_len} cached: {measurements[-1].ms:8.1f} ms", file=sys.stderr)
     for batch in (b for b in args.batch_sizes if b <= card.max_num_seqs):
         for prompt_len in args.decode_prompt_lens:
             m = await prober.decode(batch, prompt_len, args.decode_tokens)
@@ -184,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill sweep: prompt lengths (longer than one step's budget are skipped)")
     p.add_argument("--repeats", type=int, default=3, help="prefill runs per length; the fastest counts")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="decode sweep: concurrent requests")
-    p.add_argument("--decode-prompt-lens", type=_int_list, default=[64, 512],
+    p.add_argument("--cached-prefix-lens", type=_int_list, default=[512, 1024],
+                   help="prefill on a cached prefix: prefix lengths (rounded down to whole KV blocks)")
+    p.add_argument("--cached-prefill-len", type=int, default=128,
+                   help="prefill on a cached prefix: fresh tokens after the prefix")
+    p.add_argument("--decode-prompt-lens", type=_int_list, default=[64, 512, 1024],
                    help="decode sweep: prompt lengths (they set the KV tokens read per step)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request")
     add_discovery_args(p)

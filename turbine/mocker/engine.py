@@ -52,7 +52,8 @@ class MockEngine:
                 next_start = loop.time()
             step = scheduler.schedule()
             if self.speedup_ratio > 0:
-                ms = self.timing.step_ms(step.prefill_tokens, step.decode_seqs, step.decode_kv_tokens)
+                ms = self.timing.step_ms(step.prefill_tokens, step.prefill_pairs, step.decode_seqs,
+                                         step.decode_kv_tokens)
                 next_start = max(next_start + ms / 1000 / self.speedup_ratio, loop.time() - MAX_CATCH_UP_S)
                 await asyncio.sleep(next_start - loop.time())
             else:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from turbine.mocker.kv_cache import BlockPool, block_hash
+from turbine.mocker.timing import attention_pairs
 from turbine.mocker.tokens import Choice, TokenSampler
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -52,6 +53,7 @@ class Step:
 
     scheduled: list[tuple[Sequence, int]]  # (sequence, tokens computed for it in this step)
     prefill_tokens: int  # tokens of prompts (or recomputed sequences) in this step
+    prefill_pairs: float  # their attention work: sum of p * (c + p/2), see timing.py
     decode_seqs: int  # sequences computing just their last sampled token
     decode_kv_tokens: int  # context length summed over those sequences
 
@@ -130,13 +132,15 @@ class Scheduler:
             budget -= n
 
         prefill_tokens = decode_seqs = decode_kv_tokens = 0
+        prefill_pairs = 0.0
         for seq, n in scheduled:
             if n == 1 and seq.num_output_tokens and seq.num_computed == len(seq.tokens) - 1:
                 decode_seqs += 1
                 decode_kv_tokens += len(seq.tokens)
             else:
                 prefill_tokens += n
-        return Step(scheduled, prefill_tokens, decode_seqs, decode_kv_tokens)
+                prefill_pairs += attention_pairs(n, seq.num_computed)
+        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens)
 
     def complete(self, step: Step) -> list[SeqOutput]:
         """Apply a planned step: advance each sequence, sample, and finish those that stop.

@@ -1,18 +1,19 @@
 """How long a simulated forward pass takes.
 
     step_ms = step_base_ms
-            + prefill_ms_per_token * P + prefill_ms_per_token_squared * P**2
+            + prefill_ms_per_token * P + prefill_ms_per_token_pair * A
             + decode_ms_per_seq * B + decode_ms_per_kv_token * K
 
-P: prompt tokens computed in the step (prefix-cache hits are not computed, so they cost
-nothing); B: sequences decoding one token; K: their context lengths summed (attention
-reads the whole KV of each). An empty step takes no time.
+P: prompt tokens computed in the step (prefix-cache hits are not computed); A: the
+attention work of those tokens, sum over sequences of p * (c + p / 2) for p new tokens on
+top of c tokens already in the cache (each new token attends to the cached context and to
+the new tokens before it; attention is quadratic per sequence, not over the whole batch);
+B: sequences decoding one token; K: their context lengths summed (attention reads the whole
+KV of each). An empty step takes no time.
 
-The defaults model vLLM's CPU backend serving SmolLM2-135M on 2 cores. step_base_ms and
-prefill_ms_per_token come from one measured point (aiperf at concurrency 1, 286 prompt
-tokens, 64 output tokens, prefix caching off: TTFT p50 about 430 ms, ITL p50 about 35 ms);
-the batch, KV and quadratic terms are not measured yet (guesses). A profile JSON file
-(`--profile`) replaces any of them.
+The defaults model vLLM's CPU backend serving SmolLM2-135M on 2 cores (a calibrated profile
+from `turbine mocker calibrate`, 2026-11-25). A profile JSON file (`--profile`) replaces any
+of them.
 """
 
 from __future__ import annotations
@@ -23,30 +24,40 @@ import msgspec
 
 
 class TimingProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    step_base_ms: float = 31.0
-    prefill_ms_per_token: float = 1.4
-    prefill_ms_per_token_squared: float = 0.0
-    decode_ms_per_seq: float = 2.0
-    decode_ms_per_kv_token: float = 0.005
-    source: str = "built-in defaults (vLLM CPU, SmolLM2-135M, 2 cores; partly guessed)"
+    step_base_ms: float = 27.31
+    prefill_ms_per_token: float = 1.199
+    prefill_ms_per_token_pair: float = 0.000788
+    decode_ms_per_seq: float = 1.346
+    decode_ms_per_kv_token: float = 0.00467
+    source: str = "built-in defaults (vLLM CPU, SmolLM2-135M, 2 cores; calibrated 2026-11-25)"
 
-    def step_ms(self, prefill_tokens: int, decode_seqs: int, decode_kv_tokens: int) -> float:
+    def step_ms(self, prefill_tokens: int, prefill_pairs: float, decode_seqs: int, decode_kv_tokens: int) -> float:
         if not prefill_tokens and not decode_seqs:
             return 0.0
         return (self.step_base_ms
                 + self.prefill_ms_per_token * prefill_tokens
-                + self.prefill_ms_per_token_squared * prefill_tokens * prefill_tokens
+                + self.prefill_ms_per_token_pair * prefill_pairs
                 + self.decode_ms_per_seq * decode_seqs
                 + self.decode_ms_per_kv_token * decode_kv_tokens)
+
+
+def attention_pairs(new_tokens: int, cached_tokens: int) -> float:
+    """Token pairs attended when `new_tokens` are computed on top of `cached_tokens`."""
+    return new_tokens * (cached_tokens + new_tokens / 2)
 
 
 def load_profile(path: str | Path) -> TimingProfile:
     """Read a profile JSON: an object with any of TimingProfile's fields (others are errors)."""
     try:
-        profile = msgspec.json.decode(Path(path).read_bytes(), type=TimingProfile)
+        raw = msgspec.json.decode(Path(path).read_bytes())
+        if isinstance(raw, dict) and "prefill_ms_per_token_squared" in raw:
+            # Profiles fitted before 2026-11-26 charged P² for a step's P prompt tokens; they
+            # were measured on one prompt at a time, where P² = 2 × its attention pairs.
+            raw.setdefault("prefill_ms_per_token_pair", 2 * raw.pop("prefill_ms_per_token_squared"))
+        profile = msgspec.convert(raw, TimingProfile)
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    except msgspec.DecodeError as exc:  # ValidationError included
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
     for name in TimingProfile.__struct_fields__:
         value = getattr(profile, name)
