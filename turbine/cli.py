@@ -1,4 +1,4 @@
-"""The `turbine` command: serve, frontend, worker, mocker, model."""
+"""The `turbine` command: serve, frontend, worker, mocker, router, model."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ commands:
   worker     a vLLM worker (same as python -m turbine.vllm)
   mocker     simulated vLLM workers, no model (same as python -m turbine.mocker);
              mocker calibrate: measure a running worker and write a timing profile for --profile
+  router     the standalone KV router service: best_worker over the request plane
+             (same as python -m turbine.router)
   model      prepare [NAME]: fetch and convert an embedded model into the cache
 
 Run 'turbine COMMAND --help' for the flags of a command.
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from turbine.mocker.worker import main as mocker_main
 
         return mocker_main(rest)
+    if command == "router":
+        from turbine.router.service import main as router_main
+
+        return router_main(rest)
     if command == "model":
         return _model(rest)
     print(f"turbine: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, add_discovery_args, discovery_config_from_args
 from turbine.protocol.discovery import ModelCard
+from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
+from turbine.runtime.event_plane_nats import parse_server
+from turbine.runtime.kv_publisher import DEFAULT_REPLAY_BUFFER
 
 ENDPOINT_TYPES = ("chat", "completions")
 
@@ -31,6 +34,9 @@ class ServingConfig:
     custom_jinja_template: str | None
     migration_limit: int
     graceful_shutdown_timeout: float
+    event_plane: str  # "zmq" | "nats": how KV events and load metrics reach routers
+    nats_server: str  # with --event-plane nats
+    kv_events_buffer: int  # recent KV event batches kept for routers that missed some
 
     def model_card(self, instance_id: str, *, engine: str, tokenizer_path: str, context_length: int,
                    kv_block_size: int, total_kv_blocks: int, max_num_seqs: int,
@@ -71,6 +77,15 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--graceful-shutdown-timeout", type=float,
                        default=float(env("TURBINE_GRACEFUL_SHUTDOWN_TIMEOUT", "30")),
                        help="seconds in-flight requests may take to finish after SIGTERM")
+    group.add_argument("--event-plane", default=env("TURBINE_EVENT_PLANE", "zmq"),
+                       help="how KV events and load metrics reach routers: zmq (each worker binds a PUB "
+                            "socket) or nats (through the NATS server of --nats-server, for many hosts)")
+    group.add_argument("--nats-server", default=env("TURBINE_NATS_SERVER", DEFAULT_NATS_SERVER),
+                       help="NATS server for --event-plane nats (nats://HOST:PORT)")
+    group.add_argument("--kv-events-buffer", type=int,
+                       default=int(env("TURBINE_KV_EVENTS_BUFFER", str(DEFAULT_REPLAY_BUFFER))),
+                       help="recent KV event batches kept (up to 8 MiB) to replay to a router that missed "
+                            "some; beyond them it gets a snapshot of the whole cache")
     add_discovery_args(parser)
 
 
@@ -111,6 +126,14 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
         parser.error("--migration-limit must be >= 0")
     if args.graceful_shutdown_timeout < 0:
         parser.error("--graceful-shutdown-timeout must be >= 0")
+    if args.event_plane not in EVENT_PLANES:
+        parser.error(f"--event-plane {args.event_plane!r}: choose from {', '.join(EVENT_PLANES)}")
+    try:
+        nats_server = parse_server(args.nats_server)
+    except ValueError as exc:
+        parser.error(f"--nats-server {exc}")
+    if args.kv_events_buffer < 0:
+        parser.error("--kv-events-buffer must be >= 0")
 
     embedded = args.model is None or args.model == DEFAULT_MODEL
     try:
@@ -127,4 +150,5 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
         endpoint_types=types, tool_call_parser=args.dyn_tool_call_parser,
         reasoning_parser=args.dyn_reasoning_parser, custom_jinja_template=template,
         migration_limit=args.migration_limit, graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+        event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
     )

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.conftest import MODEL
-from tests.integration.procs import http_text, instances_of, start_frontend, wait_until
+from tests.integration.procs import http_text, instances_of, metric, start_frontend, wait_until
 from turbine.protocol.generate import ClearKvBlocksRequest, StatusReply
 from turbine.runtime.request_plane import RequestPlaneClient
 
@@ -76,3 +76,37 @@ def test_clear_kv_blocks_makes_the_index_forget_that_worker(kv_frontend, cluster
         time.sleep(0.5)
     wait_until(lambda: indexed_blocks(kv_frontend).get(holder, 0) == 0, 20, "index forgot the worker",
                [kv_frontend])
+
+
+def test_workers_report_their_load_from_vllms_stat_loggers(kv_frontend, cluster):
+    # Each vLLM worker turns its engine's scheduler stats (vLLM's stat-logger hook) into load
+    # reports on its event plane; the kv router follows them (shown per worker on /metrics).
+    def reported_totals() -> dict[str, float]:
+        out = {}
+        for line in http_text(f"{kv_frontend.url}/metrics").splitlines():
+            if line.startswith("turbine_router_worker_kv_total_blocks{"):
+                out[line.split('worker="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    wait_until(lambda: len(reported_totals()) == 2, 30, "load reports from both workers", [kv_frontend])
+    # A running request holds blocks, and the report says so.
+    client = OpenAI(base_url=f"{kv_frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.completions.create(model=MODEL, prompt=PREFIX + "Tell me more.", max_tokens=300, stream=True,
+                                       extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))
+        wait_until(lambda: metric(http_text(f"{kv_frontend.url}/metrics"), "turbine_router_worker_kv_active_blocks")
+                   >= 4, 20, "a busy worker reports its blocks", [kv_frontend])
+    finally:
+        stream.close()
+    # Idle now: no blocks held by running requests (cached prefixes are evictable, not in use).
+    wait_until(lambda: metric(http_text(f"{kv_frontend.url}/metrics"), "turbine_router_worker_kv_active_blocks")
+               == 0, 20, "idle workers report no active blocks", [kv_frontend])
+    for w in cluster["workers"]:
+        text = http_text(f"{w.url}/metrics")
+        assert "vllm:num_requests_running" in text  # vLLM's own stat loggers still run beside ours
+        total = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("turbine_worker_total_kv_blocks{"))
+        worker_id = next(line.split('worker_id="')[1].split('"')[0] for line in text.splitlines()
+                         if line.startswith("turbine_worker_total_kv_blocks{"))
+        assert reported_totals()[worker_id] == total > 0

@@ -8,6 +8,7 @@ import os
 from turbine.config import add_discovery_args, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
 from turbine.frontend.router import ROUTER_MODES, RouterConfig
+from turbine.router.args import add_kv_router_args, check_kv_router_args
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
@@ -17,14 +18,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    help="address the OpenAI HTTP server binds (default 127.0.0.1)")
     g.add_argument("--http-port", type=int, default=int(env("TURBINE_HTTP_PORT", str(default_port))))
     g.add_argument("--router-mode", choices=ROUTER_MODES, default=env("TURBINE_ROUTER_MODE", "round-robin"))
-    g.add_argument("--router-kv-overlap-score-weight", type=float, default=1.0,
-                   help="kv mode: weight of the prefill blocks a worker would still compute, against its "
-                        "decode load")
-    g.add_argument("--router-temperature", type=float, default=0.0,
-                   help="kv mode: 0 picks the cheapest worker; > 0 samples by softmax over the costs")
-    g.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
-                   help="kv mode: approximate routing, learned from the router's own decisions (entries "
-                        "expire after 120 s) instead of the workers' KV events")
+    add_kv_router_args(g, scope="kv mode: ")
     g.add_argument("--namespace", default=env("TURBINE_NAMESPACE"),
                    help="serve only models registered in this namespace (default: all)")
     g.add_argument("--api-key", default=env("TURBINE_API_KEY"),
@@ -40,12 +34,10 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
         parser.error("--max-request-bytes must be at least 1024")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty")
-    if args.router_kv_overlap_score_weight < 0:
-        parser.error("--router-kv-overlap-score-weight must be >= 0")
-    if args.router_temperature < 0:
-        parser.error("--router-temperature must be >= 0")
+    check_kv_router_args(args, parser)
     router = RouterConfig(mode=args.router_mode, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
-                          temperature=args.router_temperature, kv_events=args.router_kv_events)
+                          temperature=args.router_temperature, kv_events=args.router_kv_events,
+                          kv_events_deadline_s=args.router_kv_events_deadline)
     return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
                           namespace=args.namespace, api_key=args.api_key,
                           max_request_bytes=args.max_request_bytes,

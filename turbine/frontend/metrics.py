@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from turbine.router.metrics import RouterMetrics
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -24,19 +26,7 @@ class FrontendMetrics:
         self.output_tokens = Counter("turbine_frontend_output_tokens", "generated tokens", ["model"], registry=r)
         self.cached_tokens = Counter("turbine_frontend_cached_tokens", "prompt tokens served from KV cache",
                                      ["model"], registry=r)
-        self.router_decisions = Counter("turbine_router_decisions", "kv routing decisions", ["model"], registry=r)
-        self.router_overlap = Histogram("turbine_router_overlap_ratio",
-                                        "share of the prompt's full blocks cached on the chosen worker",
-                                        ["model"], buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
-        self.router_decision_seconds = Histogram("turbine_router_decision_seconds", "time to choose a worker",
-                                                 ["model"], buckets=(1e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2),
-                                                 registry=r)
-        self.router_indexed_blocks = Gauge("turbine_router_indexed_blocks", "blocks the kv router knows a worker holds",
-                                           ["model", "worker"], registry=r)
-        self.router_events = Gauge("turbine_router_kv_events_applied", "KV events applied to the index", ["model"],
-                                   registry=r)
-        self.router_event_gaps = Gauge("turbine_router_kv_event_gaps", "times KV events were found missing",
-                                       ["model"], registry=r)
+        self.router = RouterMetrics(r)  # the kv routers' metrics, in this registry
         self.disconnects = Counter("turbine_frontend_disconnected_clients", "clients gone before the end",
                                    ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateRequest
-from turbine.router.indexer import KvIndexer, WorkerKey
-from turbine.router.kv_events_consumer import KvEventsConsumer
-from turbine.router.kv_router import KvRouter, KvRouterConfig
+from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
+from turbine.router.kv_router import KvRouterConfig
+from turbine.router.model_router import ModelKvRouter
 
 ROUTER_MODES = ("round-robin", "random", "kv")
 
@@ -22,6 +22,7 @@ class RouterConfig:
     kv_overlap_score_weight: float = 1.0
     temperature: float = 0.0
     kv_events: bool = True  # False: approximate KV routing, learned from our own decisions
+    kv_events_deadline_s: float = DEFAULT_DEADLINE_S  # expected KV events later than this: a warning
 
 
 class Router:
@@ -56,52 +57,31 @@ class RandomRouter(Router):
 
 
 class KvAwareRouter(Router):
-    """Routes to the instance that already holds most of the prompt's prefix, weighed against load."""
+    """Routes to the instance that already holds most of the prompt's prefix, weighed against
+    load. The routing itself is turbine.router's (shared with the standalone router service)."""
 
     def __init__(self, cfg: RouterConfig, model: str, block_size: int, metrics: FrontendMetrics):
-        self.model = model
-        self.metrics = metrics
-        self.kv = KvRouter(KvRouterConfig(block_size=block_size, overlap_weight=cfg.kv_overlap_score_weight,
-                                          temperature=cfg.temperature, use_kv_events=cfg.kv_events))
-        self._known: set[str] = set()
-        self._events = KvEventsConsumer(self.kv.index) if cfg.kv_events else None
-        self._exported: set[str] = set()  # workers with an indexed-blocks series on /metrics
+        self.core = ModelKvRouter(
+            model, KvRouterConfig(block_size=block_size, overlap_weight=cfg.kv_overlap_score_weight,
+                                  temperature=cfg.temperature, use_kv_events=cfg.kv_events),
+            metrics.router, events_deadline_s=cfg.kv_events_deadline_s)
 
     def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> InstanceRecord:
         by_id = {i.instance_id: i for i in instances}
-        decision = self.kv.decide(request.request_id, request.token_ids, [WorkerKey(i) for i in by_id],
-                                  lora_name=None)
-        m, model = self.metrics, self.model
-        m.router_decisions.labels(model).inc()
-        m.router_decision_seconds.labels(model).observe(decision.seconds)
-        m.router_overlap.labels(model).observe(decision.overlap_ratio)
+        decision = self.core.decide(request.request_id, request.token_ids, list(by_id))
         return by_id[decision.worker.instance_id]
 
     def export_metrics(self) -> None:
-        metrics, model, index = self.metrics, self.model, self.kv.index
-        if isinstance(index, KvIndexer):
-            for gone in self._exported - self._known:
-                metrics.router_indexed_blocks.remove(model, gone)
-            self._exported = set(self._known)
-            for worker in self._known:
-                metrics.router_indexed_blocks.labels(model, worker).set(index.blocks_of(WorkerKey(worker)))
-            metrics.router_events.labels(model).set(index.events_applied)
-        if self._events is not None:
-            metrics.router_event_gaps.labels(model).set(self._events.gaps)
+        self.core.export_metrics()
 
     def first_token(self, request_id: str) -> None:
-        self.kv.first_token(request_id)
+        self.core.first_token(request_id)
 
     def finished(self, request_id: str) -> None:
-        self.kv.finished(request_id)
+        self.core.finished(request_id)
 
     def instances_changed(self, live: list[InstanceRecord], cards: dict[str, ModelCard]) -> None:
-        ids = {i.instance_id for i in live}
-        for gone in self._known - ids:
-            self.kv.worker_left(WorkerKey(gone))
-        self._known = ids
-        if self._events is not None:
-            self._events.sync(cards)
+        self.core.instances_changed(cards, {i.instance_id: i.address for i in live})
 
 
 def make_router(cfg: RouterConfig, card: ModelCard, metrics: FrontendMetrics) -> Router:

@@ -25,6 +25,7 @@ class MockerConfig(ServingConfig):
     natural_output_len: int
     speedup_ratio: float
     timing: TimingProfile
+    kv_events_drop_after: int | None = None  # test hook: see --kv-events-drop-after
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="simulated time runs this many times faster than real time; 0 = steps take no time")
     sim.add_argument("--profile", default=None,
                      help="JSON file of step-time coefficients (see docs/mocker.md); default: built-in")
+    hooks = p.add_argument_group("test hooks")
+    hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
+                       help="publish only the first N KV event batches, then drop the rest silently while "
+                            "still announcing the publisher (0: none at all); for testing routers' "
+                            "missing-events warnings, never for serving")
     add_serving_args(p)
     return p
 
@@ -69,6 +75,8 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         parser.error("--natural-output-len must be >= 0")
     if args.speedup_ratio < 0:
         parser.error("--speedup-ratio must be >= 0")
+    if args.kv_events_drop_after is not None and args.kv_events_drop_after < 0:
+        parser.error("--kv-events-drop-after must be >= 0")
     if args.num_workers > 1 and args.port:
         parser.error("--port: with --num-workers > 1 each worker needs its own port; leave --port at 0")
     try:
@@ -96,4 +104,5 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         natural_output_len=args.natural_output_len, speedup_ratio=args.speedup_ratio, timing=timing,
+        kv_events_drop_after=args.kv_events_drop_after,
     )

@@ -11,6 +11,7 @@ MAX_CATCH_UP_S behind (a stalled process) starts counting afresh instead of burs
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from turbine.mocker.scheduler import Scheduler, SeqOutput, Sequence
 from turbine.mocker.timing import TimingProfile
@@ -19,10 +20,13 @@ MAX_CATCH_UP_S = 1.0
 
 
 class MockEngine:
-    def __init__(self, scheduler: Scheduler, timing: TimingProfile, speedup_ratio: float):
+    def __init__(self, scheduler: Scheduler, timing: TimingProfile, speedup_ratio: float,
+                 on_step: Callable[[Scheduler], None] | None = None):
         self.scheduler = scheduler
         self.timing = timing
         self.speedup_ratio = speedup_ratio
+        # Called after each step and each abort, like vLLM's stat loggers (load metrics).
+        self.on_step = on_step
         self._outputs: dict[Sequence, asyncio.Queue[SeqOutput]] = {}
         self._wake = asyncio.Event()
 
@@ -40,6 +44,8 @@ class MockEngine:
         for seq in seqs:
             if self._outputs.pop(seq, None) is not None:
                 self.scheduler.abort(seq)
+        if self.on_step is not None:
+            self.on_step(self.scheduler)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -63,3 +69,5 @@ class MockEngine:
                 if out.finish_reason is not None:
                     del outputs[out.seq]
                 queue.put_nowait(out)
+            if self.on_step is not None:
+                self.on_step(scheduler)

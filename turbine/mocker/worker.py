@@ -21,7 +21,10 @@ from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
+from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
 from turbine.runtime.kv_publisher import KvEventPublisher
+from turbine.runtime.kv_replay import serve_kv_replay
+from turbine.runtime.load_publisher import LoadMetricsPublisher
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
@@ -30,23 +33,33 @@ from turbine.runtime.worker_metrics import WorkerMetrics
 log = logging.getLogger("turbine.mocker")
 
 EXIT_ENGINE_DEAD = 3
+EXIT_BAD_CONFIG = 2  # as argparse: a flag names something unusable (e.g. --nats-server)
 CANARY_TIMEOUT_S = 10.0
 
 
 class SimulatedWorker:
     """One simulated worker: engine, handlers and request-plane server of one instance."""
 
-    def __init__(self, cfg: MockerConfig, sampler: TokenSampler, health: Health):
+    def __init__(self, cfg: MockerConfig, sampler: TokenSampler, health: Health,
+                 plane: WorkerEventPlane | None = None):
         self.instance_id = uuid.uuid4().hex[:16]
         labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
                   "worker_id": self.instance_id}
-        # With prefix caching on, the pool's events go out on the event plane for KV routers.
-        self.kv_events = KvEventPublisher(self.instance_id, cfg.host) if cfg.enable_prefix_caching else None
+        # With prefix caching on, the pool's events go out on the event plane for KV routers,
+        # and the engine's load metrics with them (as the vLLM worker does).
+        self.kv_events = None
+        if cfg.enable_prefix_caching:
+            self.kv_events = KvEventPublisher(self.instance_id, cfg.host, buffer_size=cfg.kv_events_buffer,
+                                              events_plane=plane.publisher(self.instance_id) if plane else None)
+        self.load = LoadMetricsPublisher(self.kv_events.events_plane, self.instance_id) if self.kv_events else None
         pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                         on_event=(lambda e: self.kv_events.publish([e])) if self.kv_events else None)
+                         on_event=self._pool_events(cfg.kv_events_drop_after))
         scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
-        self.engine = MockEngine(scheduler, cfg.timing, cfg.speedup_ratio)
+        self.engine = MockEngine(scheduler, cfg.timing, cfg.speedup_ratio,
+                                 on_step=self._publish_load if self.load else None)
+        if self.load is not None:
+            self._publish_load(scheduler)  # the idle state, re-sent until it changes (keepalive)
         self.metrics = WorkerMetrics(labels)
         self.metrics.total_kv_blocks.set(cfg.num_gpu_blocks)
         self.gauges = EngineGauges(labels, scheduler)
@@ -54,11 +67,35 @@ class SimulatedWorker:
         self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         self.server.register(cfg.endpoint, GenerateRequest, health.tracked(self.handlers.generate))
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
+        if self.kv_events is not None:
+            serve_kv_replay(self.server, [self.kv_events])  # routers that missed events recover here
         self.card = cfg.model_card(
             self.instance_id, engine="mocker", tokenizer_path=cfg.tokenizer_path,
             context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_events_address=self.kv_events.address if self.kv_events else None)
+
+    def _pool_events(self, drop_after: int | None):
+        """Where the block pool's events go. `drop_after` (the --kv-events-drop-after test hook)
+        publishes that many and silently drops the rest, to exercise routers' warnings."""
+        if self.kv_events is None:
+            return None
+        publish = self.kv_events.publish
+        if drop_after is None:
+            return lambda event: publish([event])
+        left = drop_after
+
+        def publish_then_drop(event) -> None:
+            nonlocal left
+            if left > 0:
+                left -= 1
+                publish([event])
+
+        return publish_then_drop
+
+    def _publish_load(self, sched: Scheduler) -> None:
+        self.load.update(0, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
+                         num_running=len(sched.running), num_waiting=len(sched.waiting))
 
     def refresh_gauges(self) -> None:
         sched = self.engine.scheduler
@@ -98,7 +135,10 @@ class Mocker:
         health = Health()
         info = cfg.model_info
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len)
-        workers = [SimulatedWorker(cfg, sampler, health) for _ in range(cfg.num_workers)]
+        plane = None
+        if cfg.enable_prefix_caching:  # one event plane for all the workers here (nats: one connection)
+            plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
+        workers = [SimulatedWorker(cfg, sampler, health, plane) for _ in range(cfg.num_workers)]
 
         status_server = None
         if cfg.system_port is not None:
@@ -132,9 +172,14 @@ class Mocker:
             for task in engines:
                 task.remove_done_callback(self._engine_stopped)
                 task.cancel()
+            for w in workers:
+                if w.load is not None:
+                    w.load.close()
             await registry.backend.close()
             if status_server is not None:
                 status_server.should_exit = True
+            if plane is not None:
+                await plane.close()
         return self.exit_code
 
     def _engine_stopped(self, task: asyncio.Task) -> None:
@@ -160,4 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = parse_mocker_args(argv)
     # uvloop: the event loop is most of the work of 100+ simulated workers.
-    return uvloop.run(Mocker(cfg).run())
+    try:
+        return uvloop.run(Mocker(cfg).run())
+    except EventPlaneError as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_CONFIG

@@ -45,3 +45,28 @@ class KvEventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
     dp_rank: int = 0
     lora_name: str | None = None
     v: int = WIRE_VERSION
+
+
+class KvReplayRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A router missed events of one publisher (one dp rank): everything after `after_event_id`,
+    please (-1: from the start, e.g. a router that began following a worker late)."""
+
+    after_event_id: int
+    dp_rank: int = 0
+    v: int = WIRE_VERSION
+
+
+class KvReplayChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One piece of the answer (large answers come as several chunks, all alike but `batches`).
+
+    snapshot=False: `batches` are the missed batches themselves, in order, up to `event_id`.
+    snapshot=True: they were no longer all buffered; `batches` describe the whole live cache as
+    of `event_id` (BlockStored, parents before children, then BlockRemoved of blocks kept only
+    to place their descendants): drop what you hold for this publisher and load these.
+    Each batch is an encoded KvEventBatch (kept encoded on the worker, so sent as is).
+    """
+
+    snapshot: bool
+    event_id: int  # the last event id this answer reflects (-1: none published yet)
+    batches: list[msgspec.Raw] = msgspec.field(default_factory=list)
+    v: int = WIRE_VERSION

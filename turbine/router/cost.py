@@ -1,4 +1,5 @@
-"""Choosing a worker for a request from its cached overlap and its load.
+"""Choosing a worker for a request from its cached overlap and its load (the worker's own
+reports merged with what the router itself just sent it).
 
 cost = overlap_weight × prefill blocks still to compute on that worker (its queued prefill
 plus this request's uncached part) + decode blocks (its blocks in use plus this request's
@@ -11,6 +12,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from turbine.protocol.load_metrics import LoadMetrics
 from turbine.router.indexer import WorkerKey
 
 
@@ -20,42 +22,102 @@ class WorkerLoad:
     prefill_tokens: int = 0  # prompt tokens queued or being prefilled
 
 
+@dataclass
+class _Sent:
+    """A request this router placed, and how much of it the router still counts itself."""
+
+    worker: WorkerKey
+    prefill_tokens: int  # 0 once its first token came
+    blocks: int
+    handed_over: bool = False  # the worker's own reports now include its blocks
+
+
 class LoadTracker:
-    """Counts what the router itself just sent to each worker until those requests finish,
-    so that a burst of requests sees the queues it is building and does not herd."""
+    """A worker's load = what it last reported about itself (LoadMetrics) + what this router
+    sent it that those reports cannot include yet.
+
+    A request counts on the router's side, with its blocks and its prefill tokens, from the
+    moment it is routed: a burst of requests then sees the queues it is building and does not
+    herd onto one worker before any worker report could show them. Its prefill tokens stop
+    counting at its first token (the prompt is computed). Its blocks stop counting at the
+    first worker report that arrives after its first token: the first token proves that the
+    worker admitted it, so that report's blocks include it, and counting both would count it
+    twice. A worker that never reports keeps its requests counted by the router until they
+    finish. Between the worker admitting a request and that hand-over, its blocks may count
+    twice: the router errs towards too much load, never too little.
+    """
 
     def __init__(self):
-        self._requests: dict[str, tuple[WorkerKey, int, int]] = {}  # id -> worker, prefill, blocks
-        self._loads: dict[WorkerKey, WorkerLoad] = {}
+        self._sent: dict[str, _Sent] = {}
+        self._own: dict[WorkerKey, WorkerLoad] = {}  # router-side counts, per worker
+        self._reports: dict[WorkerKey, LoadMetrics] = {}  # each worker's latest report
+        self._awaiting_report: dict[WorkerKey, set[str]] = {}  # first token seen, not handed over
 
     def load(self, worker: WorkerKey) -> WorkerLoad:
-        return self._loads.get(worker) or WorkerLoad()
+        own = self._own.get(worker)
+        report = self._reports.get(worker)
+        if report is None:
+            return WorkerLoad(own.active_blocks, own.prefill_tokens) if own else WorkerLoad()
+        if own is None:
+            return WorkerLoad(report.kv_active_blocks, 0)
+        return WorkerLoad(report.kv_active_blocks + own.active_blocks, own.prefill_tokens)
+
+    def pending(self, worker: WorkerKey) -> WorkerLoad:
+        """What the router counts itself for `worker` (not covered by its reports)."""
+        own = self._own.get(worker)
+        return WorkerLoad(own.active_blocks, own.prefill_tokens) if own else WorkerLoad()
+
+    def reported(self, worker: WorkerKey) -> LoadMetrics | None:
+        return self._reports.get(worker)
+
+    def reporting_workers(self) -> list[WorkerKey]:
+        return list(self._reports)
 
     def add(self, request_id: str, worker: WorkerKey, prefill_tokens: int, blocks: int) -> None:
-        load = self._loads.setdefault(worker, WorkerLoad())
+        self.free(request_id)  # routed again (its first worker was unreachable): it counts only once
+        load = self._own.setdefault(worker, WorkerLoad())
         load.prefill_tokens += prefill_tokens
         load.active_blocks += blocks
-        self._requests[request_id] = (worker, prefill_tokens, blocks)
+        self._sent[request_id] = _Sent(worker, prefill_tokens, blocks)
 
     def prefill_done(self, request_id: str) -> None:
-        """The first token arrived: the prompt no longer waits for prefill."""
-        entry = self._requests.get(request_id)
-        if entry and entry[1]:
-            worker, prefill, blocks = entry
-            self._loads[worker].prefill_tokens -= prefill
-            self._requests[request_id] = (worker, 0, blocks)
+        """The first token arrived: the prompt no longer waits for prefill, and the worker's
+        next report will include the request."""
+        sent = self._sent.get(request_id)
+        if sent is None or sent.handed_over:
+            return
+        if sent.prefill_tokens:
+            self._own[sent.worker].prefill_tokens -= sent.prefill_tokens
+            sent.prefill_tokens = 0
+        self._awaiting_report.setdefault(sent.worker, set()).add(request_id)
+
+    def report(self, worker: WorkerKey, metrics: LoadMetrics) -> None:
+        """A worker's own numbers arrived: they now cover every request whose first token came before."""
+        self._reports[worker] = metrics
+        for request_id in self._awaiting_report.pop(worker, ()):
+            sent = self._sent[request_id]
+            self._own[worker].active_blocks -= sent.blocks
+            sent.handed_over = True
 
     def free(self, request_id: str) -> None:
-        entry = self._requests.pop(request_id, None)
-        if entry:
-            worker, prefill, blocks = entry
-            load = self._loads[worker]
-            load.prefill_tokens -= prefill
-            load.active_blocks -= blocks
+        sent = self._sent.pop(request_id, None)
+        if sent is None or sent.handed_over:
+            return  # not counted here any more: the worker's next report drops its blocks
+        load = self._own[sent.worker]
+        load.prefill_tokens -= sent.prefill_tokens
+        load.active_blocks -= sent.blocks
+        waiting = self._awaiting_report.get(sent.worker)
+        if waiting is not None:
+            waiting.discard(request_id)
 
     def forget_worker(self, worker: WorkerKey) -> None:
-        self._loads.pop(worker, None)
-        self._requests = {r: e for r, e in self._requests.items() if e[0] != worker}
+        self._own.pop(worker, None)
+        self._reports.pop(worker, None)
+        self._awaiting_report.pop(worker, None)
+        self._sent = {r: s for r, s in self._sent.items() if s.worker != worker}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._sent
 
 
 def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:

@@ -15,6 +15,7 @@ import xxhash
 
 BASE_SEED = 0x7475726269  # fixed: stable across processes, hosts and restarts
 _U64 = (1 << 64) - 1
+_h64 = xxhash.xxh3_64_intdigest
 
 
 def seed_for(lora_name: str | None) -> int:
@@ -26,20 +27,29 @@ def seed_for(lora_name: str | None) -> int:
 def block_hashes(token_ids: list[int], block_size: int, *, lora_name: str | None = None,
                  parent: int | None = None) -> list[int]:
     """Chained hashes of the full blocks of `token_ids` (a trailing partial block is not
-    hashed: engines cache only full blocks). `parent` continues a chain from an earlier block."""
+    hashed: engines cache only full blocks). `parent` continues a chain from an earlier block.
+
+    Block i's hash is xxh3_64(seed, parent's hash as 8 little-endian bytes ++ the block's tokens
+    as little-endian u32), the parent's bytes omitted for a chain's first block."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    seed = seed_for(lora_name)
-    full = len(token_ids) - len(token_ids) % block_size
-    tokens = array("I", token_ids[:full]).tobytes()  # little-endian u32 on every host we run on
+    seed = BASE_SEED if not lora_name else seed_for(lora_name)
+    n = len(token_ids)
+    full = n - n % block_size
+    # One conversion of the whole prompt (little-endian u32 on every host we run on); then one
+    # one-shot hash call per block, with no per-block hasher object.
+    tokens = array("I", token_ids if full == n else token_ids[:full]).tobytes()
     step = block_size * 4
+    h64 = _h64
     out: list[int] = []
+    append = out.append
     prev = parent
-    for start in range(0, len(tokens), step):
-        h = xxhash.xxh3_64(seed=seed)
-        if prev is not None:
-            h.update(prev.to_bytes(8, "little"))
-        h.update(tokens[start:start + step])
-        prev = h.intdigest()
-        out.append(prev)
+    start = 0
+    if prev is None and full:
+        prev = h64(tokens[:step], seed)
+        append(prev)
+        start = step
+    for start in range(start, len(tokens), step):
+        prev = h64(prev.to_bytes(8, "little") + tokens[start:start + step], seed)
+        append(prev)
     return out

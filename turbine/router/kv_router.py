@@ -29,6 +29,7 @@ class Decision:
     costs: dict[WorkerKey, float]
     seconds: float  # decision latency, for the router's metrics
     overlap_ratio: float  # cached share of the prompt's full blocks on the chosen worker
+    prompt_blocks: int = 0  # full blocks in the prompt
 
 
 class KvRouter:
@@ -40,7 +41,9 @@ class KvRouter:
         self._rng = rng or random.Random()
 
     def decide(self, request_id: str, token_ids: list[int], workers: list[WorkerKey],
-               lora_name: str | None = None) -> Decision:
+               lora_name: str | None = None, track: bool = True) -> Decision:
+        """`track`: count the request as load on the chosen worker until `finished` (False:
+        a query that changes nothing)."""
         started = time.perf_counter()
         hashes = block_hashes(token_ids, self.cfg.block_size, lora_name=lora_name)
         overlaps = self.index.find_matches(hashes)
@@ -48,12 +51,13 @@ class KvRouter:
         costs = worker_costs(overlaps, loads, len(token_ids), self.cfg.block_size, self.cfg.overlap_weight)
         worker = choose_worker(costs, loads, self.cfg.temperature, self._rng)
         overlap = overlaps.get(worker, 0)
-        self.loads.add(request_id, worker, prefill_tokens=len(token_ids) - overlap * self.cfg.block_size,
-                       blocks=new_blocks(len(token_ids), overlap, self.cfg.block_size))
-        if isinstance(self.index, ApproxKvIndexer):
-            self.index.record(worker, hashes)
+        if track:
+            self.loads.add(request_id, worker, prefill_tokens=len(token_ids) - overlap * self.cfg.block_size,
+                           blocks=new_blocks(len(token_ids), overlap, self.cfg.block_size))
+            if isinstance(self.index, ApproxKvIndexer):
+                self.index.record(worker, hashes)
         return Decision(worker, overlap, costs, time.perf_counter() - started,
-                        overlap / len(hashes) if hashes else 0.0)
+                        overlap / len(hashes) if hashes else 0.0, len(hashes))
 
     def first_token(self, request_id: str) -> None:
         self.loads.prefill_done(request_id)

@@ -13,6 +13,7 @@ from turbine.runtime.discovery.registry import Registry
 log = logging.getLogger("turbine.registration")
 
 CLEAR_KV_BLOCKS = "clear_kv_blocks"  # every worker serves it beside its generate endpoint
+KV_EVENTS_REPLAY = "kv_events_replay"  # served by workers that publish KV events (missed events, snapshots)
 
 
 def advertised_address(bound: str) -> str:
@@ -29,6 +30,8 @@ async def register(registry: Registry, card: ModelCard, address: str) -> list[In
                   address=address, pid=os.getpid(), hostname=socket.gethostname())
     records = [InstanceRecord(endpoint=card.endpoint, **common),
                InstanceRecord(endpoint=CLEAR_KV_BLOCKS, **common)]
+    if card.kv_events_address is not None:
+        records.append(InstanceRecord(endpoint=KV_EVENTS_REPLAY, **common))
     for rec in records:
         await registry.register_instance(rec)
     await registry.register_model(card)

@@ -13,6 +13,8 @@ import os
 import uuid
 
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest
+from turbine.runtime.event_plane import EventPlaneError
+from turbine.runtime.kv_replay import serve_kv_replay
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.vllm.args import WorkerConfig
 
@@ -20,6 +22,7 @@ log = logging.getLogger("turbine.vllm")
 
 ENGINE_CHECK_INTERVAL_S = 2.0
 EXIT_ENGINE_DEAD = 3
+EXIT_BAD_CONFIG = 2  # as argparse: a flag names something unusable (e.g. --nats-server)
 
 
 class Worker:
@@ -59,16 +62,30 @@ class Worker:
 
         # With prefix caching on, the engine's KV events are relayed to the event plane for KV
         # routers, unless the user configured vLLM's KV events themselves.
-        relay = None
+        relay = plane = None
         if cfg.engine_args.enable_prefix_caching and cfg.engine_args.kv_events_config is None:
+            from turbine.runtime.event_plane import WorkerEventPlane
             from turbine.runtime.kv_publisher import KvEventPublisher
             from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 
-            relay = VllmKvEventsRelay(KvEventPublisher(self.instance_id, cfg.host))
+            # Before the engine: an unreachable NATS server fails the start at once.
+            plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
+            relay = VllmKvEventsRelay(KvEventPublisher(
+                self.instance_id, events_plane=plane.publisher(self.instance_id), buffer_size=cfg.kv_events_buffer))
             cfg.engine_args.kv_events_config = relay.engine_config()
             relay_task = asyncio.create_task(relay.run())
 
-        engine = AsyncLLM.from_engine_args(cfg.engine_args)
+        # Load metrics for KV routers go out on the same event plane, from vLLM's stat-logger
+        # hook. Without KV events there is no event plane, and no load metrics either.
+        load = stat_loggers = None
+        if relay is not None:
+            from turbine.runtime.load_publisher import LoadMetricsPublisher
+            from turbine.vllm.load_metrics import stat_logger_factory
+
+            load = LoadMetricsPublisher(relay.publisher.events_plane, self.instance_id)
+            stat_loggers = [stat_logger_factory(load)]
+
+        engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
         vcfg = engine.vllm_config
         metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
         handlers = Handlers(engine, metrics, on_cleared=relay.cleared if relay else None)
@@ -76,6 +93,8 @@ class Worker:
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         server.register(cfg.endpoint, GenerateRequest, health.tracked(handlers.generate))
         server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, handlers.clear_kv_blocks)
+        if relay is not None:
+            serve_kv_replay(server, [relay.publisher])  # routers that missed events recover here
         await server.start()
 
         registry = make_registry(cfg.discovery)
@@ -104,9 +123,13 @@ class Worker:
             if status_server is not None:
                 status_server.should_exit = True
             engine.shutdown()
+            if load is not None:
+                load.close()
             if relay is not None:
                 relay_task.cancel()
                 relay.close()
+            if plane is not None:
+                await plane.close()
         return self.exit_code
 
     async def _monitor_engine(self, engine) -> None:
@@ -128,4 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     cfg = parse_worker_args(argv)
-    return asyncio.run(Worker(cfg).run())
+    try:
+        return asyncio.run(Worker(cfg).run())
+    except EventPlaneError as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_CONFIG

@@ -1,0 +1,137 @@
+"""One model's KV routing, whichever process hosts it (the frontend, or the standalone router
+service): the decision (KvRouter), the index kept in step with the workers' KV events, their
+load reports, the watchdog that says loudly when expected events do not come, and the
+router's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from turbine.protocol.discovery import ModelCard
+from turbine.router.event_watchdog import DEFAULT_DEADLINE_S, EventWatchdog
+from turbine.router.indexer import KvIndexer, WorkerKey
+from turbine.router.kv_events_consumer import KvEventsConsumer
+from turbine.router.kv_router import Decision, KvRouter, KvRouterConfig
+from turbine.router.load_consumer import LoadMetricsConsumer
+from turbine.router.metrics import RouterMetrics
+
+WATCHDOG_INTERVAL_S = 1.0
+
+
+def worker_label(worker: WorkerKey) -> str:
+    return worker.instance_id if worker.dp_rank == 0 else f"{worker.instance_id}/{worker.dp_rank}"
+
+
+class ModelKvRouter:
+    def __init__(self, model: str, cfg: KvRouterConfig, metrics: RouterMetrics | None = None,
+                 events_deadline_s: float = DEFAULT_DEADLINE_S, rng: random.Random | None = None,
+                 clock=time.monotonic):
+        self.model = model
+        self.cfg = cfg
+        self.metrics = metrics
+        self.kv = KvRouter(cfg, rng)
+        self.loads = LoadMetricsConsumer(self.kv.loads)
+        self.events: KvEventsConsumer | None = None
+        self.watchdog: EventWatchdog | None = None
+        if isinstance(self.kv.index, KvIndexer):
+            index = self.kv.index
+            self.events = KvEventsConsumer(index)
+            self.watchdog = EventWatchdog(model, lambda instance_id: index.events_of.get(instance_id, 0),
+                                          events_deadline_s, clock=clock, on_warning=self._count_warning)
+        self._known: set[str] = set()
+        self._exported: dict[object, set[str]] = {}  # gauge -> worker labels it has series for
+        self._watch_task: asyncio.Task | None = None
+
+    # -- requests ---------------------------------------------------------------------
+    def decide(self, request_id: str, token_ids: list[int], instance_ids: list[str],
+               lora_name: str | None = None, track: bool = True) -> Decision:
+        decision = self.kv.decide(request_id, token_ids, [WorkerKey(i) for i in instance_ids], lora_name, track)
+        if self.metrics is not None:
+            m = self.metrics
+            m.decisions.labels(self.model).inc()
+            m.decision_seconds.labels(self.model).observe(decision.seconds)
+            m.overlap.labels(self.model).observe(decision.overlap_ratio)
+        if track and self.watchdog is not None and decision.overlap_blocks < decision.prompt_blocks:
+            # New full blocks for that worker: it must publish BlockStored for them.
+            self.watchdog.expect(request_id, decision.worker.instance_id)
+        return decision
+
+    def first_token(self, request_id: str) -> None:
+        self.kv.first_token(request_id)
+        if self.watchdog is not None:
+            self.watchdog.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.kv.finished(request_id)
+        if self.watchdog is not None:
+            self.watchdog.finished(request_id)
+
+    # -- fleet ------------------------------------------------------------------------
+    def instances_changed(self, cards: dict[str, ModelCard], addresses: dict[str, str] | None = None) -> None:
+        """The model's live instances now (instance id -> card, and -> request-plane address, where
+        missed KV events are recovered from); call on every discovery change."""
+        for gone in self._known - cards.keys():
+            self.kv.worker_left(WorkerKey(gone))
+            if isinstance(self.kv.index, KvIndexer):
+                self.kv.index.events_of.pop(gone, None)
+        self._known = set(cards)
+        self.loads.sync(cards)
+        if self.events is not None:
+            self.events.sync(cards, addresses)
+            # Only workers whose events the index takes (same block size) are expected to send them.
+            self.watchdog.follow({i: c.kv_events_address for i, c in cards.items()
+                                  if c.kv_events_address is not None and c.kv_block_size == self.cfg.block_size})
+            if self._watch_task is None:
+                self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            self.watchdog.check()
+
+    def _count_warning(self, instance_id: str, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.event_warnings.labels(self.model, instance_id, kind).inc()
+
+    # -- metrics ----------------------------------------------------------------------
+    def export_metrics(self) -> None:
+        """Copy the router's state into its gauges (at scrape time)."""
+        m, model = self.metrics, self.model
+        if m is None:
+            return
+        if self.watchdog is not None:
+            self.watchdog.check()
+        index = self.kv.index
+        if isinstance(index, KvIndexer):
+            self._set(m.indexed_blocks, {w: index.blocks_of(WorkerKey(w)) for w in self._known})
+            m.events.labels(model).set(index.events_applied)
+        if self.events is not None:
+            m.event_gaps.labels(model).set(self.events.gaps)
+            m.event_recoveries.labels(model).set(self.events.recoveries)
+            m.event_recovery_failures.labels(model).set(self.events.recovery_failures)
+        loads = self.kv.loads
+        reports = {worker_label(w): loads.reported(w) for w in loads.reporting_workers()}
+        self._set(m.worker_active_blocks, {w: r.kv_active_blocks for w, r in reports.items()})
+        self._set(m.worker_total_blocks, {w: r.kv_total_blocks for w, r in reports.items()})
+        self._set(m.worker_waiting, {w: r.num_waiting for w, r in reports.items()})
+        self._set(m.worker_running, {w: r.num_running for w, r in reports.items()})
+        self._set(m.worker_pending_blocks, {w: loads.pending(WorkerKey(w)).active_blocks for w in self._known})
+        m.load_reports.labels(model).set(self.loads.received)
+
+    def _set(self, gauge, values: dict[str, float]) -> None:
+        """Set one per-worker series per entry and drop the series of workers no longer there."""
+        exported = self._exported.get(gauge, set())
+        for gone in exported - values.keys():
+            gauge.remove(self.model, gone)
+        for worker, value in values.items():
+            gauge.labels(self.model, worker).set(value)
+        self._exported[gauge] = set(values)
+
+    def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        self.loads.close()
+        if self.events is not None:
+            self.events.close()

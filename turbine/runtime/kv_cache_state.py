@@ -1,0 +1,169 @@
+"""What a worker's prefix cache holds, followed from the KV events it publishes, so that it can
+describe the whole of it again (a snapshot) to a router that missed events.
+
+The snapshot must rebuild exactly what a router fed every event would hold. A router can place
+a stored block only under a parent it knows, and a block it placed keeps its (chained) identity
+after its parent is evicted. So a removed block that still has cached descendants is kept here
+as a "ghost": the snapshot stores it, then removes it, exactly as the events did.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+
+SNAPSHOT_BATCH_TOKENS = 1 << 16  # keeps each snapshot batch (and reply frame) well under a MiB or so
+
+
+class _Block:
+    __slots__ = ("parent", "tokens", "offset", "block_size", "lora_name", "live", "children")
+
+    def __init__(self, parent: int | None, tokens: array, offset: int, block_size: int, lora_name: str | None):
+        self.parent = parent
+        self.tokens = tokens  # the token ids of the whole event it came in (shared, 4 bytes each)
+        self.offset = offset  # its index among that event's blocks
+        self.block_size = block_size
+        self.lora_name = lora_name
+        self.live = True  # False: a ghost, removed but kept for its descendants
+        self.children = 0  # tracked blocks (live or ghost) whose parent this is
+
+
+class KvCacheState:
+    def __init__(self):
+        self._blocks: dict[int, _Block] = {}  # engine block hash -> block
+
+    def __len__(self) -> int:
+        """Live blocks."""
+        return sum(b.live for b in self._blocks.values())
+
+    def apply(self, event: KvEvent, lora_name: str | None = None) -> None:
+        if isinstance(event, BlockStored):
+            self._stored(event, lora_name)
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                self._removed(h)
+        elif isinstance(event, AllBlocksCleared):
+            self._blocks.clear()
+
+    def _stored(self, event: BlockStored, lora_name: str | None) -> None:
+        bs = event.block_size
+        if bs <= 0 or len(event.token_ids) != len(event.block_hashes) * bs:
+            return  # malformed: routers reject it too
+        parent = event.parent_hash
+        if parent is not None and not self._live(parent):
+            return  # routers cannot place blocks under a parent they do not know
+        tokens = None
+        for i, h in enumerate(event.block_hashes):
+            block = self._blocks.get(h)
+            if block is None or not block.live:
+                if tokens is None:
+                    try:
+                        tokens = array("I", event.token_ids)
+                    except (OverflowError, TypeError):
+                        return  # not token ids: routers reject it too
+                if block is None:
+                    self._blocks[h] = _Block(parent, tokens, i, bs, lora_name)
+                    self._adopt(parent)
+                else:  # a ghost is stored again: it is a cached block once more
+                    if block.parent != parent:
+                        self._orphan(block.parent)
+                        self._adopt(parent)
+                    block.parent, block.tokens, block.offset = parent, tokens, i
+                    block.block_size, block.lora_name, block.live = bs, lora_name, True
+            parent = h  # an already cached block is skipped, as routers do; its successors chain on
+
+    def _removed(self, h: int) -> None:
+        block = self._blocks.get(h)
+        if block is not None and block.live:
+            block.live = False
+            self._prune(h, block)
+
+    def _live(self, h: int) -> bool:
+        block = self._blocks.get(h)
+        return block is not None and block.live
+
+    def _adopt(self, parent: int | None) -> None:
+        if parent is not None:
+            self._blocks[parent].children += 1
+
+    def _orphan(self, parent: int | None) -> None:
+        if parent is not None:
+            block = self._blocks[parent]
+            block.children -= 1
+            self._prune(parent, block)
+
+    def _prune(self, h: int, block: _Block) -> None:
+        """Forget a ghost without descendants, and so on up its ancestors."""
+        while not block.live and block.children == 0:
+            del self._blocks[h]
+            if block.parent is None:
+                return
+            h, block = block.parent, self._blocks[block.parent]
+            block.children -= 1
+
+    def snapshot(self, instance_id: str, dp_rank: int, event_id: int) -> list[KvEventBatch]:
+        """The whole cache as event batches (all numbered `event_id`): runs of blocks stored
+        parents first, batches of one LoRA and at most about SNAPSHOT_BATCH_TOKENS tokens, then
+        one removal of the ghosts."""
+        children: dict[int | None, list[int]] = {}
+        for h, block in self._blocks.items():
+            children.setdefault(block.parent, []).append(h)
+        batches: list[tuple[str | None, list[_Run]]] = []  # (lora name, its runs)
+        batch_tokens = 0
+        ghosts: list[int] = []
+        run: _Run | None = None
+        prev: int | None = None
+        stack = list(reversed(children.get(None, ())))
+        while stack:  # depth first, so that a chain continues one run of blocks
+            h = stack.pop()
+            block = self._blocks[h]
+            if batches and batches[-1][0] == block.lora_name and batch_tokens < SNAPSHOT_BATCH_TOKENS:
+                if prev == block.parent and run.block_size == block.block_size:
+                    run.add(h, block)
+                else:
+                    run = _Run(h, block)
+                    batches[-1][1].append(run)
+            else:
+                run = _Run(h, block)
+                batches.append((block.lora_name, [run]))
+                batch_tokens = 0
+            batch_tokens += block.block_size
+            prev = h
+            if not block.live:
+                ghosts.append(h)
+            stack.extend(reversed(children.get(h, ())))
+        out = [KvEventBatch(instance_id=instance_id, event_id=event_id, dp_rank=dp_rank, lora_name=lora,
+                            events=[r.event() for r in runs]) for lora, runs in batches]
+        if ghosts:
+            out.append(KvEventBatch(instance_id=instance_id, event_id=event_id, dp_rank=dp_rank,
+                                    events=[BlockRemoved(block_hashes=ghosts)]))
+        return out
+
+
+class _Run:
+    """Consecutive blocks of a chain, for one BlockStored. Their tokens are kept as slices of
+    the events' arrays (a chain stored by one event is one slice), joined once at the end."""
+
+    __slots__ = ("hashes", "parent", "block_size", "pieces")
+
+    def __init__(self, h: int, block: _Block):
+        self.hashes = [h]
+        self.parent = block.parent
+        self.block_size = block.block_size
+        self.pieces = [[block.tokens, block.offset, block.offset + 1]]  # [array, first block, end]
+
+    def add(self, h: int, block: _Block) -> None:
+        self.hashes.append(h)
+        last = self.pieces[-1]
+        if last[0] is block.tokens and last[2] == block.offset:
+            last[2] += 1
+        else:
+            self.pieces.append([block.tokens, block.offset, block.offset + 1])
+
+    def event(self) -> BlockStored:
+        bs = self.block_size
+        tokens: list[int] = []
+        for arr, first, end in self.pieces:
+            tokens += arr[first * bs:end * bs].tolist()
+        return BlockStored(block_hashes=self.hashes, parent_hash=self.parent, token_ids=tokens, block_size=bs)

@@ -1,0 +1,48 @@
+"""The vLLM worker's load metrics, taken from vLLM's stat-logger hook.
+
+vLLM hands every custom stat logger the scheduler's stats after each engine step, on the
+worker's event loop. Passing our logger in `stat_loggers` keeps vLLM's own loggers (the
+periodic log line and the Prometheus `vllm:*` metrics): in vLLM 0.32 the StatLoggerManager
+appends its defaults to the custom ones unless stats are disabled (--disable-log-stats, in
+which case only custom loggers and Prometheus run).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from turbine.runtime.load_publisher import LoadMetricsPublisher
+
+
+class LoadMetricsStatLogger(StatLoggerBase):
+    """One per engine (data-parallel rank): turns SchedulerStats into LoadMetrics updates."""
+
+    def __init__(self, vllm_config, engine_index: int = 0, publisher: LoadMetricsPublisher | None = None):
+        self.vllm_config = vllm_config
+        self.engine_index = engine_index  # the data-parallel rank
+        self.publisher = publisher
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is None or self.publisher is None:
+            return
+        # Read here, not at construction: the engine sizes its cache after the loggers exist.
+        total = self.vllm_config.cache_config.num_gpu_blocks or 0
+        usable = max(total - 1, 0)  # vLLM's usage leaves out its null block
+        self.publisher.update(
+            self.engine_index,
+            kv_active_blocks=round(scheduler_stats.kv_cache_usage * usable),
+            kv_total_blocks=total,
+            num_running=scheduler_stats.num_running_reqs,
+            num_waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+        )
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def stat_logger_factory(publisher: LoadMetricsPublisher):
+    """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: (vllm_config, engine_index) -> logger."""
+    def make(vllm_config, engine_index: int = 0) -> LoadMetricsStatLogger:
+        return LoadMetricsStatLogger(vllm_config, engine_index, publisher)
+
+    return make
