@@ -140,3 +140,16 @@ async def test_the_model_router_expects_events_only_for_blocks_new_to_the_worker
         assert router.watchdog.check() == [("a", STOPPED)]
     finally:
         router.close()
+
+
+def test_events_published_before_the_first_token_reaches_the_router_count():
+    """The worker stores (and publishes) a prompt's blocks before the router sees its first
+    token; a check in between must not make the router wait for events that already came."""
+    index, clock, dog, raised = setup()
+    dog.expect("r1", "a")
+    index.apply(WorkerKey("a"), stored([1, 2]))
+    clock.now += 0.5
+    assert dog.check() == []  # sees the event before the first token arrives
+    dog.first_token("r1")
+    clock.now += 30
+    assert dog.check() == [] and raised == []

@@ -3,7 +3,8 @@
 A worker whose model card announces KV events, and to which the router sends a prompt with
 full blocks the index does not show on it, must publish BlockStored events once it has
 prefilled that prompt. If `deadline_s` after such a request's first token no event at all has
-arrived from that worker, the router's view of its cache is wrong: the watchdog logs a
+arrived from that worker since the request was routed (the worker may publish before the
+first token reaches the router), the router's view of its cache is wrong: the watchdog logs a
 warning naming the worker and counts it (kind "none_arrived" if the worker never sent an
 event, "stopped" if it did before). One warning per episode: the next arrives only after the
 worker's events flowed again and then stopped again. Idle workers are never suspected.
@@ -46,8 +47,10 @@ class EventWatchdog:
         self._clock = clock
         self._on_warning = on_warning  # (instance id, kind), e.g. to bump a metric
         self._workers: dict[str, _Followed] = {}
-        self._routed: dict[str, str] = {}  # request id -> worker, until its first token
-        self._due: dict[str, deque[float]] = {}  # worker -> when its expected events are overdue, oldest first
+        # request id -> (worker, its event count when the request was routed), until its first token
+        self._routed: dict[str, tuple[str, int]] = {}
+        # worker -> (when expected events are overdue, its event count when their request was routed)
+        self._due: dict[str, deque[tuple[float, int]]] = {}
         self.warnings: Counter[tuple[str, str]] = Counter()
 
     def follow(self, addresses: dict[str, str]) -> None:
@@ -55,7 +58,7 @@ class EventWatchdog:
         for gone in self._workers.keys() - addresses.keys():
             del self._workers[gone]
             self._due.pop(gone, None)
-            self._routed = {r: w for r, w in self._routed.items() if w != gone}
+            self._routed = {r: e for r, e in self._routed.items() if e[0] != gone}
         for instance_id, address in addresses.items():
             if instance_id not in self._workers:
                 seen = self._events_of(instance_id)
@@ -65,13 +68,14 @@ class EventWatchdog:
     def expect(self, request_id: str, instance_id: str) -> None:
         """`request_id` went to `instance_id` with full blocks the index does not show there."""
         if instance_id in self._workers:
-            self._routed[request_id] = instance_id
+            self._routed[request_id] = (instance_id, self._events_of(instance_id))
 
     def first_token(self, request_id: str) -> None:
         """Prefilled: its blocks are stored by now, their events are on the way."""
-        instance_id = self._routed.pop(request_id, None)
-        if instance_id is not None:
-            self._due.setdefault(instance_id, deque()).append(self._clock() + self.deadline_s)
+        entry = self._routed.pop(request_id, None)
+        if entry is not None:
+            instance_id, seen_when_routed = entry
+            self._due.setdefault(instance_id, deque()).append((self._clock() + self.deadline_s, seen_when_routed))
 
     def finished(self, request_id: str) -> None:
         # Finished without a first token (failed, cancelled): nothing was prefilled, expect nothing.
@@ -84,16 +88,15 @@ class EventWatchdog:
         for instance_id, w in self._workers.items():
             seen = self._events_of(instance_id)
             if seen != w.seen:
-                # Events arrived since the last look: what was expected until now may be among them.
                 w.seen, w.ever, w.last_event_at, w.warned = seen, True, now, False
-                self._due.pop(instance_id, None)
-                continue
             due = self._due.get(instance_id)
-            if not due or due[0] > now:
+            if not due:
                 continue
-            while due and due[0] <= now:
-                due.popleft()
-            if not w.warned:
+            # An event since a request was routed may be its blocks: only the others still wait.
+            waiting = [(deadline, count) for deadline, count in due if count == seen]
+            overdue = any(deadline <= now for deadline, _ in waiting)
+            self._due[instance_id] = deque((d, c) for d, c in waiting if d > now)
+            if overdue and not w.warned:
                 w.warned = True
                 kind = STOPPED if w.ever else NONE_ARRIVED
                 self._warn(instance_id, w, kind, now)
