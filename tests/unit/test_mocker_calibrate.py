@@ -38,3 +38,24 @@ def test_a_coefficient_that_would_fit_negative_is_held_at_zero():
 def test_a_sweep_without_variety_is_refused():
     with pytest.raises(ValueError, match="vary the sweep"):
         fit(measured(TRUTH, prefill=[128, 128], decode=[(4, 400), (4, 400)]))
+
+
+# `turbine mocker calibrate` against the real vLLM CPU worker (SmolLM2-135M, 2 cores),
+# 2026-11-26: (ms, prefill tokens, cached tokens, decode seqs, decode KV tokens).
+REAL_SWEEP = [(65.8, 32, 0, 0, 0), (181.8, 128, 0, 0, 0), (745.0, 512, 0, 0, 0), (1767.5, 1024, 0, 0, 0),
+              (249.1, 128, 512, 0, 0), (306.3, 128, 1024, 0, 0),
+              (32.3, 0, 0, 1, 80), (32.7, 0, 0, 1, 528), (37.7, 0, 0, 1, 1040),
+              (31.0, 0, 0, 4, 320), (37.3, 0, 0, 4, 2112), (44.5, 0, 0, 4, 4160),
+              (53.7, 0, 0, 16, 1280), (77.4, 0, 0, 16, 8448), (111.9, 0, 0, 16, 16640)]
+
+
+def test_the_fit_keeps_short_steps_as_accurate_as_long_ones():
+    """A real sweep: long prefills must not buy their accuracy with the 30 ms decode steps'
+    (an absolute least-squares fit was 20 % off on single-sequence decode)."""
+    data = [Measurement(ms=ms, prefill_tokens=p, cached_tokens=c, decode_seqs=b, decode_kv_tokens=k)
+            for ms, p, c, b, k in REAL_SWEEP]
+    profile = TimingProfile(**fit(data))
+    for m in data:
+        predicted = profile.step_ms(m.prefill_tokens, attention_pairs(m.prefill_tokens, m.cached_tokens),
+                                    m.decode_seqs, m.decode_kv_tokens)
+        assert abs(predicted / m.ms - 1) < 0.12, m
