@@ -8,7 +8,7 @@ directly over the request plane, so the frontend's overhead is not counted as th
   same C tokens followed by P fresh ones: one step computing P tokens on top of C cached;
 - decode: B requests at once with P-token prompts, ignore_eos; once all B decode together,
   the median gap between tokens is one step with B sequences and K = B x their context.
-A least-squares fit of TimingProfile's coefficients (kept >= 0) over all measurements is
+A least-squares fit (on relative error) of TimingProfile's coefficients (kept >= 0) over all measurements is
 written as a profile JSON for `--profile`. Run it on an otherwise idle worker.
 """
 
