@@ -164,6 +164,11 @@ class Mocker:
                 records += await register(registry, w.card, advertised_address(w.server.address))
             health.set_ready(lambda: _first_failure([w.canary() for w in workers]))
             log.info("%d simulated worker(s) serving %r", len(workers), cfg.served_model_name)
+            # What start-up built (the workers, their block pools and metrics, the tokenizer's
+            # vocabulary) lives as long as the process: keep it out of the collector's full
+            # passes, which otherwise stall every simulated worker's step at once.
+            gc.collect()
+            gc.freeze()
             await self.stopping.wait()
             health.set_not_ready()
             # Unregister first so no new traffic arrives, then let in-flight requests finish.
@@ -205,10 +210,6 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     cfg = parse_mocker_args(argv)
-    # What start-up loaded (the tokenizer's vocabulary, the model info) lives as long as the
-    # process: keep it out of the collector's full passes, which otherwise stall every
-    # simulated worker's step at once.
-    gc.freeze()
     # uvloop: the event loop is most of the work of 100+ simulated workers.
     try:
         return uvloop.run(Mocker(cfg).run())
