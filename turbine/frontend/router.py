@@ -10,7 +10,7 @@ from turbine.frontend.metrics import FrontendMetrics
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateRequest
 from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
-from turbine.router.kv_router import KvRouterConfig
+from turbine.router.kv_router import DEFAULT_OVERLAP_WEIGHT, KvRouterConfig
 from turbine.router.model_router import ModelKvRouter
 
 ROUTER_MODES = ("round-robin", "random", "kv")
@@ -19,7 +19,7 @@ ROUTER_MODES = ("round-robin", "random", "kv")
 @dataclass(frozen=True)
 class RouterConfig:
     mode: str = "round-robin"
-    kv_overlap_score_weight: float = 1.0
+    kv_overlap_score_weight: float = DEFAULT_OVERLAP_WEIGHT
     temperature: float = 0.0
     kv_events: bool = True  # False: approximate KV routing, learned from our own decisions
     kv_events_deadline_s: float = DEFAULT_DEADLINE_S  # expected KV events later than this: a warning

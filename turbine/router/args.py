@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 
 from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, add_discovery_args, discovery_config_from_args
 from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
+from turbine.router.kv_router import DEFAULT_OVERLAP_WEIGHT
 
 DEFAULT_REQUEST_TTL_S = 600.0
 
 
 def add_kv_router_args(group, scope: str = "") -> None:
     """The KV router's tuning flags; `scope` prefixes their help (the frontend says "kv mode: ")."""
-    group.add_argument("--router-kv-overlap-score-weight", type=float, default=1.0,
+    group.add_argument("--router-kv-overlap-score-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
                        help=f"{scope}weight of the prefill blocks a worker would still compute, against its "
                             "decode load")
     group.add_argument("--router-temperature", type=float, default=0.0,
@@ -44,7 +45,7 @@ class RouterServiceConfig:
     port: int = 0
     system_host: str = "127.0.0.1"
     system_port: int | None = None  # /health, /live, /metrics; off when None
-    overlap_weight: float = 1.0
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     temperature: float = 0.0
     kv_events: bool = True
     kv_events_deadline_s: float = DEFAULT_DEADLINE_S
