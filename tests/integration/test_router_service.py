@@ -97,8 +97,13 @@ def test_best_worker_follows_cached_prefixes_and_survives_bad_requests(fleet):
         rp = RequestPlaneClient()
         try:
             router = await router_address(fleet["env"])
-            first = await ask(rp, router, BestWorkerRequest(model=DEFAULT_MODEL, token_ids=PREFIX + [1, 2, 3],
-                                                            request_id="r1"))
+            # The router registers before its discovery watch has seen the workers: wait for them.
+            for _ in range(100):
+                first = await ask(rp, router, BestWorkerRequest(model=DEFAULT_MODEL, token_ids=PREFIX + [1, 2, 3],
+                                                                request_id="r1"))
+                if not (first.error or "").startswith("no live worker"):
+                    break
+                await asyncio.sleep(0.1)
             assert first.error is None and first.overlap_blocks == 0 and first.prompt_blocks == 12
             await generate(rp, router, first, "r1", PREFIX + [1, 2, 3])
             # The worker's BlockStored events reach the router's index (a query counts no load).

@@ -140,7 +140,10 @@ def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path):
     log = open(tmp_path / "serve.log", "w+b")
     serve = subprocess.Popen([sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(port),
                               "--enforce-eager", "--max-model-len", "1024"],
-                             env=env, stdout=log, stderr=subprocess.STDOUT)
+                             env=env, stdout=log, stderr=subprocess.STDOUT,
+                             # Ctrl-C works as in a terminal even when the test runner itself was
+                             # started in the background (which leaves SIGINT ignored, and inherited).
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         def ready():
             log.seek(0)
