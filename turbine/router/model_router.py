@@ -40,6 +40,9 @@ class ModelKvRouter:
             self.events = KvEventsConsumer(index)
             self.watchdog = EventWatchdog(model, lambda instance_id: index.events_of.get(instance_id, 0),
                                           events_deadline_s, clock=clock, on_warning=self._count_warning)
+        # Updated on every decision: label children bound once (labels() is a locked lookup).
+        self._per_decision = None if metrics is None else (
+            metrics.decisions.labels(model), metrics.decision_seconds.labels(model), metrics.overlap.labels(model))
         self._known: set[str] = set()
         self._exported: dict[object, set[str]] = {}  # gauge -> worker labels it has series for
         self._watch_task: asyncio.Task | None = None
@@ -48,11 +51,11 @@ class ModelKvRouter:
     def decide(self, request_id: str, token_ids: list[int], instance_ids: list[str],
                lora_name: str | None = None, track: bool = True) -> Decision:
         decision = self.kv.decide(request_id, token_ids, [WorkerKey(i) for i in instance_ids], lora_name, track)
-        if self.metrics is not None:
-            m = self.metrics
-            m.decisions.labels(self.model).inc()
-            m.decision_seconds.labels(self.model).observe(decision.seconds)
-            m.overlap.labels(self.model).observe(decision.overlap_ratio)
+        if self._per_decision is not None:
+            decisions, seconds, overlap = self._per_decision
+            decisions.inc()
+            seconds.observe(decision.seconds)
+            overlap.observe(decision.overlap_ratio)
         if track and self.watchdog is not None and decision.overlap_blocks < decision.prompt_blocks:
             # New full blocks for that worker: it must publish BlockStored for them.
             self.watchdog.expect(request_id, decision.worker.instance_id)
