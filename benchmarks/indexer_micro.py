@@ -11,7 +11,9 @@ the latency of the KV routing decision for long prompts against a large index.
    pools are first filled (warm-up, not timed) so the measured stream is the steady state: about
    as many blocks removed as stored.  Timed: `KvIndexer.apply(worker, event)` over the
    stream (objects already decoded), and separately msgspec-decoding each KvEventBatch from its
-   wire bytes + apply (what `KvEventsConsumer` does per batch, minus the zmq socket).
+   wire bytes + apply (what `KvEventsConsumer` does per batch, minus the zmq socket).  Since wire
+   version 2 a BlockStored carries its token ids packed (little-endian u32 bytes): decoding makes
+   one bytes object per event, and the index hashes those bytes directly.
    **One block event = one block stored or one block removed**: a BlockStored of k blocks is k
    block events; a BlockRemoved of k hashes is k block events.
 
@@ -380,11 +382,12 @@ class DecisionIndex:
         key = (w, s)
         if key not in self._sys_engine:
             self._sys_engine[key] = self._engine_hashes(len(sys_tokens) // bs)
-            self.index.apply(w, BlockStored(block_hashes=self._sys_engine[key], parent_hash=None,
-                                            token_ids=sys_tokens, block_size=bs))
+            self.index.apply(w, BlockStored.from_token_ids(block_hashes=self._sys_engine[key], parent_hash=None,
+                                                           token_ids=sys_tokens, block_size=bs))
         n = len(body) // bs
-        self.index.apply(w, BlockStored(block_hashes=self._engine_hashes(n), parent_hash=self._sys_engine[key][-1],
-                                        token_ids=body[:n * bs], block_size=bs))
+        self.index.apply(w, BlockStored.from_token_ids(block_hashes=self._engine_hashes(n),
+                                                       parent_hash=self._sys_engine[key][-1],
+                                                       token_ids=body[:n * bs], block_size=bs))
 
     def indexed(self) -> int:
         return sum(self.index.blocks_of(w) for w in self.index.workers())
@@ -505,12 +508,14 @@ def cost_breakdown(a, bs: int) -> dict:
     nb = a.breakdown_blocks
     toks = [rng.randrange(1000, VOCAB) for _ in range(nb * bs)]
     hashes = [rng.getrandbits(63) for _ in range(nb)]
-    stored = BlockStored(block_hashes=hashes, parent_hash=None, token_ids=toks, block_size=bs)
+    stored = BlockStored.from_token_ids(block_hashes=hashes, parent_hash=None, token_ids=toks, block_size=bs)
     removed = BlockRemoved(block_hashes=hashes)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KvEventBatch)
     b_stored = enc.encode(KvEventBatch(instance_id="w00", event_id=1, events=[stored]))
     b_removed = enc.encode(KvEventBatch(instance_id="w00", event_id=2, events=[removed]))
     impl = current_impl()
+    from turbine.router.hashing import packed_block_hashes
+    packed = stored.tokens
     w = WorkerKey("w00")
 
     def per_block(fn, number=2000):
@@ -523,11 +528,13 @@ def cost_breakdown(a, bs: int) -> dict:
     out = {"block_size": bs, "blocks_per_event": nb,
            "decode_stored_ns": per_block(lambda: dec.decode(b_stored)),
            "decode_removed_ns": per_block(lambda: dec.decode(b_removed)),
+           # Prompts only (the decision path): events carry their tokens packed already.
            "tokens_to_u32_ns": per_block(lambda: array("I", toks).tobytes()),
            "block_hashes_ns": per_block(lambda: impl.block_hashes(toks, bs)),
+           "packed_block_hashes_ns": per_block(lambda: packed_block_hashes(packed, bs)),
            "apply_store_and_remove_ns": per_block(store_remove)}
-    out["hashing_proper_ns"] = out["block_hashes_ns"] - out["tokens_to_u32_ns"]
-    out["bookkeeping_store_and_remove_ns"] = out["apply_store_and_remove_ns"] - out["block_hashes_ns"]
+    out["hashing_proper_ns"] = out["packed_block_hashes_ns"]
+    out["bookkeeping_store_and_remove_ns"] = out["apply_store_and_remove_ns"] - out["packed_block_hashes_ns"]
     out["decode_ns_per_token"] = out["decode_stored_ns"] / bs
     log(f"breakdown bs={bs}: " + ", ".join(f"{k} {v:.0f}" for k, v in out.items() if k.endswith("_ns")))
     return out
@@ -570,7 +577,8 @@ def markdown(result: dict) -> str:
                              f"({', '.join(f'{x:.2f}' for x in sp['decode+apply']['per_repeat'])}) | |")
     if result.get("breakdown"):
         lines += ["", "### Where an ingested block's time goes (ns per block, this tree)", "",
-                  "| block size | decode BlockStored (per token) | decode BlockRemoved | tokens → u32 bytes | xxh3 chain "
+                  "| block size | decode BlockStored (per token) | decode BlockRemoved "
+                  "| tokens → u32 bytes (prompts only) | xxh3 chain over the packed tokens "
                   "| index bookkeeping, store + remove | **stored + removed block, decode+apply** |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for bs, b in sorted(result["breakdown"].items(), key=lambda kv: int(kv[0])):
@@ -644,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin-cpu", type=int, default=None, help="pin this process to one CPU (sched_setaffinity)")
     p.add_argument("--compare-ref", default=None,
                    help="also measure turbine/router/{hashing,indexer}.py as of this git revision (8559aaa: "
-                        "before the bit-mask indexer and one-shot hashing), alternating with this tree's, same run")
+                        "before the bit-mask indexer and one-shot hashing), alternating with this tree's, same run; "
+                        "a revision before wire version 2 reads BlockStored.token_ids, which unpacks the packed "
+                        "tokens: not the cost of decoding v1's int lists)")
     p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/indexer_micro-<date>.json)")
     a = p.parse_args(argv)
     if a.pin_cpu is not None:

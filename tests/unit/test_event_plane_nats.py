@@ -80,8 +80,10 @@ async def test_kv_events_reach_the_index(backend, nats_url):
     hashes = block_hashes(TOKENS, BS)
     try:
         applied = consumer.index.events_applied
-        pub.publish([BlockStored(block_hashes=[1, 2], parent_hash=None, token_ids=TOKENS, block_size=BS)])
-        pub.publish([BlockStored(block_hashes=[3], parent_hash=2, token_ids=[9, 9, 9, 9], block_size=BS)])
+        pub.publish([BlockStored.from_token_ids(block_hashes=[1, 2], parent_hash=None, token_ids=TOKENS,
+                                                block_size=BS)])
+        pub.publish([BlockStored.from_token_ids(block_hashes=[3], parent_hash=2, token_ids=[9, 9, 9, 9],
+                                                block_size=BS)])
         await until(lambda: consumer.index.blocks_of(WorkerKey("nats-w1")) == 3, "stored blocks")
         assert consumer.index.find_matches(hashes) == {WorkerKey("nats-w1"): 2}
         pub.publish([AllBlocksCleared()])

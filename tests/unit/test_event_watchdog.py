@@ -21,8 +21,8 @@ class Clock:
 
 
 def stored(hashes, parent=None, tokens=None) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_hash=parent,
-                       token_ids=tokens or list(range(len(hashes) * BS)), block_size=BS)
+    return BlockStored.from_token_ids(block_hashes=list(hashes), parent_hash=parent,
+                                      token_ids=tokens or list(range(len(hashes) * BS)), block_size=BS)
 
 
 def setup(deadline=10.0):

@@ -23,7 +23,8 @@ def card(instance_id: str, address: str | None, block_size: int = BS) -> ModelCa
 
 
 def stored(ids=(1, 2)) -> BlockStored:
-    return BlockStored(block_hashes=list(ids), parent_hash=None, token_ids=TOKENS[:len(ids) * BS], block_size=BS)
+    return BlockStored.from_token_ids(block_hashes=list(ids), parent_hash=None, token_ids=TOKENS[:len(ids) * BS],
+                                      block_size=BS)
 
 
 async def test_events_from_a_real_publisher_reach_the_index(caplog):

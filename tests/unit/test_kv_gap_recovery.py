@@ -83,7 +83,7 @@ class Worker:
             hashes.append(prev)
             tokens += block
         self.ever += hashes
-        return BlockStored(block_hashes=hashes, parent_hash=parent, token_ids=tokens, block_size=BS)
+        return BlockStored.from_token_ids(block_hashes=hashes, parent_hash=parent, token_ids=tokens, block_size=BS)
 
     def matches(self, consumer: KvEventsConsumer, rank: int = 0) -> bool:
         key = WorkerKey(W, rank)

@@ -21,8 +21,8 @@ BS = 4
 
 
 def stored(first: int, n: int, parent: int | None = None) -> BlockStored:
-    return BlockStored(block_hashes=list(range(first, first + n)), parent_hash=parent,
-                       token_ids=[t % 1000 for t in range(first * BS, (first + n) * BS)], block_size=BS)
+    return BlockStored.from_token_ids(block_hashes=list(range(first, first + n)), parent_hash=parent,
+                                      token_ids=[t % 1000 for t in range(first * BS, (first + n) * BS)], block_size=BS)
 
 
 def batches_of(chunks: list[KvReplayChunk]) -> list[KvEventBatch]:
@@ -56,13 +56,13 @@ def test_a_snapshot_rebuilds_the_index_in_bounded_batches():
     pub = KvEventPublisher("w", buffer_size=0)
     fed = KvIndexer(64)
     for chain in range(30):  # 30 chains of 100 blocks of 64 tokens: 192k tokens
-        event = BlockStored(block_hashes=[chain * 1000 + i for i in range(100)], parent_hash=None,
-                            token_ids=[(chain * 7 + t) % 5000 for t in range(6400)], block_size=64)
+        event = BlockStored.from_token_ids(block_hashes=[chain * 1000 + i for i in range(100)], parent_hash=None,
+                                           token_ids=[(chain * 7 + t) % 5000 for t in range(6400)], block_size=64)
         pub.publish([event])
         fed.apply(WorkerKey("w"), event)
     batches = batches_of(pub.replay(-1))
     assert len(batches) >= 3
-    assert all(sum(len(e.token_ids) for e in b.events) <= SNAPSHOT_BATCH_TOKENS + 64 * 100 for b in batches)
+    assert all(sum(e.num_tokens for e in b.events) <= SNAPSHOT_BATCH_TOKENS + 64 * 100 for b in batches)
     rebuilt = KvIndexer(64)
     for b in batches:
         for e in b.events:

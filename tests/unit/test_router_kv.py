@@ -17,8 +17,8 @@ SYSTEM = list(range(100, 100 + 4 * BS))  # a shared 4-block system prompt
 
 def test_events_mode_routes_to_the_worker_holding_the_prefix():
     router = KvRouter(KvRouterConfig(block_size=BS), rng=random.Random(0))
-    router.index.apply(W[1], BlockStored(block_hashes=[1, 2, 3, 4], parent_hash=None, token_ids=SYSTEM,
-                                         block_size=BS))
+    router.index.apply(W[1], BlockStored.from_token_ids(block_hashes=[1, 2, 3, 4], parent_hash=None, token_ids=SYSTEM,
+                                                        block_size=BS))
     d = router.decide("r1", SYSTEM + [7, 8, 9], W)
     assert d.worker == W[1] and d.overlap_blocks == 4
     router.finished("r1")

@@ -19,7 +19,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 
 
 def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
@@ -137,7 +137,7 @@ class BlockPool:
             bs = self.block_size
             self._emit(BlockStored(block_hashes=list(hashes[start:end]),
                                    parent_hash=hashes[start - 1] if start else None,
-                                   token_ids=list(token_ids[start * bs:end * bs]), block_size=bs))
+                                   tokens=pack_token_ids(token_ids[start * bs:end * bs]), block_size=bs))
 
     def _emit(self, event: KvEvent) -> None:
         if self.on_event is not None:

@@ -1,12 +1,46 @@
 """KV cache events of one worker: which prefix blocks it holds. A KV-aware router mirrors
 each worker's cache from them. Block hashes are the engine's own chained hashes (opaque ids:
-a block's hash covers its parent's hash and its own token ids); only full blocks are stored."""
+a block's hash covers its parent's hash and its own token ids); only full blocks are stored.
+
+Token ids travel packed: little-endian u32, 4 bytes each (`pack_token_ids`). msgspec decodes
+them as one `bytes` object instead of a Python int per token, and the router hashes those bytes
+as they are (turbine.router.hashing hashes a block as exactly these bytes).
+
+Wire version 2: BlockStored carries `tokens` (packed bytes) instead of v1's `token_ids` (a list
+of ints). A v2 decoder rejects a v1 BlockStored (its required `tokens` is missing) and a v1
+decoder a v2 one, so mixed versions fail loudly instead of routing on wrong hashes.
+"""
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Iterable
+
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+
+_U32 = "I" if array("I").itemsize == 4 else "L"
+_SWAP = sys.byteorder != "little"
+
+
+def pack_token_ids(token_ids: Iterable[int]) -> bytes:
+    """Token ids as the wire carries them: little-endian u32, 4 bytes each. Raises OverflowError
+    for an id outside 0..2**32-1 and TypeError for a non-int."""
+    packed = array(_U32, token_ids)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """The inverse of pack_token_ids (ValueError if `data` is not a whole number of u32)."""
+    packed = array(_U32)
+    packed.frombytes(data)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tolist()
 
 
 class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True):
@@ -14,9 +48,25 @@ class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True
 
     block_hashes: list[int]
     parent_hash: int | None  # hash of the block before the first one; None at sequence start
-    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    tokens: bytes  # the blocks' token ids, packed (pack_token_ids): len(block_hashes) * block_size * 4 bytes
     block_size: int
     v: int = WIRE_VERSION
+
+    @classmethod
+    def from_token_ids(cls, *, block_hashes: list[int], parent_hash: int | None, token_ids: Iterable[int],
+                       block_size: int) -> BlockStored:
+        """Build one from token ids as a list (packs them; OverflowError / TypeError as pack_token_ids)."""
+        return cls(block_hashes=block_hashes, parent_hash=parent_hash, tokens=pack_token_ids(token_ids),
+                   block_size=block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) >> 2
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids unpacked (tests, debugging: the router never needs them as ints)."""
+        return unpack_token_ids(self.tokens)
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", omit_defaults=True, kw_only=True):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from turbine.router.hashing import block_hashes
+from turbine.router.hashing import packed_block_hashes
 
 log = logging.getLogger("turbine.router")
 
@@ -69,9 +69,9 @@ class KvIndexer:
         if event.block_size != self.block_size:
             raise ValueError(f"worker {worker.instance_id} uses KV block size {event.block_size}, "
                              f"the router {self.block_size}")
-        if len(event.token_ids) != len(event.block_hashes) * event.block_size:
-            raise ValueError(f"stored event of worker {worker.instance_id}: {len(event.token_ids)} tokens "
-                             f"for {len(event.block_hashes)} blocks of {event.block_size}")
+        if len(event.tokens) != len(event.block_hashes) * event.block_size * 4:
+            raise ValueError(f"stored event of worker {worker.instance_id}: {len(event.tokens)} bytes of tokens "
+                             f"(4 per token) for {len(event.block_hashes)} blocks of {event.block_size}")
         mapping = self._engine_to_router.get(worker)
         if mapping is None:
             mapping = self._engine_to_router[worker] = {}
@@ -85,7 +85,8 @@ class KvIndexer:
                 # be placed in a prefix, and matching stops at a missing parent anyway.
                 log.debug("worker %s stored blocks under an unknown parent; ignored", worker.instance_id)
                 return
-        ours = block_hashes(event.token_ids, self.block_size, lora_name=lora_name, parent=parent)
+        # Hashed straight from the wire's packed tokens: no token is ever a Python int here.
+        ours = packed_block_hashes(event.tokens, self.block_size, lora_name=lora_name, parent=parent)
         bit = self._bit(worker)
         holders = self._holders
         for engine_hash, h in zip(event.block_hashes, ours):

@@ -9,6 +9,10 @@ held, then those newer than the answer are applied.
 Failures are loud, never silent: a worker that publishes no events, a block size that differs
 from the router's, missed events and failed recoveries (retried with backoff) each log a
 warning naming the worker, and are counted.
+
+Batches come from the router's event-plane subscriber (router/event_subscriber.py), shared with
+the load-metrics consumer: this consumer says which workers' events it follows and handles the
+KV-events topic.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import logging
 from collections import deque
 
 from turbine.protocol.discovery import ModelCard
-from turbine.protocol.kv_events import KvEventBatch
+from turbine.protocol.kv_events import WIRE_VERSION, KvEventBatch
+from turbine.router.event_subscriber import RouterEventSubscriber
 from turbine.router.indexer import KvIndexer, WorkerKey
 from turbine.router.kv_recovery import Recovered, fetch_missed
 from turbine.runtime.codec import decode
 from turbine.runtime.errors import DecodeError
-from turbine.runtime.event_plane import EventSubscriber
+from turbine.runtime.event_plane import KV_EVENTS_TOPIC
 from turbine.runtime.request_plane import RequestPlaneClient
 
 log = logging.getLogger("turbine.router")
@@ -36,9 +41,14 @@ MAX_HELD = 100_000  # live batches held per publisher while recovering; older on
 
 class KvEventsConsumer:
     def __init__(self, index: KvIndexer, client: RequestPlaneClient | None = None,
-                 retry_s: tuple[float, float] = RETRY_S, timeout_s: float = RECOVERY_TIMEOUT_S):
+                 retry_s: tuple[float, float] = RETRY_S, timeout_s: float = RECOVERY_TIMEOUT_S,
+                 subscriber: RouterEventSubscriber | None = None):
+        """`subscriber`: the router's event-plane subscriber, shared with its other consumers
+        (default: one of its own, closed with this consumer)."""
         self.index = index
-        self._sub = EventSubscriber()
+        self._own_sub = subscriber is None
+        self._sub = subscriber or RouterEventSubscriber()
+        self._sub.on(KV_EVENTS_TOPIC, self.handle)
         self._own_client = client is None
         self._client = client or RequestPlaneClient()
         self._retry_s = retry_s
@@ -49,7 +59,6 @@ class KvEventsConsumer:
         self._held: dict[WorkerKey, deque[KvEventBatch]] = {}  # publishers being recovered
         self._recovering: dict[WorkerKey, asyncio.Task] = {}
         self._warned: set[tuple[str, str]] = set()
-        self._task: asyncio.Task | None = None
         self.gaps = 0
         self.rejected = 0
         self.recoveries = 0
@@ -60,7 +69,7 @@ class KvEventsConsumer:
         `addresses`: their request-plane addresses, where missed events are recovered from."""
         addresses = addresses or {}
         for instance_id in self._address_of.keys() - cards.keys():
-            self._sub.disconnect(self._address_of.pop(instance_id))
+            self._sub.unfollow(self._address_of.pop(instance_id))
             self._replay_address.pop(instance_id, None)
             for key in {k for k in (*self._last_event_id, *self._held) if k.instance_id == instance_id}:
                 self._last_event_id.pop(key, None)
@@ -78,7 +87,7 @@ class KvEventsConsumer:
                                 f"{self.index.block_size}: its cache is ignored")
             elif instance_id not in self._address_of:
                 try:
-                    self._sub.connect(card.kv_events_address)
+                    self._sub.follow(card.kv_events_address)
                 except ValueError as exc:  # e.g. a scheme we do not know
                     self._warn_once(instance_id, "bad-address", f"worker {instance_id}: {exc}; its KV events "
                                     "are not followed")
@@ -90,19 +99,17 @@ class KvEventsConsumer:
                 # nothing falls between the answer and the live events), not at its next event.
                 self._start_recovery(WorkerKey(instance_id), -1,
                                      subscribed=self._sub.subscribed(card.kv_events_address))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def _run(self) -> None:
-        while True:
-            _topic, payload = await self._sub.recv()
-            try:
-                batch = decode(payload, KvEventBatch)
-            except DecodeError as exc:
-                self.rejected += 1
-                log.warning("undecodable KV event batch dropped: %s", exc)
-                continue
-            self.apply(batch)
+    def handle(self, payload: bytes) -> None:
+        """One message of the KV-events topic, as received."""
+        try:
+            batch = decode(payload, KvEventBatch)
+        except DecodeError as exc:
+            self.rejected += 1
+            log.warning("undecodable KV event batch dropped (a worker of another wire version, wire "
+                        "version here %d?): %s", WIRE_VERSION, exc)
+            return
+        self.apply(batch)
 
     def apply(self, batch: KvEventBatch) -> None:
         """One live batch, as published."""
@@ -220,11 +227,14 @@ class KvEventsConsumer:
             log.warning(message)
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
         for worker in list(self._recovering):
             self._stop_recovery(worker)
-        self._sub.close()
+        if self._own_sub:
+            self._sub.close()
+        else:
+            for address in self._address_of.values():
+                self._sub.unfollow(address)
+        self._address_of.clear()
         if self._own_client:
             self._own_client = False
             try:

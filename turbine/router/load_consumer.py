@@ -1,59 +1,68 @@
 """Feeds a KV router's load tracker with its workers' own load reports (LoadMetrics).
 
-It follows the same publishers as the KV events consumer (the event-plane address in each
-worker's model card) but subscribes to the load-metrics topic only. A worker without an
-event plane sends no reports; the router then counts that worker's requests itself.
+Reports come from the router's event-plane subscriber (router/event_subscriber.py), shared with
+the KV events consumer: this consumer follows every worker whose model card names an event-plane
+address and handles the load-metrics topic. A worker without an event plane sends no reports;
+the router then counts that worker's requests itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from turbine.protocol.discovery import ModelCard
 from turbine.protocol.load_metrics import LoadMetrics
+from turbine.router.cost import LoadTracker
+from turbine.router.event_subscriber import RouterEventSubscriber
+from turbine.router.indexer import WorkerKey
 from turbine.runtime.codec import decode
 from turbine.runtime.errors import DecodeError
-from turbine.runtime.event_plane import LOAD_METRICS_TOPIC, EventSubscriber
-from turbine.router.cost import LoadTracker
-from turbine.router.indexer import WorkerKey
+from turbine.runtime.event_plane import LOAD_METRICS_TOPIC
 
 log = logging.getLogger("turbine.router")
 
 
 class LoadMetricsConsumer:
-    def __init__(self, loads: LoadTracker):
+    def __init__(self, loads: LoadTracker, subscriber: RouterEventSubscriber | None = None):
+        """`subscriber`: the router's event-plane subscriber, shared with its other consumers
+        (default: one of its own, closed with this consumer)."""
         self.loads = loads
-        self._sub = EventSubscriber(topics=(LOAD_METRICS_TOPIC,))
+        self._own_sub = subscriber is None
+        self._sub = subscriber or RouterEventSubscriber()
+        self._sub.on(LOAD_METRICS_TOPIC, self.handle)
         self._address_of: dict[str, str] = {}  # instance id -> its publisher's address
         self._ranks: dict[str, set[int]] = {}  # instance id -> ranks it reported
-        self._task: asyncio.Task | None = None
+        self._unfollowable: set[str] = set()  # instance ids whose address we cannot follow (warned once)
         self.received = 0
         self.rejected = 0
 
     def sync(self, cards: dict[str, ModelCard]) -> None:
         """Follow exactly the publishers of these instances (call on every discovery change)."""
         for instance_id in self._address_of.keys() - cards.keys():
-            self._sub.disconnect(self._address_of.pop(instance_id))
+            self._sub.unfollow(self._address_of.pop(instance_id))
             for rank in self._ranks.pop(instance_id, ()):
                 self.loads.forget_worker(WorkerKey(instance_id, rank))
+        self._unfollowable &= cards.keys()
         for instance_id, card in cards.items():
             if card.kv_events_address is not None and instance_id not in self._address_of:
+                try:
+                    self._sub.follow(card.kv_events_address)
+                except ValueError as exc:  # e.g. a scheme we do not know
+                    if instance_id not in self._unfollowable:
+                        self._unfollowable.add(instance_id)
+                        log.warning("worker %s: %s; its load reports are not followed", instance_id, exc)
+                    continue
                 self._address_of[instance_id] = card.kv_events_address
-                self._sub.connect(card.kv_events_address)
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def _run(self) -> None:
-        while True:
-            _topic, payload = await self._sub.recv()
-            try:
-                metrics = decode(payload, LoadMetrics)
-            except DecodeError as exc:
-                self.rejected += 1
-                log.warning("undecodable load metrics dropped: %s", exc)
-                continue
-            self.apply(metrics)
+    def handle(self, payload: bytes) -> None:
+        """One message of the load-metrics topic, as received."""
+        try:
+            metrics = decode(payload, LoadMetrics)
+        except DecodeError as exc:
+            self.rejected += 1
+            log.warning("undecodable load metrics dropped: %s", exc)
+            return
+        self.apply(metrics)
 
     def apply(self, metrics: LoadMetrics) -> None:
         if metrics.instance_id not in self._address_of:
@@ -63,6 +72,9 @@ class LoadMetricsConsumer:
         self.loads.report(WorkerKey(metrics.instance_id, metrics.dp_rank), metrics)
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self._sub.close()
+        if self._own_sub:
+            self._sub.close()
+        else:
+            for address in self._address_of.values():
+                self._sub.unfollow(address)
+        self._address_of.clear()

@@ -1,7 +1,7 @@
 """One model's KV routing, whichever process hosts it (the frontend, or the standalone router
 service): the decision (KvRouter), the index kept in step with the workers' KV events, their
-load reports, the watchdog that says loudly when expected events do not come, and the
-router's metrics."""
+load reports (both received through one event-plane subscriber), the watchdog that says loudly
+when expected events do not come, and the router's metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import random
 import time
 
 from turbine.protocol.discovery import ModelCard
+from turbine.router.event_subscriber import RouterEventSubscriber
 from turbine.router.event_watchdog import DEFAULT_DEADLINE_S, EventWatchdog
 from turbine.router.indexer import KvIndexer, WorkerKey
 from turbine.router.kv_events_consumer import KvEventsConsumer
@@ -32,12 +33,14 @@ class ModelKvRouter:
         self.cfg = cfg
         self.metrics = metrics
         self.kv = KvRouter(cfg, rng)
-        self.loads = LoadMetricsConsumer(self.kv.loads)
+        # One connection per worker for every topic it publishes; each consumer handles its topic.
+        self.subscriber = RouterEventSubscriber()
+        self.loads = LoadMetricsConsumer(self.kv.loads, subscriber=self.subscriber)
         self.events: KvEventsConsumer | None = None
         self.watchdog: EventWatchdog | None = None
         if isinstance(self.kv.index, KvIndexer):
             index = self.kv.index
-            self.events = KvEventsConsumer(index)
+            self.events = KvEventsConsumer(index, subscriber=self.subscriber)
             self.watchdog = EventWatchdog(model, lambda instance_id: index.events_of.get(instance_id, 0),
                                           events_deadline_s, clock=clock, on_warning=self._count_warning)
         # Updated on every decision: label children bound once (labels() is a locked lookup).
@@ -138,3 +141,4 @@ class ModelKvRouter:
         self.loads.close()
         if self.events is not None:
             self.events.close()
+        self.subscriber.close()

@@ -9,8 +9,6 @@ as a "ghost": the snapshot stores it, then removes it, exactly as the events did
 
 from __future__ import annotations
 
-from array import array
-
 from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 SNAPSHOT_BATCH_TOKENS = 1 << 16  # keeps each snapshot batch (and reply frame) well under a MiB or so
@@ -19,9 +17,9 @@ SNAPSHOT_BATCH_TOKENS = 1 << 16  # keeps each snapshot batch (and reply frame) w
 class _Block:
     __slots__ = ("parent", "tokens", "offset", "block_size", "lora_name", "live", "children")
 
-    def __init__(self, parent: int | None, tokens: array, offset: int, block_size: int, lora_name: str | None):
+    def __init__(self, parent: int | None, tokens: bytes, offset: int, block_size: int, lora_name: str | None):
         self.parent = parent
-        self.tokens = tokens  # the token ids of the whole event it came in (shared, 4 bytes each)
+        self.tokens = tokens  # the packed tokens of the whole event it came in (shared, 4 bytes each)
         self.offset = offset  # its index among that event's blocks
         self.block_size = block_size
         self.lora_name = lora_name
@@ -48,20 +46,15 @@ class KvCacheState:
 
     def _stored(self, event: BlockStored, lora_name: str | None) -> None:
         bs = event.block_size
-        if bs <= 0 or len(event.token_ids) != len(event.block_hashes) * bs:
+        if bs <= 0 or len(event.tokens) != len(event.block_hashes) * bs * 4:
             return  # malformed: routers reject it too
         parent = event.parent_hash
         if parent is not None and not self._live(parent):
             return  # routers cannot place blocks under a parent they do not know
-        tokens = None
+        tokens = event.tokens  # immutable: kept as is, shared by the event's blocks
         for i, h in enumerate(event.block_hashes):
             block = self._blocks.get(h)
             if block is None or not block.live:
-                if tokens is None:
-                    try:
-                        tokens = array("I", event.token_ids)
-                    except (OverflowError, TypeError):
-                        return  # not token ids: routers reject it too
                 if block is None:
                     self._blocks[h] = _Block(parent, tokens, i, bs, lora_name)
                     self._adopt(parent)
@@ -143,7 +136,7 @@ class KvCacheState:
 
 class _Run:
     """Consecutive blocks of a chain, for one BlockStored. Their tokens are kept as slices of
-    the events' arrays (a chain stored by one event is one slice), joined once at the end."""
+    the events' packed tokens (a chain stored by one event is one slice), joined once at the end."""
 
     __slots__ = ("hashes", "parent", "block_size", "pieces")
 
@@ -151,7 +144,7 @@ class _Run:
         self.hashes = [h]
         self.parent = block.parent
         self.block_size = block.block_size
-        self.pieces = [[block.tokens, block.offset, block.offset + 1]]  # [array, first block, end]
+        self.pieces = [[block.tokens, block.offset, block.offset + 1]]  # [packed tokens, first block, end]
 
     def add(self, h: int, block: _Block) -> None:
         self.hashes.append(h)
@@ -162,8 +155,6 @@ class _Run:
             self.pieces.append([block.tokens, block.offset, block.offset + 1])
 
     def event(self) -> BlockStored:
-        bs = self.block_size
-        tokens: list[int] = []
-        for arr, first, end in self.pieces:
-            tokens += arr[first * bs:end * bs].tolist()
-        return BlockStored(block_hashes=self.hashes, parent_hash=self.parent, token_ids=tokens, block_size=bs)
+        step = self.block_size * 4
+        tokens = b"".join(packed[first * step:end * step] for packed, first, end in self.pieces)
+        return BlockStored(block_hashes=self.hashes, parent_hash=self.parent, tokens=tokens, block_size=self.block_size)

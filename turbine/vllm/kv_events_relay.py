@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
-from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.runtime.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
@@ -30,11 +30,14 @@ def engine_hash(h: bytes | int) -> int:
 
 
 def translate(event) -> KvEvent | None:
+    """Ours for one of vLLM's events (None: a kind we do not relay). vLLM gives a stored block's
+    token ids as a list; they are packed here, once (OverflowError / TypeError if they are not
+    u32 token ids)."""
     if isinstance(event, vllm_events.BlockStored):
         return BlockStored(block_hashes=[engine_hash(h) for h in event.block_hashes],
                            parent_hash=None if event.parent_block_hash is None
                            else engine_hash(event.parent_block_hash),
-                           token_ids=list(event.token_ids), block_size=event.block_size)
+                           tokens=pack_token_ids(event.token_ids), block_size=event.block_size)
     if isinstance(event, vllm_events.BlockRemoved):
         return BlockRemoved(block_hashes=[engine_hash(h) for h in event.block_hashes])
     if isinstance(event, vllm_events.AllBlocksCleared):
@@ -66,7 +69,11 @@ class VllmKvEventsRelay:
                 continue
             by_lora: dict[str | None, list[KvEvent]] = {}
             for event in batch.events:
-                ours = translate(event)
+                try:
+                    ours = translate(event)
+                except (OverflowError, TypeError) as exc:  # never from a sane engine; must not stop the relay
+                    log.warning("KV event from the engine dropped: its token ids do not fit u32 (%s)", exc)
+                    continue
                 if ours is not None:
                     by_lora.setdefault(getattr(event, "lora_name", None), []).append(ours)
             for lora_name, events in by_lora.items():
