@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, add_discovery_args, discovery_config_from_args
-from turbine.protocol.discovery import ModelCard
+from turbine.protocol.discovery import DISAGGREGATION_MODES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
 from turbine.runtime.kv_publisher import DEFAULT_REPLAY_BUFFER
@@ -37,6 +37,16 @@ class ServingConfig:
     event_plane: str  # "zmq" | "nats": how KV events and load metrics reach routers
     nats_server: str  # with --event-plane nats
     kv_events_buffer: int  # recent KV event batches kept for routers that missed some
+    disaggregation_mode: str  # "agg" | "prefill" | "decode"
+    kv_transfer_timeout: float  # decode: seconds to wait for a prefill worker's KV, then prefill here
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.disaggregation_mode == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.disaggregation_mode == "decode"
 
     def model_card(self, instance_id: str, *, engine: str, tokenizer_path: str, context_length: int,
                    kv_block_size: int, total_kv_blocks: int, max_num_seqs: int,
@@ -50,7 +60,7 @@ class ServingConfig:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             endpoint_types=list(self.endpoint_types), tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser, migration_limit=self.migration_limit,
-            kv_events_address=kv_events_address,
+            kv_events_address=kv_events_address, disaggregation_mode=self.disaggregation_mode,
         )
 
 
@@ -58,7 +68,8 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Turbine worker")
     env = os.environ.get
     group.add_argument("--namespace", default=env("TURBINE_NAMESPACE", DEFAULT_NAMESPACE))
-    group.add_argument("--component", default=env("TURBINE_COMPONENT", "backend"))
+    group.add_argument("--component", default=env("TURBINE_COMPONENT"),
+                       help="component it registers as (default: 'prefill' for prefill workers, else 'backend')")
     group.add_argument("--endpoint", default=env("TURBINE_ENDPOINT", "generate"),
                        help="endpoint name, or a full 'namespace.component.endpoint' (dyn:// prefix allowed)")
     group.add_argument("--host", default=env("TURBINE_REQUEST_PLANE_HOST", "127.0.0.1"),
@@ -86,7 +97,33 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
                        default=int(env("TURBINE_KV_EVENTS_BUFFER", str(DEFAULT_REPLAY_BUFFER))),
                        help="recent KV event batches kept (up to 8 MiB) to replay to a router that missed "
                             "some; beyond them it gets a snapshot of the whole cache")
+    group.add_argument("--disaggregation-mode", default=env("TURBINE_DISAGGREGATION_MODE"),
+                       help="agg (whole requests, the default), prefill (compute prompts' KV for decode "
+                            "workers) or decode (generate from KV that a prefill worker computed)")
+    group.add_argument("--is-prefill-worker", action="store_true", help="same as --disaggregation-mode prefill")
+    group.add_argument("--is-decode-worker", action="store_true", help="same as --disaggregation-mode decode")
+    group.add_argument("--kv-transfer-timeout", type=float,
+                       default=float(env("TURBINE_KV_TRANSFER_TIMEOUT", "30")),
+                       help="decode workers: seconds to wait for a prefill worker's KV before computing "
+                            "the prompt here instead")
     add_discovery_args(parser)
+
+
+def disaggregation_mode_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """--disaggregation-mode and its two aliases; flags that disagree are an error naming them."""
+    said = {}
+    if args.disaggregation_mode is not None:
+        if args.disaggregation_mode not in DISAGGREGATION_MODES:
+            parser.error(f"--disaggregation-mode {args.disaggregation_mode!r}: choose from "
+                         f"{', '.join(DISAGGREGATION_MODES)}")
+        said[f"--disaggregation-mode {args.disaggregation_mode}"] = args.disaggregation_mode
+    if args.is_prefill_worker:
+        said["--is-prefill-worker"] = "prefill"
+    if args.is_decode_worker:
+        said["--is-decode-worker"] = "decode"
+    if len(set(said.values())) > 1:
+        parser.error(f"{' and '.join(said)} contradict each other: give one role")
+    return next(iter(said.values()), "agg")
 
 
 def _opt_int(value: str | None) -> int | None:
@@ -100,7 +137,11 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
     served under its short name."""
     from turbine.model.prepare import DEFAULT_MODEL, resolve
 
-    namespace, component, endpoint = args.namespace, args.component, args.endpoint
+    mode = disaggregation_mode_from_args(args, parser)
+    if args.kv_transfer_timeout <= 0:
+        parser.error("--kv-transfer-timeout must be > 0")
+    default_component = "prefill" if mode == "prefill" else "backend"
+    namespace, component, endpoint = args.namespace, args.component or default_component, args.endpoint
     if "." in endpoint or endpoint.startswith("dyn://"):
         parts = endpoint.removeprefix("dyn://").split(".")
         if len(parts) != 3 or not all(parts):
@@ -151,4 +192,5 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
         reasoning_parser=args.dyn_reasoning_parser, custom_jinja_template=template,
         migration_limit=args.migration_limit, graceful_shutdown_timeout=args.graceful_shutdown_timeout,
         event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
+        disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
     )

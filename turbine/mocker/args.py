@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import TimingProfile, load_profile
 from turbine.worker_config import ServingConfig, add_serving_args, serving_config_from_args
@@ -25,6 +26,7 @@ class MockerConfig(ServingConfig):
     natural_output_len: int
     speedup_ratio: float
     timing: TimingProfile
+    kv_transfer: KvTransferModel  # decode workers: how long pulling a prompt's KV takes
     kv_events_drop_after: int | None = None  # test hook: see --kv-events-drop-after
 
 
@@ -54,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="simulated time runs this many times faster than real time; 0 = steps take no time")
     sim.add_argument("--profile", default=None,
                      help="JSON file of step-time coefficients (see docs/mocker.md); default: built-in")
+    disagg = p.add_argument_group("simulated KV transfer (with --disaggregation-mode decode)")
+    disagg.add_argument("--kv-bytes-per-token", type=int, default=None,
+                        help="KV cache bytes per token pulled from a prefill worker (default: from the model's "
+                             "config.json, 2 (K, V) x layers x KV heads x head dim x 2 bytes; SmolLM2-135M: 23040)")
+    disagg.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, metavar="GB_PER_S",
+                        help="KV transfer bandwidth between prefill and decode workers, in GB/s (default "
+                             f"{DEFAULT_BANDWIDTH_GB_S:g}: a 200 Gb/s RDMA link); scaled by --speedup-ratio")
     hooks = p.add_argument_group("test hooks")
     hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
                        help="publish only the first N KV event batches, then drop the rest silently while "
@@ -75,6 +84,10 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         parser.error("--natural-output-len must be >= 0")
     if args.speedup_ratio < 0:
         parser.error("--speedup-ratio must be >= 0")
+    if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
+        parser.error("--kv-bytes-per-token must be >= 1")
+    if not args.kv_transfer_bandwidth > 0:
+        parser.error("--kv-transfer-bandwidth must be > 0 (GB/s)")
     if args.kv_events_drop_after is not None and args.kv_events_drop_after < 0:
         parser.error("--kv-events-drop-after must be >= 0")
     if args.num_workers > 1 and args.port:
@@ -97,6 +110,11 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
     if -(-max_model_len // args.block_size) > args.num_gpu_blocks:
         parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size {args.block_size} cannot hold one "
                      f"sequence of --max-model-len {max_model_len}")
+    kv_bytes = args.kv_bytes_per_token or info.kv_bytes_per_token
+    if kv_bytes is None and serving.is_decode:
+        parser.error("--kv-bytes-per-token: the model's config.json does not give its KV size; give it")
+    kv_transfer = KvTransferModel(bytes_per_token=kv_bytes or 0,
+                                  bandwidth_bytes_per_s=args.kv_transfer_bandwidth * 1e9)
 
     return MockerConfig(
         **vars(serving), tokenizer_path=tokenizer_path, model_info=info,
@@ -104,5 +122,5 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         natural_output_len=args.natural_output_len, speedup_ratio=args.speedup_ratio, timing=timing,
-        kv_events_drop_after=args.kv_events_drop_after,
+        kv_transfer=kv_transfer, kv_events_drop_after=args.kv_events_drop_after,
     )

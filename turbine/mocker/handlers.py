@@ -1,5 +1,9 @@
 """Request-plane handlers of one simulated worker: `generate` and `clear_kv_blocks`, with the
-same payloads and the same answers as the vLLM worker's (turbine/vllm/handlers.py)."""
+same payloads and the same answers as the vLLM worker's (turbine/vllm/handlers.py).
+
+In disaggregated serving a prefill worker computes one token and hands over the prompt's KV
+(kv_transfer_params on its last chunk); a decode worker given those parameters pulls the KV
+instead of computing the prompt (kv_transfer.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from turbine.mocker.engine import MockEngine
+from turbine.mocker.kv_transfer import prefill_params, wants_remote_prefill
 from turbine.mocker.scheduler import SeqOutput, Sequence
 from turbine.mocker.tokens import Choice, prompt_seed
 from turbine.protocol.generate import (
@@ -28,10 +33,14 @@ class InvalidRequest(ValueError):
 
 
 class Handlers:
-    def __init__(self, engine: MockEngine, metrics: WorkerMetrics, vocab_size: int):
+    def __init__(self, engine: MockEngine, metrics: WorkerMetrics, vocab_size: int, *,
+                 disaggregation_mode: str = "agg", instance_id: str = ""):
         self.engine = engine
         self.metrics = metrics
         self.vocab_size = vocab_size
+        self.is_prefill = disaggregation_mode == "prefill"
+        self.is_decode = disaggregation_mode == "decode"
+        self.instance_id = instance_id  # a prefill's remote_engine_id
         self.max_model_len = engine.scheduler.max_model_len
 
     def sequences(self, req: GenerateRequest) -> list[Sequence]:
@@ -55,6 +64,12 @@ class Handlers:
             raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
         if not 0 <= min_tokens <= max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}")
+        if self.is_prefill:
+            # One choice, one token: the decode worker that gets the KV generates the answer.
+            if n != 1:
+                raise InvalidRequest(f"a prefill worker serves n=1 only, got n={n}")
+            max_tokens, min_tokens = 1, min(min_tokens, 1)
+        pull = self.is_decode and wants_remote_prefill(req.kv_transfer_params)
         seed = prompt_seed(prompt)
         stop_ids = frozenset(stop.stop_token_ids or ())
         # Unique per attempt, so a retried request id never collides inside the engine.
@@ -62,7 +77,8 @@ class Handlers:
         return [Sequence(seq_id=f"{base_id}-{i}",
                          choice=Choice(seed=seed, index=i, min_tokens=min_tokens, stop_token_ids=stop_ids,
                                        ignore_eos=stop.ignore_eos),
-                         tokens=list(prompt), num_prompt_tokens=len(prompt), max_tokens=max_tokens)
+                         tokens=list(prompt), num_prompt_tokens=len(prompt), max_tokens=max_tokens,
+                         kv_to_pull=pull)
                 for i in range(n)]
 
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[GenerateOutput]:
@@ -121,4 +137,7 @@ class Handlers:
                 chunk.finish_reason, chunk.stop_reason = out.finish_reason, out.stop_reason
                 chunk.usage = Usage(prompt_tokens=len(req.token_ids), completion_tokens=out.seq.num_output_tokens,
                                     cached_tokens=max(out.seq.num_cached_tokens, 0))
+                if self.is_prefill:
+                    chunk.kv_transfer_params = prefill_params(self.instance_id, out.seq.seq_id, out.block_ids,
+                                                              out.seq.num_prompt_tokens)
         return list(chunks.values())

@@ -11,7 +11,8 @@ from turbine.runtime.worker_metrics import LABELS
 _blocks_in_use = Gauge("turbine_mocker_kv_blocks_in_use", "KV blocks held by running sequences", LABELS)
 _blocks_cached = Gauge("turbine_mocker_kv_blocks_cached",
                        "KV blocks no sequence holds that keep their prefix for reuse (LRU pool)", LABELS)
-_waiting = Gauge("turbine_mocker_waiting_sequences", "sequences in the waiting queue", LABELS)
+_waiting = Gauge("turbine_mocker_waiting_sequences",
+                 "sequences in the waiting queue, including those pulling their KV from a prefill worker", LABELS)
 _running = Gauge("turbine_mocker_running_sequences", "sequences in the running batch", LABELS)
 
 
@@ -26,5 +27,5 @@ class EngineGauges:
         sched = self._scheduler
         self._in_use.set(sched.pool.num_in_use)
         self._cached.set(len(sched.pool.evictable))
-        self._waiting.set(len(sched.waiting))
+        self._waiting.set(len(sched.waiting) + len(sched.pulling))
         self._running.set(len(sched.running))

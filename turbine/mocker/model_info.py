@@ -1,11 +1,13 @@
 """What the mocker needs to know about the model it pretends to run, read from its
-Hugging Face folder: vocabulary, special and EOS tokens, context length."""
+Hugging Face folder: vocabulary, special and EOS tokens, context length, KV size per token."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from turbine.mocker.kv_transfer import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     special_token_ids: tuple[int, ...]
     max_position_embeddings: int | None
+    kv_bytes_per_token: int | None = None  # None: the config does not say
 
 
 def read_model_info(folder: str) -> ModelInfo:
@@ -30,7 +33,8 @@ def read_model_info(folder: str) -> ModelInfo:
         vocab = min(vocab, config["vocab_size"])
     special = tuple(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
     return ModelInfo(vocab_size=vocab, eos_token_ids=eos_ids, special_token_ids=special,
-                     max_position_embeddings=config.get("max_position_embeddings"))
+                     max_position_embeddings=config.get("max_position_embeddings"),
+                     kv_bytes_per_token=kv_bytes_per_token(config))
 
 
 def _json(path: Path) -> dict:

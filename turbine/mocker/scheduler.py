@@ -8,6 +8,12 @@ preemption, up to max_num_seqs, after a prefix-cache lookup; a prompt larger tha
 left of the budget is prefilled in chunks over several steps. A sequence samples a token
 in the step that computes the last of its known tokens.
 
+Disaggregated decode (vLLM's WAITING_FOR_REMOTE_KVS): a sequence whose prompt KV comes from a
+prefill worker gets its blocks at admission but computes nothing; it waits in `pulling` until
+the caller lands its KV (`land`), then rejoins the head of the waiting queue with all of its
+prompt computed but the last token, which the next step recomputes to produce logits.
+Landed sequences stay ahead of every other waiting one: they need no more blocks to start.
+
 The scheduler is synchronous and knows no time: `schedule()` plans a step, the caller
 lets the step's (simulated) time pass, then `complete()` applies it.
 """
@@ -21,7 +27,7 @@ from turbine.mocker.kv_cache import BlockPool, block_hash
 from turbine.mocker.timing import attention_pairs
 from turbine.mocker.tokens import Choice, TokenSampler
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, PULLING, RUNNING, FINISHED = "waiting", "pulling", "running", "finished"
 
 
 @dataclass(eq=False)
@@ -41,6 +47,8 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 before that
     answer_len: int | None = None  # from TokenSampler.answer_len
     num_preemptions: int = 0
+    kv_to_pull: bool = False  # decode side: the prompt's KV is to be pulled from a prefill worker
+    num_pull_tokens: int = 0  # tokens pulled: the prompt less what the local prefix cache had
 
     @property
     def num_output_tokens(self) -> int:
@@ -56,6 +64,7 @@ class Step:
     prefill_pairs: float  # their attention work: sum of p * (c + p/2), see timing.py
     decode_seqs: int  # sequences computing just their last sampled token
     decode_kv_tokens: int  # context length summed over those sequences
+    pulls: list[Sequence] = field(default_factory=list)  # sequences that started pulling KV in this step
 
 
 @dataclass
@@ -64,6 +73,7 @@ class SeqOutput:
     token: int
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: int | None = None  # the stop token id that ended the sequence, if any
+    block_ids: list[int] | None = None  # when finished: the blocks it held (a prefill's KV, to hand over)
 
 
 class Scheduler:
@@ -76,9 +86,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.pulling: list[Sequence] = []  # holding blocks while their KV is in transit, oldest first
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pulling)
 
     def add(self, seq: Sequence) -> None:
         seq.answer_len = self.sampler.answer_len(seq.choice)
@@ -91,8 +102,26 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == RUNNING:
             self.running.remove(seq)
-            self._free(seq)
+        elif seq.status == PULLING:
+            self.pulling.remove(seq)
+        self._free(seq)  # a waiting sequence holds blocks only once its pulled KV landed
         seq.status = FINISHED
+
+    def land(self, seqs: list[Sequence]) -> None:
+        """The pulled KV of these pulling sequences has arrived: the prompt counts as computed
+        except its last token (vLLM's decode side recomputes it), and they wait at the head of
+        the queue for their one-token prefill."""
+        for seq in seqs:
+            self.pulling.remove(seq)
+            seq.status = WAITING
+            seq.kv_to_pull = False  # after a preemption it recomputes locally, as vLLM does
+            seq.num_computed = len(seq.tokens) - 1
+            # Cached only now that their contents are there (vLLM delays caching them too).
+            num_full = seq.num_computed // self.pool.block_size
+            if num_full > seq.num_cached_blocks:
+                self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
+                seq.num_cached_blocks = num_full
+        self._requeue_at_head(seqs)
 
     def schedule(self) -> Step:
         budget = self.max_num_batched_tokens
@@ -115,11 +144,25 @@ class Scheduler:
             i += 1
 
         # Like vLLM: no admissions in a step that had to preempt.
+        pulls = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # A full hit still recomputes the last token: the step must produce its logits.
-            hits = self.pool.lookup(seq.hashes[:(len(seq.tokens) - 1) // self.pool.block_size])
-            num_hit_tokens = len(hits) * self.pool.block_size
+            if seq.blocks:  # its pulled KV landed: it holds its blocks already
+                hits, num_hit_tokens = [], seq.num_computed
+            else:
+                # A full hit still recomputes the last token: the step must produce its logits.
+                hits = self.pool.lookup(seq.hashes[:(len(seq.tokens) - 1) // self.pool.block_size])
+                num_hit_tokens = len(hits) * self.pool.block_size
+            if seq.kv_to_pull:
+                # Blocks for the whole prompt now; the local prefix-cache hits are not pulled.
+                seq.num_pull_tokens = len(seq.tokens) - num_hit_tokens
+                if not self._allocate(seq, seq.num_pull_tokens, hits, cache=False):
+                    break
+                self.waiting.popleft()
+                seq.status = PULLING
+                self.pulling.append(seq)
+                pulls.append(seq)
+                continue
             n = min(len(seq.tokens) - num_hit_tokens, budget)
             if not self._allocate(seq, n, hits):
                 break
@@ -140,7 +183,7 @@ class Scheduler:
             else:
                 prefill_tokens += n
                 prefill_pairs += attention_pairs(n, seq.num_computed)
-        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens)
+        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens, pulls)
 
     def complete(self, step: Step) -> list[SeqOutput]:
         """Apply a planned step: advance each sequence, sample, and finish those that stop.
@@ -157,6 +200,7 @@ class Scheduler:
             outputs.append(out)
             if out.finish_reason is not None:
                 seq.status = FINISHED
+                out.block_ids = list(seq.blocks)
                 self._free(seq)
                 finished = True
         if finished:
@@ -181,9 +225,10 @@ class Scheduler:
             out.finish_reason, out.stop_reason = "stop", token
         return out
 
-    def _allocate(self, seq: Sequence, num_new: int, hits: list[int] | tuple[()] = ()) -> bool:
+    def _allocate(self, seq: Sequence, num_new: int, hits: list[int] | tuple[()] = (), cache: bool = True) -> bool:
         """Give `seq` the blocks for `num_new` more tokens (after taking the prefix-cache `hits`,
-        for a sequence being admitted); False, changing nothing, if the pool is short."""
+        for a sequence being admitted); False, changing nothing, if the pool is short. With
+        `cache` False the new full blocks are not entered into the prefix cache (yet)."""
         pool, bs = self.pool, self.pool.block_size
         num_computed = seq.num_computed + len(hits) * bs
         needed = max(0, -(-(num_computed + num_new) // bs) - len(seq.blocks) - len(hits))
@@ -200,7 +245,7 @@ class Scheduler:
             seq.blocks.extend(pool.allocate(needed))
         # Like vLLM, full blocks are cached when allocated, before the step computes them.
         num_full = min(num_computed + num_new, len(seq.tokens)) // bs
-        if num_full > seq.num_cached_blocks:
+        if cache and num_full > seq.num_cached_blocks:
             pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
             seq.num_cached_blocks = num_full
         return True
@@ -211,7 +256,17 @@ class Scheduler:
         seq.status = WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._requeue_at_head([seq])
+
+    def _requeue_at_head(self, seqs: list[Sequence]) -> None:
+        """Put sequences at the head of the waiting queue, in their order, but behind those whose
+        pulled KV landed: these hold all their blocks and start without more, so a sequence
+        queued before them that waits for blocks they hold would wait forever."""
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].blocks:
+            i += 1
+        for k, seq in enumerate(seqs):
+            self.waiting.insert(i + k, seq)
 
     def _free(self, seq: Sequence) -> None:
         self.pool.free(reversed(seq.blocks))  # suffix first: evicted before the shared prefix

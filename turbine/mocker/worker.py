@@ -47,24 +47,28 @@ class SimulatedWorker:
         labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
                   "worker_id": self.instance_id}
         # With prefix caching on, the pool's events go out on the event plane for KV routers,
-        # and the engine's load metrics with them (as the vLLM worker does).
+        # and the engine's load metrics with them (as the vLLM worker does). A decode worker
+        # publishes no KV events (its cache holds what prefill workers computed; routers want
+        # those), but keeps the publisher for its load metrics, and answers replays with an
+        # empty cache.
         self.kv_events = None
         if cfg.enable_prefix_caching:
             self.kv_events = KvEventPublisher(self.instance_id, cfg.host, buffer_size=cfg.kv_events_buffer,
                                               events_plane=plane.publisher(self.instance_id) if plane else None)
         self.load = LoadMetricsPublisher(self.kv_events.events_plane, self.instance_id) if self.kv_events else None
         pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                         on_event=self._pool_events(cfg.kv_events_drop_after))
+                         on_event=None if cfg.is_decode else self._pool_events(cfg.kv_events_drop_after))
         scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
         self.engine = MockEngine(scheduler, cfg.timing, cfg.speedup_ratio,
-                                 on_step=self._publish_load if self.load else None)
+                                 on_step=self._publish_load if self.load else None, kv_transfer=cfg.kv_transfer)
         if self.load is not None:
             self._publish_load(scheduler)  # the idle state, re-sent until it changes (keepalive)
         self.metrics = WorkerMetrics(labels)
         self.metrics.total_kv_blocks.set(cfg.num_gpu_blocks)
         self.gauges = EngineGauges(labels, scheduler)
-        self.handlers = Handlers(self.engine, self.metrics, cfg.model_info.vocab_size)
+        self.handlers = Handlers(self.engine, self.metrics, cfg.model_info.vocab_size,
+                                 disaggregation_mode=cfg.disaggregation_mode, instance_id=self.instance_id)
         self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         self.server.register(cfg.endpoint, GenerateRequest, health.tracked(self.handlers.generate))
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
@@ -95,12 +99,13 @@ class SimulatedWorker:
         return publish_then_drop
 
     def _publish_load(self, sched: Scheduler) -> None:
+        # Requests pulling their KV count as waiting, as in vLLM (they sit in its waiting queue).
         self.load.update(0, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
-                         num_running=len(sched.running), num_waiting=len(sched.waiting))
+                         num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling))
 
     def refresh_gauges(self) -> None:
         sched = self.engine.scheduler
-        self.metrics.engine_unfinished.set(len(sched.waiting) + len(sched.running))
+        self.metrics.engine_unfinished.set(len(sched.waiting) + len(sched.running) + len(sched.pulling))
         self.gauges.refresh()
 
     async def canary(self) -> str | None:

@@ -6,6 +6,8 @@ import msgspec
 
 WIRE_VERSION = 1
 
+DISAGGREGATION_MODES = ("agg", "prefill", "decode")
+
 
 class InstanceRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     """One serving endpoint of one process: where to send its requests."""
@@ -47,4 +49,7 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     migration_limit: int = 0
     # Where this instance publishes its KV cache events ("tcp://host:port"); None: it doesn't.
     kv_events_address: str | None = None
+    # "agg" serves whole requests; "prefill" computes prompts' KV for decode workers to pull;
+    # "decode" generates, pulling the KV that a prefill worker computed.
+    disaggregation_mode: str = "agg"
     v: int = WIRE_VERSION

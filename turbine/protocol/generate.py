@@ -7,6 +7,8 @@ missing required fields fail decoding with a clear msgspec error.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 WIRE_VERSION = 1
@@ -43,6 +45,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    # Disaggregated serving: what a prefill worker returned, so that a decode worker pulls the
+    # prompt's KV instead of computing it (the KV connector's own parameters, passed through).
+    kv_transfer_params: dict[str, Any] | None = None
     v: int = WIRE_VERSION
 
 
@@ -69,6 +74,8 @@ class GenerateOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The stop token id that ended the sequence, if any.
     stop_reason: int | None = None
     usage: Usage | None = None  # last chunk of a choice only
+    # A prefill worker's last chunk: where the decode worker finds the prompt's KV.
+    kv_transfer_params: dict[str, Any] | None = None
     v: int = WIRE_VERSION
 
 
