@@ -1,5 +1,6 @@
-"""`turbine serve`: one frontend + one vLLM worker on this machine, file discovery in a
-private directory, Ctrl-C stops both cleanly."""
+"""`turbine serve`: one frontend + one vLLM worker on this machine (or, with --disagg, one
+prefill and one decode worker joined by NIXL), file discovery in a private directory,
+Ctrl-C stops them all cleanly."""
 
 from __future__ import annotations
 
@@ -30,17 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TURBINE_API_KEY"))
     p.add_argument("--router-mode", default="round-robin")
+    p.add_argument("--disagg", action="store_true",
+                   help="disaggregated serving: a prefill worker and a decode worker, the prompt's KV moved "
+                        "between them by NIXL (--connector nixl unless you give --connector or "
+                        "--kv-transfer-config)")
     return p
 
 
-def _wait_ready(url: str, model: str, procs: list[subprocess.Popen]) -> bool:
+def _wait_ready(url: str, model: str, procs: list[subprocess.Popen], prefill: bool = False) -> bool:
+    """Until the frontend serves the model (and, disaggregated, has its prefill worker too)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             return False
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if model in json.load(resp).get("models", {}):
+                health = json.load(resp)
+                if model in health.get("models", {}) and (not prefill or model in health.get("prefill_workers", {})):
                     return True
         except OSError:
             pass
@@ -74,6 +81,13 @@ def main(argv: list[str]) -> int:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is sized for servers
 
     worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", args.model, *worker_args]
+    if args.disagg:
+        if not any(a.split("=")[0] in ("--connector", "--kv-transfer-config") for a in worker_args):
+            worker_cmd += ["--connector", "nixl"]
+        worker_cmds = [worker_cmd + ["--disaggregation-mode", "prefill"],
+                       worker_cmd + ["--disaggregation-mode", "decode"]]
+    else:
+        worker_cmds = [worker_cmd]
     frontend_cmd = [sys.executable, "-m", "turbine.frontend", "--http-host", args.http_host,
                     "--http-port", str(args.http_port), "--router-mode", args.router_mode]
     if args.api_key:
@@ -81,11 +95,12 @@ def main(argv: list[str]) -> int:
 
     # Children ignore Ctrl-C from the terminal; we stop them in order with SIGTERM.
     procs = [subprocess.Popen(frontend_cmd, env=env, preexec_fn=os.setpgrp),
-             subprocess.Popen(worker_cmd, env=env, preexec_fn=os.setpgrp)]
+             *(subprocess.Popen(cmd, env=env, preexec_fn=os.setpgrp) for cmd in worker_cmds)]
     url = f"http://{args.http_host}:{args.http_port}"
     try:
-        print(f"[turbine] starting worker for {name!r} (the engine takes ~30 s on a small CPU)…", flush=True)
-        if not _wait_ready(url, name, procs):
+        what = "a prefill and a decode worker" if args.disagg else "worker"
+        print(f"[turbine] starting {what} for {name!r} (an engine takes ~30 s on a small CPU)…", flush=True)
+        if not _wait_ready(url, name, procs, prefill=args.disagg):
             print("[turbine] failed to start; see the logs above", file=sys.stderr)
             return 1
         print(f"[turbine] ready: OpenAI API at {url}/v1  (model {name!r}); Ctrl-C to stop", flush=True)
@@ -97,7 +112,7 @@ def main(argv: list[str]) -> int:
         print("\n[turbine] stopping…", flush=True)
         return 0
     finally:
-        _stop(procs[::-1])  # worker first (it drains), then the frontend
+        _stop(procs[::-1])  # workers first (they drain), then the frontend
 
 
 def _served_name(worker_args: list[str]) -> str | None:

@@ -11,11 +11,13 @@ import threading
 import time
 
 import psutil
+import pytest
 from openai import OpenAI
 
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
 from tests.integration.procs import (
     free_port,
+    http_text,
     instances_of,
     start_frontend,
     start_worker,
@@ -133,12 +135,13 @@ def test_sigkilled_worker_leaves_discovery_and_traffic(cluster, client):
         doomed.stop(signal.SIGKILL)
 
 
-def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--disagg"]], ids=["aggregated", "disaggregated"])
+def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path, mode):
     port = free_port()
     env = dict(cluster["env"])
     env.pop("TURBINE_DISCOVERY_DIR")
     log = open(tmp_path / "serve.log", "w+b")
-    serve = subprocess.Popen([sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(port),
+    serve = subprocess.Popen([sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(port), *mode,
                               "--enforce-eager", "--max-model-len", "1024"],
                              env=env, stdout=log, stderr=subprocess.STDOUT,
                              # Ctrl-C works as in a terminal even when the test runner itself was
@@ -157,6 +160,12 @@ def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
                                            max_tokens=8)
         assert r.choices[0].message.content
+        if mode:  # a long prompt goes through the prefill worker
+            r = client.completions.create(model=MODEL, prompt="A long story about a river. " * 60, max_tokens=4)
+            assert r.choices[0].finish_reason == "length"
+            remote = [line for line in http_text(f"http://127.0.0.1:{port}/metrics").splitlines()
+                      if line.startswith("turbine_frontend_prefills_total") and 'where="remote"' in line]
+            assert remote and float(remote[0].rsplit(" ", 1)[1]) == 1
         children = psutil.Process(serve.pid).children(recursive=True)
         serve.send_signal(signal.SIGINT)
         assert serve.wait(90) == 0

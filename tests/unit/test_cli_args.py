@@ -39,3 +39,67 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--http-port", "0"])
     assert "--http-port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--is-prefill-worker"], "--connector nixl"),
+    (["--disaggregation-mode", "decode"], "--connector nixl"),
+    (["--is-prefill-worker", "--is-decode-worker", "--connector", "nixl"],
+     "--is-prefill-worker and --is-decode-worker contradict"),
+    (["--disaggregation-mode", "agg", "--is-decode-worker", "--connector", "nixl"], "contradict"),
+    (["--disaggregation-mode", "both"], "--disaggregation-mode"),
+    (["--connector", "nixl", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+     "--connector and --kv-transfer-config"),
+    (["--connector", "nixl,none"], "--connector none"),
+    (["--connector", "nixl,nixl"], "named twice"),
+    (["--connector", "kvbm"], "--connector kvbm"),
+    (["--connector", "rdma"], "--connector"),
+    (["--is-decode-worker", "--connector", "nixl", "--kv-transfer-timeout", "0"], "--kv-transfer-timeout"),
+])
+def test_bad_disaggregation_flags_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_worker_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_disaggregation_roles_and_connectors():
+    prefill = parse_worker_args(["--is-prefill-worker", "--connector", "nixl"])
+    assert (prefill.disaggregation_mode, prefill.component) == ("prefill", "prefill")
+    kv = prefill.engine_args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == ("NixlConnector", "kv_both", "cpu")
+    assert kv.kv_connector_module_path == "turbine.vllm.nixl_cpu"  # NIXL without its busy progress thread
+    assert kv.kv_load_failure_policy == "fail"
+
+    decode = parse_worker_args(["--disaggregation-mode", "decode", "--connector", "nixl"])
+    assert (decode.disaggregation_mode, decode.component) == ("decode", "backend")
+    # A decode worker that cannot pull the KV computes the prompt instead of failing the request.
+    assert decode.engine_args.kv_transfer_config.kv_load_failure_policy == "recompute"
+
+    agg = parse_worker_args([])
+    assert agg.disaggregation_mode == "agg" and agg.engine_args.kv_transfer_config is None
+    explicit = parse_worker_args(["--is-decode-worker", "--kv-transfer-config",
+                                  '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'])
+    assert explicit.engine_args.kv_transfer_config.kv_role == "kv_consumer"  # the user's config, untouched
+
+
+def test_several_connectors_become_vllms_multi_connector():
+    from turbine.vllm.connectors import kv_transfer_config, uses_nixl
+
+    cfg = kv_transfer_config(["nixl"], buffer_device="cuda", decode=False)
+    assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}
+    multi = kv_transfer_config(["nixl", "nixl"], buffer_device="cpu", decode=True)
+    assert multi["kv_connector"] == "MultiConnector"
+    assert [c["kv_connector"] for c in multi["kv_connector_extra_config"]["connectors"]] == ["NixlConnector"] * 2
+    from vllm.config import KVTransferConfig
+    assert uses_nixl(KVTransferConfig(**multi))
+
+
+def test_nixl_side_channel_ports_are_unique_per_worker_on_a_host(monkeypatch):
+    from turbine.vllm import connectors
+
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    first = connectors._claim_port_run("127.0.0.1", 2)
+    second = connectors._claim_port_run("127.0.0.1", 2)
+    assert {first, first + 1}.isdisjoint({second, second + 1})
+    assert connectors.PORT_RANGE[0] <= first < connectors.PORT_RANGE[1]

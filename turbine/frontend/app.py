@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbine.config import DiscoveryConfig, make_registry
+from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.generation import ChoiceDelta, Generation, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.metrics import FrontendMetrics
@@ -51,6 +52,7 @@ class FrontendConfig:
     api_key: str | None = None
     max_request_bytes: int = 8 << 20
     discovery: DiscoveryConfig = DiscoveryConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
@@ -126,11 +128,17 @@ class Frontend:
         if not models:
             return JSONResponse({"status": "unhealthy", "reason": "no live workers", "models": {}},
                                 status_code=503)
-        return JSONResponse({"status": "healthy", "models": models})
+        body = {"status": "healthy", "models": models}
+        prefill = {name: len(m.prefill_instances) for name, m in self.models.models.items() if m.prefill_instances}
+        if prefill:
+            body["prefill_workers"] = prefill  # models served disaggregated
+        return JSONResponse(body)
 
     async def prometheus(self, request: Request):
         for model in self.models.models.values():
             model.router.export_metrics()
+            if model.prefill_router is not None:
+                model.prefill_router.export_metrics()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def list_models(self, request: Request):
@@ -254,7 +262,8 @@ class Frontend:
         )
         return Generation(model, self.client, gen_req, stop=stop_list(req.stop),
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          skip_special_tokens=req.skip_special_tokens, metrics=self.metrics.of(model.name))
+                          skip_special_tokens=req.skip_special_tokens, metrics=self.metrics.of(model.name),
+                          disagg=self.cfg.disagg)
 
     async def _complete(self, gen: Generation, req, kind: str) -> JSONResponse:
         n = gen.request.sampling.n

@@ -7,6 +7,7 @@ import os
 
 from turbine.config import add_discovery_args, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
+from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.router import ROUTER_MODES, RouterConfig
 from turbine.router.args import add_kv_router_args, check_kv_router_args
 
@@ -25,6 +26,14 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    help="require 'Authorization: Bearer KEY' on /v1/* (env TURBINE_API_KEY)")
     g.add_argument("--max-request-bytes", type=int, default=int(env("TURBINE_MAX_REQUEST_BYTES", str(8 << 20))),
                    help="larger request bodies get HTTP 413")
+    d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
+    d.add_argument("--max-local-prefill-length", type=int,
+                   default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
+                   help="prompts with fewer tokens are prefilled on the decode worker itself (0: every prompt "
+                        "goes to a prefill worker)")
+    d.add_argument("--prefill-timeout", type=float,
+                   default=float(env("TURBINE_PREFILL_TIMEOUT", str(DisaggConfig.prefill_timeout_s))),
+                   help="seconds a prefill worker may take before the request is tried elsewhere")
 
 
 def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
@@ -35,13 +44,19 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty")
     check_kv_router_args(args, parser)
+    if args.max_local_prefill_length < 0:
+        parser.error("--max-local-prefill-length must be >= 0")
+    if args.prefill_timeout <= 0:
+        parser.error("--prefill-timeout must be > 0")
     router = RouterConfig(mode=args.router_mode, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
                           temperature=args.router_temperature, kv_events=args.router_kv_events,
                           kv_events_deadline_s=args.router_kv_events_deadline)
     return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
                           namespace=args.namespace, api_key=args.api_key,
                           max_request_bytes=args.max_request_bytes,
-                          discovery=discovery_config_from_args(args, parser))
+                          discovery=discovery_config_from_args(args, parser),
+                          disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
+                                              prefill_timeout_s=args.prefill_timeout))
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:

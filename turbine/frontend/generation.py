@@ -10,7 +10,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from turbine.frontend.detokenizer import IncrementalDetokenizer
+from turbine.frontend.disagg import (
+    DisaggConfig,
+    PrefillFailed,
+    first_output_of_handoff,
+    remote_prefill,
+    wants_remote_prefill,
+)
 from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.models import ServedModel
 from turbine.frontend.openai_schemas import RequestError
@@ -48,8 +57,10 @@ class WorkerFailed(Exception):
 
 class Generation:
     def __init__(self, model: ServedModel, client, request: GenerateRequest, *, stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool, metrics: ModelMetrics):
+                 include_stop_str_in_output: bool, skip_special_tokens: bool, metrics: ModelMetrics,
+                 disagg: DisaggConfig = DisaggConfig()):
         self.model = model
+        self.disagg = disagg
         self.client = client
         self.request = request
         self.metrics = metrics
@@ -66,7 +77,19 @@ class Generation:
 
     async def _open(self) -> GenerateOutput:
         """Open a stream on some live instance and return its first chunk. An instance that
-        cannot be reached is skipped (it may have died since the last discovery snapshot)."""
+        cannot be reached is skipped (it may have died since the last discovery snapshot).
+        With prefill workers, the prompt's KV is computed on one of them first."""
+        request = self.request
+        if wants_remote_prefill(self.model, request, self.disagg):
+            try:
+                params, self.usage.cached_tokens = await remote_prefill(self.model, self.client, request,
+                                                                        self.disagg)
+            except PrefillFailed as exc:
+                log.warning("request %s: %s; the decode worker prefills it", request.request_id, exc)
+                self.metrics.local_prefills.inc()
+            else:
+                request = msgspec.structs.replace(request, kv_transfer_params=params)
+                self.metrics.remote_prefills.inc()
         tried: set[str] = set()
         while True:
             candidates = [i for i in self.model.instances if i.instance_id not in tried]
@@ -74,10 +97,11 @@ class Generation:
                 raise RequestError(f"no live worker for model {self.model.name!r}", param="model",
                                    status=503, type_="service_unavailable")
             router = self.model.router
-            inst = router.select(candidates, self.request)
-            stream = self.client.stream(inst.address, inst.endpoint, self.request, GenerateOutput)
+            inst = router.select(candidates, request)
+            stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput)
+            handoff = request.kv_transfer_params is not None
             try:
-                first = await anext(stream)
+                first = await (first_output_of_handoff(stream) if handoff else anext(stream))
             except BaseException as exc:
                 # The request never got going on this instance: the router stops counting it.
                 router.finished(self.request.request_id)
@@ -86,7 +110,8 @@ class Generation:
                     tried.add(inst.instance_id)
                     continue
                 if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-                    await stream.aclose()  # the client left before the first token: cancel on the worker
+                    if not handoff:  # (a hand-off cancels its own stream once the KV has moved)
+                        await stream.aclose()  # the client left before the first token: cancel on the worker
                     raise
                 if isinstance(exc, (PeerDisconnected, RemoteError)):
                     raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc

@@ -29,6 +29,10 @@ class FrontendMetrics:
         self.router = RouterMetrics(r)  # the kv routers' metrics, in this registry
         self.disconnects = Counter("turbine_frontend_disconnected_clients", "clients gone before the end",
                                    ["model"], registry=r)
+        self.prefills = Counter("turbine_frontend_prefills",
+                                "prompts prefilled by where: remote (a prefill worker, KV handed to decode) "
+                                "or local_fallback (prefill workers failed; the decode worker computed it)",
+                                ["model", "where"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def of(self, model: str) -> ModelMetrics:
@@ -52,3 +56,5 @@ class ModelMetrics:
         self.output_tokens = m.output_tokens.labels(model)
         self.cached_tokens = m.cached_tokens.labels(model)
         self.disconnects = m.disconnects.labels(model)
+        self.remote_prefills = m.prefills.labels(model, "remote")
+        self.local_prefills = m.prefills.labels(model, "local_fallback")

@@ -21,6 +21,11 @@ class ServedModel:
     router: Router
     instances: list[InstanceRecord] = field(default_factory=list)
     cards: dict[str, ModelCard] = field(default_factory=dict)  # instance id -> its card
+    # Disaggregated serving: the model's prefill workers (none: it is served aggregated).
+    prefill_router: Router | None = None
+    prefill_instances: list[InstanceRecord] = field(default_factory=list)
+    prefill_cards: dict[str, ModelCard] = field(default_factory=dict)
+    prefill_queued_tokens: dict[str, int] = field(default_factory=dict)  # instance id -> prompt tokens in flight
 
 
 class ModelTable:
@@ -32,7 +37,7 @@ class ModelTable:
         self.namespace = namespace
         self.models: dict[str, ServedModel] = {}
         self._tokenizers: dict[tuple[str, str | None], TextTokenizer] = {}
-        self._routers: dict[str, Router] = {}
+        self._routers: dict[str | tuple[str, str], Router] = {}
 
     async def run(self) -> None:
         async for instances, cards in self.registry.watch():
@@ -44,12 +49,16 @@ class ModelTable:
     async def _apply(self, instances: list[InstanceRecord], cards: list[ModelCard]) -> None:
         by_path = {rec.path: rec for rec in instances}
         models: dict[str, ServedModel] = {}
+        prefill: list[tuple[ModelCard, InstanceRecord]] = []
         for card in sorted(cards, key=lambda c: c.instance_id):
             if self.namespace and card.namespace != self.namespace:
                 continue
             rec = by_path.get(f"{card.namespace}/{card.component}/{card.endpoint}/{card.instance_id}")
             if rec is None:
                 continue  # the card outlived its instance record (or arrived first)
+            if card.disaggregation_mode == "prefill":
+                prefill.append((card, rec))
+                continue
             model = models.get(card.name)
             if model is None:
                 tokenizer = await self._tokenizer(card)
@@ -65,6 +74,7 @@ class ModelTable:
                             card.context_length, model.card.context_length)
             model.instances.append(rec)
             model.cards[card.instance_id] = card
+        self._attach_prefill_workers(models, prefill)
         for name in self.models.keys() - models.keys():
             log.info("model %r has no live worker any more", name)
         for name, model in models.items():
@@ -72,6 +82,38 @@ class ModelTable:
             if name not in self.models or len(self.models[name].instances) != len(model.instances):
                 log.info("model %r served by %d worker(s)", name, len(model.instances))
         self.models = models
+
+    def _attach_prefill_workers(self, models: dict[str, ServedModel],
+                                prefill: list[tuple[ModelCard, InstanceRecord]]) -> None:
+        """Prefill workers serve a model only beside its decode (or aggregated) workers."""
+        for card, rec in prefill:
+            model = models.get(card.name)
+            if model is None:
+                continue  # no worker to decode: nothing to hand the KV to
+            if card.kv_block_size != model.card.kv_block_size:
+                log.warning("prefill worker %s of model %r has KV block size %d, its decode workers %d: "
+                            "skipped (the KV could not be handed over)",
+                            card.instance_id, card.name, card.kv_block_size, model.card.kv_block_size)
+                continue
+            model.prefill_instances.append(rec)
+            model.prefill_cards[card.instance_id] = card
+        for name, model in models.items():
+            old = self.models.get(name)
+            if model.prefill_instances:
+                router = self._routers.get(("prefill", name))
+                if router is None:
+                    router = self._routers[("prefill", name)] = self.make_router(
+                        model.prefill_cards[model.prefill_instances[0].instance_id])
+                model.prefill_router = router
+                router.instances_changed(model.prefill_instances, model.prefill_cards)
+                if old is not None:
+                    model.prefill_queued_tokens = old.prefill_queued_tokens
+            if len(old.prefill_instances if old else ()) != len(model.prefill_instances):
+                if model.prefill_instances:
+                    log.info("model %r: disaggregated serving with %d prefill worker(s)",
+                             name, len(model.prefill_instances))
+                elif old is not None:
+                    log.info("model %r: no prefill worker left; decode workers prefill themselves", name)
 
     async def _tokenizer(self, card: ModelCard) -> TextTokenizer | None:
         key = (card.tokenizer_path, card.chat_template_path)

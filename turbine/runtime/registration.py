@@ -16,12 +16,16 @@ CLEAR_KV_BLOCKS = "clear_kv_blocks"  # every worker serves it beside its generat
 KV_EVENTS_REPLAY = "kv_events_replay"  # served by workers that publish KV events (missed events, snapshots)
 
 
-def advertised_address(bound: str) -> str:
+def advertised_host(host: str) -> str:
     """A wildcard bind (0.0.0.0 / ::) is not an address others can dial: publish this host's."""
-    host, _, port = bound.rpartition(":")
     if host.strip("[]") in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
-    return f"{host}:{port}"
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def advertised_address(bound: str) -> str:
+    host, _, port = bound.rpartition(":")
+    return f"{advertised_host(host)}:{port}"
 
 
 async def register(registry: Registry, card: ModelCard, address: str) -> list[InstanceRecord]:

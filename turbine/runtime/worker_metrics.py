@@ -17,6 +17,9 @@ _inflight = Gauge("turbine_worker_inflight_requests", "generate requests in flig
 _engine_unfinished = Gauge("turbine_worker_engine_unfinished_requests", "requests the engine still holds",
                            LABELS)
 _total_kv_blocks = Gauge("turbine_worker_total_kv_blocks", "KV cache blocks", LABELS)
+_active_kv_blocks = Gauge("turbine_worker_active_kv_blocks",
+                          "KV cache blocks held by requests (cached blocks free for reuse not counted), "
+                          "as of the engine's last step", LABELS)
 
 
 class WorkerMetrics:
@@ -28,6 +31,7 @@ class WorkerMetrics:
         self.inflight = _inflight.labels(*self._values)
         self.engine_unfinished = _engine_unfinished.labels(*self._values)
         self.total_kv_blocks = _total_kv_blocks.labels(*self._values)
+        self.active_kv_blocks = _active_kv_blocks.labels(*self._values)
 
     def request_done(self, outcome: str) -> None:
         _requests.labels(*self._values, outcome).inc()

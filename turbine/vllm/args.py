@@ -20,6 +20,10 @@ def build_parser():
     parser = FlexibleArgumentParser(prog="python -m turbine.vllm",
                                     description="Turbine vLLM worker: token-in/token-out generation.")
     add_serving_args(parser)
+    parser.add_argument("--connector", default=None,
+                        help="KV connector(s) for disaggregated serving: nixl, lmcache, kvbm or none; several "
+                             "(comma-separated) become vLLM's MultiConnector in that order. Required with "
+                             "--disaggregation-mode prefill|decode unless --kv-transfer-config is given")
     parser = AsyncEngineArgs.add_cli_args(parser)
     # No --model means the embedded default model (prepared on first use).
     parser.set_defaults(model=None)
@@ -45,6 +49,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
 
+    _configure_connector(args, parser, serving)
+
     try:
         engine_args = AsyncEngineArgs.from_cli_args(args)
     except (TypeError, ValueError) as exc:
@@ -54,3 +60,26 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     engine_args.disable_log_stats = False
 
     return WorkerConfig(**vars(serving), engine_args=engine_args)
+
+
+def _configure_connector(args, parser, serving: ServingConfig) -> None:
+    """--connector (or vLLM's own --kv-transfer-config) → args.kv_transfer_config."""
+    from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
+
+    explicit = args.kv_transfer_config is not None
+    if explicit and args.connector is not None:
+        parser.error("--connector and --kv-transfer-config both configure the KV connector: give one")
+    if not explicit:
+        try:
+            names = parse_connectors(args.connector)
+            fields = kv_transfer_config(names, buffer_device=current_platform.device_type,
+                                        decode=serving.is_decode)
+        except ConnectorError as exc:
+            parser.error(str(exc))
+        args.kv_transfer_config = KVTransferConfig(**fields) if fields else None
+    if serving.disaggregation_mode != "agg" and args.kv_transfer_config is None:
+        parser.error(f"a {serving.disaggregation_mode} worker moves KV to or from its peers: add --connector nixl "
+                     "(or --kv-transfer-config JSON)")

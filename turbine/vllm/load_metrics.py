@@ -17,20 +17,27 @@ from turbine.runtime.load_publisher import LoadMetricsPublisher
 class LoadMetricsStatLogger(StatLoggerBase):
     """One per engine (data-parallel rank): turns SchedulerStats into LoadMetrics updates."""
 
-    def __init__(self, vllm_config, engine_index: int = 0, publisher: LoadMetricsPublisher | None = None):
+    def __init__(self, vllm_config, engine_index: int = 0, publisher: LoadMetricsPublisher | None = None,
+                 active_blocks_gauge=None):
         self.vllm_config = vllm_config
         self.engine_index = engine_index  # the data-parallel rank
         self.publisher = publisher
+        self.active_blocks_gauge = active_blocks_gauge  # the worker's /metrics (a rank-0 view)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-        if scheduler_stats is None or self.publisher is None:
+        if scheduler_stats is None:
             return
         # Read here, not at construction: the engine sizes its cache after the loggers exist.
         total = self.vllm_config.cache_config.num_gpu_blocks or 0
         usable = max(total - 1, 0)  # vLLM's usage leaves out its null block
+        active = round(scheduler_stats.kv_cache_usage * usable)
+        if self.active_blocks_gauge is not None and self.engine_index == 0:
+            self.active_blocks_gauge.set(active)
+        if self.publisher is None:
+            return
         self.publisher.update(
             self.engine_index,
-            kv_active_blocks=round(scheduler_stats.kv_cache_usage * usable),
+            kv_active_blocks=active,
             kv_total_blocks=total,
             num_running=scheduler_stats.num_running_reqs,
             num_waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
@@ -40,9 +47,9 @@ class LoadMetricsStatLogger(StatLoggerBase):
         pass
 
 
-def stat_logger_factory(publisher: LoadMetricsPublisher):
+def stat_logger_factory(publisher: LoadMetricsPublisher | None, active_blocks_gauge=None):
     """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: (vllm_config, engine_index) -> logger."""
     def make(vllm_config, engine_index: int = 0) -> LoadMetricsStatLogger:
-        return LoadMetricsStatLogger(vllm_config, engine_index, publisher)
+        return LoadMetricsStatLogger(vllm_config, engine_index, publisher, active_blocks_gauge)
 
     return make

@@ -42,8 +42,11 @@ class Worker:
         from turbine.runtime.request_plane import RequestPlaneServer
         from turbine.runtime.status_server import Health, make_app, serve_status
         from turbine.runtime.worker_metrics import WorkerMetrics
+        from turbine.runtime.registration import advertised_host
         from turbine.vllm.canary import engine_canary
+        from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
         from turbine.vllm.handlers import Handlers
+        from turbine.vllm.load_metrics import stat_logger_factory
 
         cfg = self.cfg
         stop_on_signals(self.stopping)
@@ -60,10 +63,17 @@ class Worker:
             status_server = await serve_status(make_app(health, refresh_gauges), cfg.system_host, cfg.system_port)
             log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
 
+        if uses_nixl(cfg.engine_args.kv_transfer_config):
+            port = claim_nixl_side_channel(advertised_host(cfg.host),
+                                           cfg.engine_args.data_parallel_size or 1)
+            log.info("NIXL side channel on port %d", port)
+
         # With prefix caching on, the engine's KV events are relayed to the event plane for KV
-        # routers, unless the user configured vLLM's KV events themselves.
+        # routers, unless the user configured vLLM's KV events themselves. Decode workers do
+        # not publish: routing picks prefill workers by their caches, decode workers by load.
         relay = plane = None
-        if cfg.engine_args.enable_prefix_caching and cfg.engine_args.kv_events_config is None:
+        if (cfg.engine_args.enable_prefix_caching and cfg.engine_args.kv_events_config is None
+                and not cfg.is_decode):
             from turbine.runtime.event_plane import WorkerEventPlane
             from turbine.runtime.kv_publisher import KvEventPublisher
             from turbine.vllm.kv_events_relay import VllmKvEventsRelay
@@ -76,19 +86,20 @@ class Worker:
             relay_task = asyncio.create_task(relay.run())
 
         # Load metrics for KV routers go out on the same event plane, from vLLM's stat-logger
-        # hook. Without KV events there is no event plane, and no load metrics either.
-        load = stat_loggers = None
+        # hook. Without KV events there is no event plane, and no load metrics either; the
+        # hook still keeps the worker's active-blocks gauge.
+        load = None
         if relay is not None:
             from turbine.runtime.load_publisher import LoadMetricsPublisher
-            from turbine.vllm.load_metrics import stat_logger_factory
 
             load = LoadMetricsPublisher(relay.publisher.events_plane, self.instance_id)
-            stat_loggers = [stat_logger_factory(load)]
+        stat_loggers = [stat_logger_factory(load, metrics.active_kv_blocks)]
 
         engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
         vcfg = engine.vllm_config
         metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
-        handlers = Handlers(engine, metrics, on_cleared=relay.cleared if relay else None)
+        handlers = Handlers(engine, metrics, on_cleared=relay.cleared if relay else None,
+                            role=cfg.disaggregation_mode, kv_transfer_timeout=cfg.kv_transfer_timeout)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         server.register(cfg.endpoint, GenerateRequest, health.tracked(handlers.generate))

@@ -1,0 +1,243 @@
+"""Disaggregated prefill/decode on real vLLM CPU engines with real NIXL: one prefill worker,
+one decode worker (float32, so that greedy text must match exactly), and two frontends on
+the same engines: one sends every prompt through the prefill worker, the other prefills on
+the decode worker (aggregated serving). Its own discovery directory keeps the session
+cluster's frontend from seeing these workers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+import time
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
+from tests.integration.procs import (
+    base_env,
+    http_json,
+    http_text,
+    instances_of,
+    metric,
+    start_frontend,
+    start_worker,
+    wait_until,
+    worker_ready,
+)
+from turbine.protocol.generate import (
+    ClearKvBlocksRequest,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingOptions,
+    StatusReply,
+    StopConditions,
+)
+from turbine.runtime.request_plane import RequestPlaneClient
+
+FLOAT32 = ["--dtype", "float32"]
+PROMPTS = [
+    "The history of the Roman Empire spans many centuries. " * 8 + "In this essay we will",
+    "Photosynthesis turns light into chemical energy in plants. " * 9 + "The key steps are",
+    "A good recipe for bread needs flour, water, salt and yeast. " * 7 + "First, you",
+    "The rules of chess: each player starts with sixteen pieces. " * 8 + "The knight moves",
+]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("disagg")
+    env = base_env(str(root / "discovery"))
+    prefill = start_worker("prefill", env, root, "--is-prefill-worker", "--connector", "nixl", *FLOAT32)
+    decode = start_worker("decode", env, root, "--disaggregation-mode", "decode", "--connector", "nixl", *FLOAT32)
+    # Every prompt goes through the prefill worker / no prompt does (aggregated on the decode worker).
+    disagg = start_frontend("frontend-disagg", env, root, "--max-local-prefill-length", "0")
+    local = start_frontend("frontend-local", env, root, "--max-local-prefill-length", "1000000")
+    procs = [prefill, decode, disagg, local]
+    try:
+        wait_until(lambda: worker_ready(prefill) and worker_ready(decode), ENGINE_START_TIMEOUT,
+                   "prefill and decode workers ready", procs)
+        wait_until(lambda: instances_of(disagg, MODEL) == 1 and prefill_workers(disagg) == 1, 30,
+                   "frontend sees the decode and the prefill worker", procs)
+        yield {"prefill": prefill, "decode": decode, "disagg": disagg, "local": local, "env": env, "root": root}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def prefill_workers(frontend) -> int:
+    _, body = http_json(f"{frontend.url}/health")
+    return body.get("prefill_workers", {}).get(MODEL, 0)
+
+
+def client(frontend) -> OpenAI:
+    return OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=180)
+
+
+def worker_metric(worker, name: str, **labels) -> float:
+    text = http_text(f"{worker.url}/metrics")
+    if labels:
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        text = "\n".join(line for line in text.splitlines() if all(w in line for w in want))
+    return metric(text, name)
+
+
+def request_plane_address(worker) -> str:
+    """The worker's request-plane address, from its log line 'serving ... at HOST:PORT'."""
+    for line in worker.log_path.read_text(errors="replace").splitlines():
+        if "turbine.vllm: worker " in line and " serving " in line:
+            return line.rsplit(" at ", 1)[1].strip()
+    raise AssertionError(f"no serving line in {worker.name}'s log")
+
+
+def clear_cache(worker) -> None:
+    async def go():
+        rp = RequestPlaneClient()
+        try:
+            return [r async for r in rp.stream(request_plane_address(worker), "clear_kv_blocks",
+                                               ClearKvBlocksRequest(), StatusReply)]
+        finally:
+            await rp.close()
+    replies = asyncio.run(go())
+    assert replies and replies[0].status == "success", replies
+
+
+def no_blocks_held(*workers) -> bool:
+    return all(worker_metric(w, "turbine_worker_active_kv_blocks") == 0 for w in workers)
+
+
+def test_greedy_output_is_identical_aggregated_and_disaggregated(pd):
+    kv_source = "vllm:prompt_tokens_by_source_total"
+    local_text = [client(pd["local"]).completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+                  for p in PROMPTS]
+    clear_cache(pd["decode"])  # the disaggregated run must not find the prompts cached on the decode side
+    pulled_before = worker_metric(pd["decode"], kv_source, source="external_kv_transfer")
+    computed_before = worker_metric(pd["decode"], kv_source, source="local_compute")
+
+    disagg_text = [client(pd["disagg"]).completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+                   for p in PROMPTS]
+
+    assert [r.choices[0].text for r in disagg_text] == [r.choices[0].text for r in local_text]
+    assert all(r.usage.completion_tokens == 24 for r in disagg_text)
+    # The KV really moved: the decode engine took every prompt token from the prefill worker
+    # (vLLM counts the recomputed last token as transferred too) and computed at most that one.
+    prompt_tokens = sum(r.usage.prompt_tokens for r in disagg_text)
+    pulled = worker_metric(pd["decode"], kv_source, source="external_kv_transfer") - pulled_before
+    computed = worker_metric(pd["decode"], kv_source, source="local_compute") - computed_before
+    assert pulled == prompt_tokens, (pulled, prompt_tokens)
+    assert computed <= len(PROMPTS), computed
+    assert metric(http_text(f"{pd['disagg'].url}/metrics"), "turbine_frontend_prefills_total") >= len(PROMPTS)
+
+
+def test_n_greater_than_one_is_served_with_every_choice(pd):
+    before = metric(http_text(f"{pd['disagg'].url}/metrics"), "turbine_frontend_prefills_total")
+    r = client(pd["disagg"]).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, n=3,
+                                                temperature=0.9, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.text for c in r.choices)
+    assert r.usage.completion_tokens == 24
+    # n > 1 is prefilled on the decode worker (one hand-off carries one sequence's KV).
+    assert metric(http_text(f"{pd['disagg'].url}/metrics"), "turbine_frontend_prefills_total") == before
+
+
+@pytest.mark.parametrize("cancel_after_s", [0.2, 1.0, 2.5])
+def test_client_cancel_during_prefill_or_transfer_leaves_no_blocks_pinned(pd, cancel_after_s):
+    """Cancelled at several points of the hand-off (prefill running, KV moving, decode
+    starting), neither engine may keep blocks: both return to zero well before NIXL's own
+    30 s lease on unclaimed prefill blocks would free them."""
+    wait_until(lambda: no_blocks_held(pd["prefill"], pd["decode"]), 30, "idle engines at the start")
+    long_prompt = " ".join(PROMPTS) * 3
+    stream = client(pd["disagg"]).completions.create(model=MODEL, prompt=long_prompt, max_tokens=200,
+                                                     temperature=0, stream=True)
+    time.sleep(cancel_after_s)
+    stream.close()
+    wait_until(lambda: no_blocks_held(pd["prefill"], pd["decode"]), 20, "both engines free their KV blocks",
+               [pd["prefill"], pd["decode"], pd["disagg"]])
+    # And the pair still serves.
+    r = client(pd["disagg"]).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_decode_without_reachable_kv_prefills_locally(pd):
+    """KV parameters that point at a peer that never answers: the decode worker gives up on
+    the transfer (vLLM's handshake times out; our --kv-transfer-timeout is the backstop, see
+    tests/unit/test_vllm_disagg_handlers.py) and computes the prompt itself: same answer."""
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen()  # accepts connections, never says a word
+    prompt_ids = list(range(1000, 1200))
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+              "remote_engine_id": "gone-engine", "remote_request_id": "gone-request",
+              "remote_host": "127.0.0.1", "remote_port": black_hole.getsockname()[1], "tp_size": 1}
+
+    async def generate(kv_transfer_params):
+        rp = RequestPlaneClient()
+        try:
+            req = GenerateRequest(request_id=f"bh-{time.monotonic_ns()}", model=MODEL, token_ids=prompt_ids,
+                                  sampling=SamplingOptions(temperature=0), stop=StopConditions(max_tokens=6),
+                                  kv_transfer_params=kv_transfer_params)
+            tokens = []
+            async for out in rp.stream(request_plane_address(pd["decode"]), "generate", req, GenerateOutput):
+                assert not (out.finish_reason or "").startswith("error"), out.finish_reason
+                tokens += out.token_ids
+            return tokens
+        finally:
+            await rp.close()
+
+    try:
+        started = time.monotonic()
+        pulled = asyncio.run(generate(params))
+        took = time.monotonic() - started
+    finally:
+        black_hole.close()
+    assert pulled == asyncio.run(generate(None))
+    assert took < 60, took
+    wait_until(lambda: no_blocks_held(pd["decode"]), 20, "decode engine frees its blocks")
+
+
+def test_bad_kv_transfer_params_are_refused_not_fatal(pd):
+    async def generate(params):
+        rp = RequestPlaneClient()
+        try:
+            req = GenerateRequest(request_id="bad-params", model=MODEL, token_ids=[1, 2, 3],
+                                  stop=StopConditions(max_tokens=2), kv_transfer_params=params)
+            return [o async for o in rp.stream(request_plane_address(pd["decode"]), "generate", req, GenerateOutput)]
+        finally:
+            await rp.close()
+
+    for bad in ({"do_remote_prefill": True, "remote_port": "x"}, {"do_remote_prefill": False},
+                {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+                 "remote_host": "h", "remote_port": 1, "remote_block_ids": [[-1]]}):
+        outs = asyncio.run(generate(bad))
+        assert outs[-1].finish_reason.startswith("error: invalid request: kv_transfer_params"), outs
+    assert pd["decode"].alive()
+
+
+def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):
+    """Last in this module: the prefill worker does not come back."""
+    long_prompt = " ".join(PROMPTS) * 4
+    expected = client(pd["local"]).completions.create(model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)
+    clear_cache(pd["decode"])
+    result = {}
+
+    def ask():
+        result["r"] = client(pd["disagg"]).completions.create(model=MODEL, prompt=long_prompt, max_tokens=8,
+                                                              temperature=0)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    wait_until(lambda: worker_metric(pd["prefill"], "turbine_worker_inflight_requests") >= 1, 60,
+               "the prefill worker is computing the prompt", [pd["prefill"]])
+    pd["prefill"].stop(signal.SIGKILL)
+    t.join(120)
+    assert not t.is_alive(), "the request hung after the prefill worker died"
+    assert result["r"].choices[0].text == expected.choices[0].text
+    fallback = [line for line in http_text(f"{pd['disagg'].url}/metrics").splitlines()
+                if line.startswith("turbine_frontend_prefills_total") and "local_fallback" in line]
+    assert fallback and float(fallback[0].rsplit(" ", 1)[1]) >= 1
+    # Discovery forgets the dead worker (its lease expires): the frontend serves aggregated.
+    wait_until(lambda: prefill_workers(pd["disagg"]) == 0, 30, "the frontend drops the dead prefill worker")
+    r = client(pd["disagg"]).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length"

@@ -1,0 +1,143 @@
+"""--connector → vLLM's KV transfer config, and the NIXL side channel of this worker.
+
+A disaggregated worker moves KV through one of vLLM's own KV connectors; Turbine only
+chooses and configures it. Several connectors become vLLM's MultiConnector, tried in the
+order given (the first that holds a block serves it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import socket
+import tempfile
+
+CONNECTORS = ("nixl", "lmcache", "kvbm", "none")
+
+
+class ConnectorError(ValueError):
+    """A --connector choice that cannot be served here (the message names the flag)."""
+
+
+def _single(name: str, buffer_device: str) -> dict:
+    if name == "nixl":
+        # The KV buffer lives where the engine's cache does: host memory on the CPU platform.
+        cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": buffer_device}
+        if buffer_device == "cpu":
+            cfg["kv_connector_module_path"] = "turbine.vllm.nixl_cpu"  # no busy progress thread
+        return cfg
+    if name == "lmcache":
+        try:
+            import lmcache  # noqa: F401
+        except ImportError:
+            raise ConnectorError("--connector lmcache: the lmcache package is not installed "
+                                 "(pip install lmcache)") from None
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    if name == "kvbm":
+        raise ConnectorError("--connector kvbm: Turbine's multi-tier KV block manager is not built yet; "
+                             "use nixl or lmcache")
+    raise ConnectorError(f"--connector {name!r}: choose from {', '.join(CONNECTORS)}")
+
+
+def parse_connectors(value: str | None) -> list[str]:
+    """'nixl,lmcache' or 'nixl lmcache' → ['nixl', 'lmcache']; 'none' alone means no connector."""
+    if value is None:
+        return []
+    names = [n for n in value.replace(",", " ").split() if n]
+    bad = [n for n in names if n not in CONNECTORS]
+    if bad or not names:
+        raise ConnectorError(f"--connector {value!r}: choose one or more of {', '.join(CONNECTORS)}")
+    if "none" in names:
+        if len(names) > 1:
+            raise ConnectorError("--connector none cannot be combined with other connectors")
+        return []
+    if len(set(names)) != len(names):
+        raise ConnectorError(f"--connector {value!r}: a connector is named twice")
+    return names
+
+
+def kv_transfer_config(names: list[str], *, buffer_device: str, decode: bool) -> dict | None:
+    """vLLM's KVTransferConfig fields for these connectors (None: no connector)."""
+    if not names:
+        return None
+    parts = [_single(n, buffer_device) for n in names]
+    cfg = parts[0] if len(parts) == 1 else {
+        "kv_connector": "MultiConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": parts}}
+    if decode:
+        # KV that cannot be pulled (prefill worker gone) is computed here instead of failing
+        # the request: the decode worker always holds the whole prompt.
+        cfg["kv_load_failure_policy"] = "recompute"
+    return cfg
+
+
+def uses_nixl(cfg) -> bool:
+    """Whether vLLM's KV transfer config (object or None) includes NixlConnector."""
+    if cfg is None:
+        return False
+    if cfg.kv_connector == "NixlConnector":
+        return True
+    if cfg.kv_connector == "MultiConnector":
+        return any(c.get("kv_connector") == "NixlConnector"
+                   for c in cfg.kv_connector_extra_config.get("connectors", []))
+    return False
+
+
+def claim_nixl_side_channel(host: str, data_parallel_size: int = 1) -> int:
+    """Picks this worker's NIXL side-channel port (vLLM's default, 5600, is the same for every
+    worker, so two on one host collide) and exports it, with the host, for the engine.
+    The user's VLLM_NIXL_SIDE_CHANNEL_PORT wins. Each data-parallel rank uses port + rank."""
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" in os.environ:
+        return int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    port = _claim_port_run(host, data_parallel_size)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    return port
+
+
+# The engine binds the port tens of seconds after we choose it. An OS-assigned (ephemeral)
+# port may be handed to some outgoing connection meanwhile, so we choose below the usual
+# ephemeral range, and hold a lock file per port for our lifetime so that two workers
+# starting together on one host never choose the same one (the lock dies with the process).
+PORT_RANGE = (20000, 32000)
+_LOCK_DIR = os.path.join(tempfile.gettempdir(), "turbine-ports")
+_held_locks: list = []
+
+
+def _claim_port_run(host: str, count: int) -> int:
+    """A port P such that P..P+count-1 are free now and locked for this process."""
+    os.makedirs(_LOCK_DIR, exist_ok=True)
+    low, high = PORT_RANGE
+    start = random.randrange(low, high)
+    for i in range(high - low):
+        port = low + (start - low + i) % (high - low)
+        if port + count - 1 >= high:
+            continue
+        locks = [_try_lock(p) for p in range(port, port + count)]
+        if all(locks) and all(_is_free(host, p) for p in range(port, port + count)):
+            _held_locks.extend(locks)
+            return port
+        for lock in locks:
+            if lock:
+                lock.close()
+    raise ConnectorError(f"no run of {count} free ports in {low}-{high} on {host} for the NIXL side channel")
+
+
+def _try_lock(port: int):
+    f = open(os.path.join(_LOCK_DIR, f"{port}.lock"), "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
