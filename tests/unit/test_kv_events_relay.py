@@ -35,3 +35,50 @@ def test_removals_and_clears_are_relayed():
     assert translate(vllm_events.BlockRemoved(block_hashes=[5, b"\x02"], medium="GPU")) == BlockRemoved(
         block_hashes=[5, engine_hash(b"\x02")])
     assert translate(vllm_events.AllBlocksCleared()) == AllBlocksCleared()
+
+
+class RecordingPlane:
+    """The event plane's publishing side, keeping what it was given."""
+
+    address = "tcp://127.0.0.1:1"
+
+    def __init__(self):
+        self.sent: list[bytes] = []
+
+    def publish_bytes(self, topic: str, data: bytes) -> None:
+        self.sent.append(data)
+
+
+async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher():
+    """vLLM's own publishers for ranks 0 and 1 (rank r connects to the endpoint's port + r)."""
+    import asyncio
+
+    from turbine.protocol.kv_events import KvEventBatch
+    from turbine.runtime.codec import decode
+    from turbine.runtime.kv_publisher import KvEventPublisher
+    from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+
+    plane = RecordingPlane()
+    relay = VllmKvEventsRelay([KvEventPublisher("w", dp_rank=r, events_plane=plane) for r in range(2)])
+    task = asyncio.create_task(relay.run())
+    engines = [vllm_events.ZmqEventPublisher(data_parallel_rank=r, endpoint=relay.engine_endpoint) for r in range(2)]
+    try:
+        await asyncio.sleep(0.5)  # zmq subscriptions settle
+        for rank, engine in enumerate(engines):
+            for i in range(2):
+                engine.publish(vllm_events.KVEventBatch(ts=0.0, events=[
+                    vllm_stored([100 * rank + i], None, [rank, i, 0, 0])]))
+        for _ in range(50):
+            if len(plane.sent) == 4:
+                break
+            await asyncio.sleep(0.1)
+        batches = [decode(data, KvEventBatch) for data in plane.sent]
+        by_rank = {r: [(b.event_id, b.events[0].block_hashes) for b in batches if b.dp_rank == r] for r in (0, 1)}
+        assert by_rank == {0: [(0, [0]), (1, [1])], 1: [(0, [100]), (1, [101])]}  # ids counted per rank
+        relay.cleared()
+        assert {decode(d, KvEventBatch).dp_rank for d in plane.sent[4:]} == {0, 1}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        task.cancel()
+        relay.close()

@@ -4,6 +4,10 @@ vLLM publishes msgpack KV event batches over zmq (KVEventsConfig); its publisher
 when its endpoint names a host, so the relay binds a SUB socket on loopback and hands vLLM
 that address. Each vLLM batch is decoded with vLLM's own typed structs (never unpickled) and
 republished as a numbered Turbine KvEventBatch.
+
+With data parallelism each rank's engine publishes on the endpoint's port + its rank, so the
+relay binds a run of consecutive ports, one per rank, and republishes each rank's batches
+through that rank's own publisher (own event ids, own replay buffer and cache state).
 """
 
 from __future__ import annotations
@@ -46,13 +50,20 @@ def translate(event) -> KvEvent | None:
 
 
 class VllmKvEventsRelay:
-    def __init__(self, publisher: KvEventPublisher):
-        self.publisher = publisher
+    def __init__(self, publishers: list[KvEventPublisher]):
+        """`publishers[r]` republishes data-parallel rank r's events."""
+        assert [p.dp_rank for p in publishers] == list(range(len(publishers)))
+        self.publishers = publishers
         self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.engine_endpoint = f"tcp://127.0.0.1:{port}"  # what vLLM's publisher connects to
+        port = _bind_port_run(self._sock, len(publishers))
+        self.engine_endpoint = f"tcp://127.0.0.1:{port}"  # what vLLM's publisher (rank 0) connects to
+
+    @property
+    def publisher(self) -> KvEventPublisher:
+        """Rank 0's: its event plane (shared by every rank) is where subscribers connect."""
+        return self.publishers[0]
 
     def engine_config(self):
         from vllm.config import KVEventsConfig
@@ -67,6 +78,11 @@ class VllmKvEventsRelay:
             except msgspec.DecodeError as exc:
                 log.warning("undecodable KV event batch from the engine dropped: %s", exc)
                 continue
+            rank = batch.data_parallel_rank or 0
+            if rank >= len(self.publishers):
+                log.warning("KV events of data-parallel rank %d dropped: this worker relays ranks 0..%d",
+                            rank, len(self.publishers) - 1)
+                continue
             by_lora: dict[str | None, list[KvEvent]] = {}
             for event in batch.events:
                 try:
@@ -77,11 +93,28 @@ class VllmKvEventsRelay:
                 if ours is not None:
                     by_lora.setdefault(getattr(event, "lora_name", None), []).append(ours)
             for lora_name, events in by_lora.items():
-                self.publisher.publish(events, lora_name=lora_name)
+                self.publishers[rank].publish(events, lora_name=lora_name)
 
     def cleared(self) -> None:
         """The worker reset the prefix cache: tell subscribers now, not at the engine's next step."""
-        self.publisher.publish([AllBlocksCleared()])
+        for publisher in self.publishers:
+            publisher.publish([AllBlocksCleared()])
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _bind_port_run(sock, count: int, attempts: int = 50) -> int:
+    """Binds `sock` on loopback ports P..P+count-1 (vLLM offsets each rank's port by its rank)."""
+    for _ in range(attempts):
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        bound = [port]
+        try:
+            for p in range(port + 1, port + count):
+                sock.bind(f"tcp://127.0.0.1:{p}")
+                bound.append(p)
+            return port
+        except zmq.ZMQError:
+            for p in bound:
+                sock.unbind(f"tcp://127.0.0.1:{p}")
+    raise RuntimeError(f"no run of {count} free loopback ports for the KV events relay")

@@ -80,8 +80,11 @@ class Worker:
 
             # Before the engine: an unreachable NATS server fails the start at once.
             plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
-            relay = VllmKvEventsRelay(KvEventPublisher(
-                self.instance_id, events_plane=plane.publisher(self.instance_id), buffer_size=cfg.kv_events_buffer))
+            events_plane = plane.publisher(self.instance_id)  # one for every data-parallel rank
+            relay = VllmKvEventsRelay([
+                KvEventPublisher(self.instance_id, dp_rank=rank, events_plane=events_plane,
+                                 buffer_size=cfg.kv_events_buffer)
+                for rank in range(cfg.engine_args.data_parallel_size or 1)])
             cfg.engine_args.kv_events_config = relay.engine_config()
             relay_task = asyncio.create_task(relay.run())
 
@@ -105,7 +108,7 @@ class Worker:
         server.register(cfg.endpoint, GenerateRequest, health.tracked(handlers.generate))
         server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, handlers.clear_kv_blocks)
         if relay is not None:
-            serve_kv_replay(server, [relay.publisher])  # routers that missed events recover here
+            serve_kv_replay(server, relay.publishers)  # routers that missed events recover here
         await server.start()
 
         registry = make_registry(cfg.discovery)
