@@ -51,6 +51,14 @@ class RouterEventSubscriber:
         elif n == 1:
             self._sub.disconnect(address)
 
+    def release(self, addresses, owner: bool) -> None:
+        """A consumer is done with `addresses`: close us if it owns us, else unfollow them."""
+        if owner:
+            self.close()
+        else:
+            for address in addresses:
+                self.unfollow(address)
+
     def subscribed(self, address: str) -> Coroutine[None, None, None]:
         """Completes once what `address` publishes from now on is delivered (see EventSubscriber)."""
         if self._sub is None:

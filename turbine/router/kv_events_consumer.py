@@ -229,11 +229,7 @@ class KvEventsConsumer:
     def close(self) -> None:
         for worker in list(self._recovering):
             self._stop_recovery(worker)
-        if self._own_sub:
-            self._sub.close()
-        else:
-            for address in self._address_of.values():
-                self._sub.unfollow(address)
+        self._sub.release(self._address_of.values(), owner=self._own_sub)
         self._address_of.clear()
         if self._own_client:
             self._own_client = False

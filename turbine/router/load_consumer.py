@@ -72,9 +72,5 @@ class LoadMetricsConsumer:
         self.loads.report(WorkerKey(metrics.instance_id, metrics.dp_rank), metrics)
 
     def close(self) -> None:
-        if self._own_sub:
-            self._sub.close()
-        else:
-            for address in self._address_of.values():
-                self._sub.unfollow(address)
+        self._sub.release(self._address_of.values(), owner=self._own_sub)
         self._address_of.clear()
