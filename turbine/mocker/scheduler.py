@@ -158,6 +158,9 @@ class Scheduler:
                 seq.num_pull_tokens = len(seq.tokens) - num_hit_tokens
                 if not self._allocate(seq, seq.num_pull_tokens, hits, cache=False):
                     break
+                if seq.num_cached_tokens < 0:
+                    # As vLLM reports it: the local prefix-cache hit only, not the pulled tokens.
+                    seq.num_cached_tokens = num_hit_tokens
                 self.waiting.popleft()
                 seq.status = PULLING
                 self.pulling.append(seq)
