@@ -72,3 +72,15 @@ async def test_missing_publisher_and_block_size_mismatch_are_named(caplog):
     assert "worker quiet publishes no KV events" in caplog.text
     assert "worker odd uses KV block size 8" in caplog.text
     consumer.close()
+
+
+async def test_decode_workers_are_neither_followed_nor_warned_about(caplog):
+    import msgspec
+
+    consumer = KvEventsConsumer(KvIndexer(BS))
+    decode = msgspec.structs.replace(card("dec", None), disaggregation_mode="decode")
+    decode_with_load = msgspec.structs.replace(card("dec2", "tcp://127.0.0.1:1"), disaggregation_mode="decode")
+    consumer.sync({"dec": decode, "dec2": decode_with_load})
+    assert "publishes no KV events" not in caplog.text  # they get KV handed to them, by design
+    assert not consumer._address_of
+    consumer.close()

@@ -77,6 +77,8 @@ class KvEventsConsumer:
                 self.index.remove_worker(key)
             self.index.remove_worker(WorkerKey(instance_id))
         for instance_id, card in cards.items():
+            if card.disaggregation_mode == "decode":
+                continue  # decode workers get KV handed to them: routed by load, they publish no KV events
             if card.kv_events_address is None:
                 self._warn_once(instance_id, "no-events",
                                 f"worker {instance_id} publishes no KV events: the kv router cannot see its "

@@ -88,7 +88,8 @@ class ModelKvRouter:
             self.events.sync(cards, addresses)
             # Only workers whose events the index takes (same block size) are expected to send them.
             self.watchdog.follow({i: c.kv_events_address for i, c in cards.items()
-                                  if c.kv_events_address is not None and c.kv_block_size == self.cfg.block_size})
+                                  if c.kv_events_address is not None and c.kv_block_size == self.cfg.block_size
+                                  and c.disaggregation_mode != "decode"})
             if self._watch_task is None:
                 self._watch_task = asyncio.get_running_loop().create_task(self._watch())
 
