@@ -36,6 +36,7 @@ from turbine.protocol.generate import (
     StopConditions,
 )
 from turbine.runtime.request_plane import RequestPlaneClient
+from turbine.serve import split_cpu_cores
 
 FLOAT32 = ["--dtype", "float32"]
 PROMPTS = [
@@ -50,8 +51,11 @@ PROMPTS = [
 def pd(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("disagg")
     env = base_env(str(root / "discovery"))
-    prefill = start_worker("prefill", env, root, "--is-prefill-worker", "--connector", "nixl", *FLOAT32)
-    decode = start_worker("decode", env, root, "--disaggregation-mode", "decode", "--connector", "nixl", *FLOAT32)
+    # Each engine computes on its own half of the cores, as `turbine serve --disagg` arranges.
+    prefill_env, decode_env = (dict(env, **cpus) for cpus in split_cpu_cores(env))
+    prefill = start_worker("prefill", prefill_env, root, "--is-prefill-worker", "--connector", "nixl", *FLOAT32)
+    decode = start_worker("decode", decode_env, root, "--disaggregation-mode", "decode", "--connector", "nixl",
+                          *FLOAT32)
     # Every prompt goes through the prefill worker / no prompt does (aggregated on the decode worker).
     disagg = start_frontend("frontend-disagg", env, root, "--max-local-prefill-length", "0")
     local = start_frontend("frontend-local", env, root, "--max-local-prefill-length", "1000000")
