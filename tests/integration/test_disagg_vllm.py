@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -65,7 +66,9 @@ def pd(tmp_path_factory, model_dir):
                    "prefill and decode workers ready", procs)
         wait_until(lambda: instances_of(disagg, MODEL) == 1 and prefill_workers(disagg) == 1, 30,
                    "frontend sees the decode and the prefill worker", procs)
-        yield {"prefill": prefill, "decode": decode, "disagg": disagg, "local": local, "env": env, "root": root}
+        yield {"prefill": prefill, "decode": decode, "disagg": disagg, "local": local, "env": env, "root": root,
+               "cores": {"prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+                         "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND")}}
     finally:
         for p in procs:
             p.stop()
@@ -133,6 +136,25 @@ def test_greedy_output_is_identical_aggregated_and_disaggregated(pd):
     assert pulled == prompt_tokens, (pulled, prompt_tokens)
     assert computed <= len(PROMPTS), computed
     assert metric(http_text(f"{pd['disagg'].url}/metrics"), "turbine_frontend_prefills_total") >= len(PROMPTS)
+
+
+def model_thread_cores(worker) -> set[int]:
+    """The cores of the thread that runs the model: the main thread of vLLM's worker process."""
+    runners = [p for p in psutil.Process(worker.popen.pid).children(recursive=True)
+               if p.name().startswith("VLLM::Worker")]
+    assert len(runners) == 1, runners
+    return set(psutil.Process(runners[0].pid).cpu_affinity())
+
+
+def test_each_engine_computes_on_its_own_cores(pd):
+    """vLLM's NIXL worker moves the model thread of every engine onto the host's last core;
+    Turbine puts back the binding the engine was given (see turbine/vllm/nixl_cpu.py).
+    Without that, prefill and decode share one core and a loaded pair crawls."""
+    if not all(pd["cores"].values()):
+        pytest.skip("fewer than 2 cores: the engines are not bound apart")
+    for role in ("prefill", "decode"):
+        want = {int(c) for c in pd["cores"][role].split(",")}
+        assert model_thread_cores(pd[role]) == want, role
 
 
 def test_n_greater_than_one_is_served_with_every_choice(pd):
