@@ -103,3 +103,18 @@ def test_nixl_side_channel_ports_are_unique_per_worker_on_a_host(monkeypatch):
     second = connectors._claim_port_run("127.0.0.1", 2)
     assert {first, first + 1}.isdisjoint({second, second + 1})
     assert connectors.PORT_RANGE[0] <= first < connectors.PORT_RANGE[1]
+
+
+def test_cpu_without_native_bfloat16_computes_in_float32():
+    from turbine.vllm.args import cpu_dtype_default
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert cpu_dtype_default(avx2) == "float32"
+    assert cpu_dtype_default(avx2.replace("avx2", "avx2 avx512f avx512_bf16")) is None
+    assert cpu_dtype_default(avx2.replace("avx2", "avx2 amx_bf16 amx_tile")) is None
+    assert cpu_dtype_default("no flags line here") is None
+    # An explicit --dtype always wins; "auto" takes this machine's default.
+    assert parse_worker_args(["--dtype", "bfloat16"]).engine_args.dtype == "bfloat16"
+    with open("/proc/cpuinfo") as f:
+        want = cpu_dtype_default(f.read()) or "auto"
+    assert parse_worker_args([]).engine_args.dtype == want
