@@ -94,7 +94,10 @@ def main(argv: list[str]) -> int:
     if args.api_key:
         env["TURBINE_API_KEY"] = args.api_key
 
-    # Children ignore Ctrl-C from the terminal; we stop them in order with SIGTERM.
+    # Children ignore Ctrl-C from the terminal; we stop them in order with SIGTERM. A service
+    # manager's SIGTERM does the same as Ctrl-C (by default it would end only this process and
+    # leave the engines running).
+    signal.signal(signal.SIGTERM, _interrupt)
     procs = [subprocess.Popen(frontend_cmd, env=env, preexec_fn=os.setpgrp),
              *(subprocess.Popen(cmd, env=wenv, preexec_fn=os.setpgrp) for cmd, wenv in zip(worker_cmds, worker_envs))]
     url = f"http://{args.http_host}:{args.http_port}"
@@ -113,7 +116,12 @@ def main(argv: list[str]) -> int:
         print("\n[turbine] stopping…", flush=True)
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stop short
         _stop(procs[::-1])  # workers first (they drain), then the frontend
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _served_name(worker_args: list[str]) -> str | None:

@@ -135,8 +135,9 @@ def test_sigkilled_worker_leaves_discovery_and_traffic(cluster, client):
         doomed.stop(signal.SIGKILL)
 
 
-@pytest.mark.parametrize("mode", [[], ["--disagg"]], ids=["aggregated", "disaggregated"])
-def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path, mode):
+@pytest.mark.parametrize("mode,stop_signal", [([], signal.SIGINT), (["--disagg"], signal.SIGTERM)],
+                         ids=["aggregated-ctrl-c", "disaggregated-sigterm"])
+def test_turbine_serve_answers_and_stops_on_ctrl_c_or_sigterm(cluster, tmp_path, mode, stop_signal):
     port = free_port()
     env = dict(cluster["env"])
     env.pop("TURBINE_DISCOVERY_DIR")
@@ -167,7 +168,7 @@ def test_turbine_serve_answers_and_stops_on_ctrl_c(cluster, tmp_path, mode):
                       if line.startswith("turbine_frontend_prefills_total") and 'where="remote"' in line]
             assert remote and float(remote[0].rsplit(" ", 1)[1]) == 1
         children = psutil.Process(serve.pid).children(recursive=True)
-        serve.send_signal(signal.SIGINT)
+        serve.send_signal(stop_signal)  # Ctrl-C in a terminal, SIGTERM from a service manager
         assert serve.wait(90) == 0
         gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
