@@ -44,7 +44,7 @@ import json
 import os
 import platform
 import random
-import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -258,15 +258,15 @@ def vllm_base(a) -> list[str]:
 
 def cpu_bind_env(a, index: int) -> dict[str, str]:
     """Where a vLLM CPU engine runs its OpenMP threads (the same policy for every setup).
-    reserve1:   VLLM_CPU_NUM_OF_RESERVED_CPU=1 (default): what vLLM does by itself for an aggregated
-                worker on 2 cores (OpenMP on core 0, core 1 left to the scheduler processes), now
-                also for prefill/decode workers.
+    per-worker: the i-th worker's OpenMP on core i (VLLM_CPU_OMP_THREADS_BIND=i), as
+                `turbine serve --disagg` does (the default).  Before Turbine restored the binding
+                that vLLM's NIXL worker overrides (turbine/vllm/nixl_cpu.py), this put both
+                engines' model threads on the last core and the pair crawled.
+    reserve1:   VLLM_CPU_NUM_OF_RESERVED_CPU=1: what vLLM does by itself for one worker on 2
+                cores (OpenMP on core 0); with two workers both compute on core 0.
     default:    vLLM's own choice.  With a KV connector vLLM reserves 2 cores (scheduler + NIXL);
                 on a 2-core host that leaves none, so it binds 2 OpenMP threads to both cores beside
-                its own busy scheduler and worker processes: decode steps of ~1.8 s instead of ~40 ms.
-    per-worker: the i-th worker's OpenMP on core i (VLLM_CPU_OMP_THREADS_BIND=i).  With a KV
-                connector this wedged the prefill worker after its first hand-off on this machine
-                (its engine core and worker process both waiting on vLLM's shm message queue)."""
+                its own busy scheduler and worker processes: decode steps of ~1.8 s instead of ~40 ms."""
     if a.cpu_bind == "reserve1":
         return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     if a.cpu_bind == "per-worker":
@@ -453,7 +453,7 @@ def markdown_load(rows: list[dict], runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def part_load(a, run_dir: Path) -> tuple[dict, str, int]:
+def part_load(a, run_dir: Path, checkpoint=lambda result, table: None) -> tuple[dict, str, int]:
     groups = setups_for(a)
     rates = a.rates
     workloads = {}
@@ -473,6 +473,8 @@ def part_load(a, run_dir: Path) -> tuple[dict, str, int]:
                     except (RuntimeError, OSError) as e:
                         failures += 1
                         log(f"r{rep} {setup['name']} rate {eff:g}: FAILED: {e}")
+                    rows = summarize_load(runs)  # saved after every run: a killed sitting keeps its runs
+                    checkpoint({"summary": rows, "runs": runs, "partial": True}, markdown_load(rows, runs))
     rows = summarize_load(runs)
     failures += sum(1 for r in runs if r["errors"] or r["died"])
     return ({"summary": rows, "runs": runs, "workloads": {str(k): describe(v, k) for k, v in workloads.items()}},
@@ -602,10 +604,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("vllm, crossover")
     g.add_argument("--kvcache-space", default="2", help="VLLM_CPU_KVCACHE_SPACE (GiB) per worker")
     g.add_argument("--engine-args", default="", help="extra turbine.vllm flags (every worker)")
-    g.add_argument("--cpu-bind", choices=("reserve1", "default", "per-worker"), default="reserve1",
-                   help="vLLM OpenMP binding of every worker: reserve1 (VLLM_CPU_NUM_OF_RESERVED_CPU=1, the "
-                        "default), default (vLLM's own: ~45x slower decode for KV-connector workers on 2 "
-                        "cores), per-worker (worker i on core i: wedged the prefill worker here); see cpu_bind_env")
+    g.add_argument("--cpu-bind", choices=("per-worker", "reserve1", "default"), default="per-worker",
+                   help="vLLM OpenMP binding of every worker: per-worker (worker i on core i, as turbine serve "
+                        "--disagg; the default), reserve1 (VLLM_CPU_NUM_OF_RESERVED_CPU=1), default (vLLM's "
+                        "own: ~45x slower decode for KV-connector workers on 2 cores); see cpu_bind_env")
     g = p.add_argument_group("crossover")
     g.add_argument("--lengths", default="32,64,128,256,512,1024,2048,3072")
     g.add_argument("--crossover-max-tokens", type=int, default=8)
@@ -636,24 +638,31 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     waited = wait_quiet()
     load_start = os.getloadavg()
-    if a.part == "crossover":
-        result, table, failures = part_crossover(a, run_dir)
-    else:
-        result, table, failures = part_load(a, run_dir)
-    print(table)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "turbine"], cwd=REPO_ROOT, capture_output=True,
                            text=True).stdout.strip()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = {k: (v if not isinstance(v, tuple) else list(v)) for k, v in vars(a).items()}
-    out.write_text(dump_json({
-        "benchmark": f"disagg_{a.part}", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv], "commit": commit,
-        "turbine_tree_changes": dirty.splitlines(), "versions": versions(a.python) if not mock else None,
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": load_start,
-                 "loadavg_end": os.getloadavg(), "waited_for_pytest_s": waited},
-        "config": cfg, "work_dir": str(run_dir), **result, "markdown": table}) + "\n")
+    vers = versions(a.python) if not mock else None
+
+    def write(result: dict, table: str) -> None:
+        out.write_text(dump_json({
+            "benchmark": f"disagg_{a.part}", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv], "commit": commit,
+            "turbine_tree_changes": dirty.splitlines(), "versions": vers,
+            "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": load_start,
+                     "loadavg_end": os.getloadavg(), "waited_for_pytest_s": waited},
+            "config": cfg, "work_dir": str(run_dir), **result, "markdown": table}) + "\n")
+
+    # A SIGTERM (someone's cleanup) stops our stacks through the finally blocks instead of orphaning them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.part == "crossover":
+        result, table, failures = part_crossover(a, run_dir)
+    else:
+        result, table, failures = part_load(a, run_dir, write)
+    print(table)
+    write(result, table)
     log(f"wrote {out} ({time.time() - started:.0f}s)")
     return 1 if failures else 0
 
