@@ -4,6 +4,8 @@ the pulled prompt as cached, and the answer is the same as an aggregated worker'
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 from openai import OpenAI
 
@@ -45,6 +47,20 @@ def fleet(tmp_path_factory):
             p.stop()
 
 
+def unique(question: str) -> str:
+    """The question with a long part of its own: more than --max-local-prefill-length (64)
+    tokens that no worker has cached, so it is prefilled remotely even where the system
+    prompt is cached on the decode worker."""
+    tag = zlib.crc32(question.encode())
+    return question + " " + " ".join(f"detail{tag}x{k}" for k in range(40))
+
+
+def remote_prefills(frontend) -> float:
+    lines = [line for line in http_text(f"{frontend.url}/metrics").splitlines()
+             if line.startswith("turbine_frontend_prefills_total") and 'where="remote"' in line]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
 def ask(frontend, model: str, question: str):
     client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
     return client.chat.completions.create(model=model, max_tokens=12, temperature=0, messages=[
@@ -59,18 +75,29 @@ def test_prefills_go_to_the_prefill_worker_that_has_the_prefix(fleet):
     # (of three) that computed it, which reports those blocks as cached.
     wait_until(lambda: metric(http_text(f"{frontend.url}/metrics"), "turbine_router_indexed_blocks") >= 10, 10,
                "the prefill worker's blocks indexed", [frontend])
-    follow_ups = [ask(frontend, MODEL, f"Follow-up number {i}?") for i in range(4)]
+    follow_ups = [ask(frontend, MODEL, unique(f"Follow-up number {i}?")) for i in range(4)]
     assert all(r.usage.prompt_tokens_details.cached_tokens >= 16 * 20 for r in follow_ups), \
         [r.usage.prompt_tokens_details.cached_tokens for r in follow_ups]
-    remote = [line for line in http_text(f"{frontend.url}/metrics").splitlines()
-              if line.startswith("turbine_frontend_prefills_total") and 'where="remote"' in line]
-    assert remote and float(remote[0].rsplit(" ", 1)[1]) == 5
+    assert remote_prefills(frontend) == 5
+
+
+def test_prompt_cached_on_the_decode_worker_is_prefilled_there(fleet):
+    """The decode worker served the system prompt before: a question that adds fewer than 64
+    new tokens to it is prefilled on the decode worker, which reports the prefix as cached."""
+    frontend = fleet["frontend"]
+    ask(frontend, MODEL, unique("Warm the decode worker."))
+    before = remote_prefills(frontend)
+    r = ask(frontend, MODEL, "A short one?")
+    assert r.usage.prompt_tokens > 64 * 4 and r.usage.prompt_tokens_details.cached_tokens >= 16 * 20
+    assert remote_prefills(frontend) == before
 
 
 def test_disaggregated_answer_equals_aggregated(fleet):
     frontend = fleet["frontend"]
-    for question in ("Tell me about rivers.", "And about mountains?"):
+    for question in (unique("Tell me about rivers."), unique("And about mountains?")):
+        before = remote_prefills(frontend)
         disagg, agg = ask(frontend, MODEL, question), ask(frontend, "agg", question)
+        assert remote_prefills(frontend) == before + 1  # the KV was handed over
         assert disagg.choices[0].message.content == agg.choices[0].message.content
         assert disagg.usage.completion_tokens == agg.usage.completion_tokens == 12
 

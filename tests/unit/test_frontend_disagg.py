@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from tests.unit.test_generation import closed_port_address
+from turbine.frontend.decode_cache import DecodeCaches
 from turbine.frontend.disagg import DisaggConfig, wants_remote_prefill
 from turbine.frontend.generation import Generation
 from turbine.frontend.metrics import FrontendMetrics
@@ -127,6 +128,42 @@ async def test_short_prompts_and_n_above_one_prefill_on_the_decode_worker(tokeni
         await w.stop()
 
 
+async def test_prompt_mostly_cached_on_the_decode_worker_is_prefilled_there(tokenizer):
+    """The length that counts is the part the decode worker would compute: a follow-up turn of
+    a conversation it just served is prefilled there; a new long prompt is handed over."""
+    w = Workers(tokenizer)
+    try:
+        model = model_with(tokenizer, await w.serve(w.decode), [await w.serve(w.prefill)])
+        model.decode_caches = DecodeCaches(block_size=4)
+        cfg = DisaggConfig(max_local_prefill_length=8)
+        turn1 = list(range(100, 112))  # 12 tokens: 3 blocks of 4, nothing cached
+        await run(model, GenerateRequest(request_id="t1", model="m", token_ids=turn1), cfg)
+        assert len(w.prefill_calls) == 1 and w.decode_calls[-1].kv_transfer_params == KV
+        assert model.decode_caches.cached_tokens("d", turn1) == 12  # the decode worker holds it now
+        turn2 = turn1 + [7, 8, 9, 10, 11]  # 17 tokens, 5 of them new: under 8 to compute
+        await run(model, GenerateRequest(request_id="t2", model="m", token_ids=turn2), cfg)
+        assert len(w.prefill_calls) == 1 and w.decode_calls[-1].kv_transfer_params is None
+        other = list(range(500, 517))  # 17 tokens, none cached
+        await run(model, GenerateRequest(request_id="t3", model="m", token_ids=other), cfg)
+        assert len(w.prefill_calls) == 2 and w.decode_calls[-1].kv_transfer_params == KV
+    finally:
+        await w.stop()
+
+
+def test_decode_caches_forget_workers_that_left_and_expire():
+    now = [0.0]
+    caches = DecodeCaches(block_size=4, ttl_s=10, clock=lambda: now[0])
+    prompt = list(range(10))  # two full blocks
+    assert caches.cached_tokens("d", prompt) == 0
+    caches.served("d", prompt)
+    caches.served("e", prompt[:4])
+    assert (caches.cached_tokens("d", prompt), caches.cached_tokens("e", prompt)) == (8, 4)
+    caches.keep_only({"e"})
+    assert (caches.cached_tokens("d", prompt), caches.cached_tokens("e", prompt)) == (0, 4)
+    now[0] = 11.0
+    assert caches.cached_tokens("e", prompt) == 0
+
+
 async def test_failed_prefill_worker_is_skipped_then_local_prefill(tokenizer):
     w = Workers(tokenizer)
     try:
@@ -200,5 +237,10 @@ async def test_discovery_turns_disaggregation_on_and_off(tokenizer, monkeypatch)
     m = table.models["m"]
     assert [i.instance_id for i in m.instances] == ["d"]
     assert [i.instance_id for i in m.prefill_instances] == ["p"]  # the other block size cannot hand KV over
+    assert m.decode_caches is not None and m.decode_caches.block_size == 128
+    m.decode_caches.served("d", list(range(256)))
+    await table._apply([record(d), record(p)], [d, p])
+    assert table.models["m"].decode_caches.cached_tokens("d", list(range(300))) == 256  # kept across snapshots
     await table._apply([record(d)], [d])
     assert not table.models["m"].prefill_instances  # back to aggregated
+    assert table.models["m"].decode_caches is None

@@ -29,8 +29,9 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
-                   help="prompts with fewer tokens are prefilled on the decode worker itself (0: every prompt "
-                        "goes to a prefill worker)")
+                   help="prompts with fewer tokens not yet cached on the decode worker are prefilled there "
+                        "(0: every prompt goes to a prefill worker); default from benchmarks/disagg.py "
+                        "--part crossover")
     d.add_argument("--prefill-timeout", type=float,
                    default=float(env("TURBINE_PREFILL_TIMEOUT", str(DisaggConfig.prefill_timeout_s))),
                    help="seconds a prefill worker may take before the request is tried elsewhere")

@@ -3,7 +3,8 @@ hand its location to the decode worker that generates.
 
 A model is disaggregated while it has live prefill workers (their cards say so); when the last
 one leaves, requests go whole to the decode workers again, which then prefill themselves.
-Short prompts are prefilled where they are decoded: moving their KV costs more than it saves.
+Prompts whose part not yet cached on the chosen decode worker is short are prefilled there:
+moving their KV costs more than it saves.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ SATURATION_STEPS = 4
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    # Prompts shorter than this are prefilled on the decode worker (measured crossover: see
-    # benchmarks/RESULTS.md, "Disaggregated prefill/decode").
+    # Prompts with fewer tokens to compute on the decode worker are prefilled there. 256: from
+    # there on, on the 2-core CPU host, handing over added at most 25 % to a lone prompt's TTFT
+    # while a local prefill would stall the decode worker's streams for a second or more
+    # (benchmarks/RESULTS.md, "Disaggregated prefill/decode", crossover).
     max_local_prefill_length: int = 256
     prefill_timeout_s: float = 60.0  # a prefill worker that answers later is given up on
 
@@ -38,14 +41,19 @@ class PrefillFailed(Exception):
     """No prefill worker produced the KV; the decode worker computes the prompt itself."""
 
 
-def wants_remote_prefill(model: ServedModel, request: GenerateRequest, cfg: DisaggConfig) -> bool:
-    if not model.prefill_instances:
-        return False
+def may_prefill_remotely(model: ServedModel, request: GenerateRequest) -> bool:
     # vLLM's connector hands one sequence's KV to one request; n > 1 choices each need the
     # prompt's KV, so they are prefilled where they are decoded (served, not refused).
-    if request.sampling.n != 1:
+    return bool(model.prefill_instances) and request.sampling.n == 1
+
+
+def wants_remote_prefill(model: ServedModel, request: GenerateRequest, cfg: DisaggConfig,
+                         decode_cached_tokens: int = 0) -> bool:
+    """Whether to prefill on a prefill worker: the part of the prompt the decode worker would
+    have to compute (`decode_cached_tokens` of it are probably cached there) is long enough."""
+    if not may_prefill_remotely(model, request):
         return False
-    if len(request.token_ids) < cfg.max_local_prefill_length:
+    if len(request.token_ids) - decode_cached_tokens < cfg.max_local_prefill_length:
         return False
     return not all(_saturated(model, inst.instance_id) for inst in model.prefill_instances)
 

@@ -17,6 +17,7 @@ from turbine.frontend.disagg import (
     DisaggConfig,
     PrefillFailed,
     first_output_of_handoff,
+    may_prefill_remotely,
     remote_prefill,
     wants_remote_prefill,
 )
@@ -80,24 +81,36 @@ class Generation:
         cannot be reached is skipped (it may have died since the last discovery snapshot).
         With prefill workers, the prompt's KV is computed on one of them first."""
         request = self.request
-        if wants_remote_prefill(self.model, request, self.disagg):
-            try:
-                params, self.usage.cached_tokens = await remote_prefill(self.model, self.client, request,
-                                                                        self.disagg)
-            except PrefillFailed as exc:
-                log.warning("request %s: %s; the decode worker prefills it", request.request_id, exc)
-                self.metrics.local_prefills.inc()
-            else:
-                request = msgspec.structs.replace(request, kv_transfer_params=params)
-                self.metrics.remote_prefills.inc()
+        model = self.model
+        chosen = None  # with prefill workers: the decode instance, chosen first
+        if may_prefill_remotely(model, request) and model.instances:
+            chosen = model.router.select(model.instances, request)
+            caches = model.decode_caches
+            cached = caches.cached_tokens(chosen.instance_id, request.token_ids) if caches else 0
+            if wants_remote_prefill(model, request, self.disagg, cached):
+                try:
+                    params, self.usage.cached_tokens = await remote_prefill(model, self.client, request,
+                                                                            self.disagg)
+                except PrefillFailed as exc:
+                    log.warning("request %s: %s; the decode worker prefills it", request.request_id, exc)
+                    self.metrics.local_prefills.inc()
+                except BaseException:
+                    model.router.finished(request.request_id)  # it never reached the decode worker
+                    raise
+                else:
+                    request = msgspec.structs.replace(request, kv_transfer_params=params)
+                    self.metrics.remote_prefills.inc()
         tried: set[str] = set()
         while True:
-            candidates = [i for i in self.model.instances if i.instance_id not in tried]
-            if not candidates:
-                raise RequestError(f"no live worker for model {self.model.name!r}", param="model",
-                                   status=503, type_="service_unavailable")
-            router = self.model.router
-            inst = router.select(candidates, request)
+            router = model.router
+            if chosen is not None:
+                inst, chosen = chosen, None
+            else:
+                candidates = [i for i in model.instances if i.instance_id not in tried]
+                if not candidates:
+                    raise RequestError(f"no live worker for model {model.name!r}", param="model",
+                                       status=503, type_="service_unavailable")
+                inst = router.select(candidates, request)
             stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput)
             handoff = request.kv_transfer_params is not None
             try:
@@ -119,6 +132,8 @@ class Generation:
                     raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
                 raise
             self._stream = stream
+            if model.decode_caches is not None and not (first.finish_reason or "").startswith("error"):
+                model.decode_caches.served(inst.instance_id, request.token_ids)  # its KV is there now
             return first
 
     def output_ready(self) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from turbine.frontend.decode_cache import DecodeCaches
 from turbine.frontend.router import Router
 from turbine.frontend.tokenizer import TextTokenizer
 from turbine.protocol.discovery import InstanceRecord, ModelCard
@@ -26,6 +27,7 @@ class ServedModel:
     prefill_instances: list[InstanceRecord] = field(default_factory=list)
     prefill_cards: dict[str, ModelCard] = field(default_factory=dict)
     prefill_queued_tokens: dict[str, int] = field(default_factory=dict)  # instance id -> prompt tokens in flight
+    decode_caches: DecodeCaches | None = None  # set while prefill workers exist
 
 
 class ModelTable:
@@ -38,6 +40,7 @@ class ModelTable:
         self.models: dict[str, ServedModel] = {}
         self._tokenizers: dict[tuple[str, str | None], TextTokenizer] = {}
         self._routers: dict[str | tuple[str, str], Router] = {}
+        self._decode_caches: dict[str, DecodeCaches] = {}  # model -> its decode workers' prompts
 
     async def run(self) -> None:
         async for instances, cards in self.registry.watch():
@@ -108,6 +111,13 @@ class ModelTable:
                 router.instances_changed(model.prefill_instances, model.prefill_cards)
                 if old is not None:
                     model.prefill_queued_tokens = old.prefill_queued_tokens
+                caches = self._decode_caches.get(name)
+                if caches is None or caches.block_size != model.card.kv_block_size:
+                    caches = self._decode_caches[name] = DecodeCaches(model.card.kv_block_size)
+                caches.keep_only({i.instance_id for i in model.instances})
+                model.decode_caches = caches
+            else:
+                self._decode_caches.pop(name, None)
             if len(old.prefill_instances if old else ()) != len(model.prefill_instances):
                 if model.prefill_instances:
                     log.info("model %r: disaggregated serving with %d prefill worker(s)",
