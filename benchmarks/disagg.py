@@ -14,8 +14,9 @@ vllm       Real vLLM CPU workers (`turbine.vllm`, SmolLM2-135M, default dtype): 
 crossover  Real 1P+1D vLLM CPU workers and two frontends on the same workers: one with
            --max-local-prefill-length 0 (every prompt prefilled remotely, KV over NIXL), one with a
            huge value (every prompt prefilled on the decode worker).  Single requests, one at a
-           time, at each prompt length; TTFT medians over --repeats; the smallest length where
-           remote is within --tolerance of local.
+           time, at each prompt length; TTFT medians over --repeats; the suggested
+           --max-local-prefill-length: the shortest length from which on the hand-off adds at
+           most --tolerance to TTFT while a local prefill would stall decode >= --stall-ms.
 
 Load (mocker, vllm): open-loop Poisson arrivals at --rate requests/s (the same schedule for both
 setups, fixed --seed), --short-frac short chat-like requests (--short-in tokens in, --short-out
@@ -532,10 +533,23 @@ def part_crossover(a, run_dir: Path) -> tuple[dict, str, int]:
             log(st.logs_tail())
     finally:
         st.stop()
+    analysis, table = analyze_crossover(samples, a.lengths, a.tolerance, a.stall_ms)
+    table += (f"\nFrontend prefills during the measurement: {json.dumps(prefills)}; prompt tokens by source: "
+              f"{json.dumps(sources)}")
+    return ({**analysis, "samples": samples, "prefills": prefills, "prompt_tokens_by_source": sources, "loadavg_before": load0,
+             "quiet": quiet.record(), "argv": argv, "logs": logs},
+            table, failures)
+
+
+def analyze_crossover(samples: list[dict], lengths: list[int], tolerance: float, stall_ms: float) -> tuple[dict, str]:
+    """Medians per length, and the suggested --max-local-prefill-length: the shortest length from
+    which on (at every longer length too, not a lucky single one) the hand-off costs the request at
+    most `tolerance` more TTFT than prefilling on the decode worker, while prefilling there would
+    stall that worker's other streams for at least `stall_ms` (its local prefill time)."""
     rows = []
-    for n in a.lengths:
+    for n in lengths:
         row = {"length": n}
-        for mode in urls:
+        for mode in ("remote", "local"):
             xs = [s for s in samples if s["length"] == n and s["mode"] == mode and s["ttft_ms"] is not None]
             row[f"{mode}_ttft_ms"] = median([s["ttft_ms"] for s in xs])
             row[f"{mode}_ttft_all"] = [round(s["ttft_ms"], 1) for s in xs]
@@ -543,24 +557,33 @@ def part_crossover(a, run_dir: Path) -> tuple[dict, str, int]:
         row["remote_over_local"] = ratio(row["remote_ttft_ms"], row["local_ttft_ms"])
         row["remote_minus_local_ms"] = (row["remote_ttft_ms"] - row["local_ttft_ms"]
                                         if row["remote_ttft_ms"] is not None and row["local_ttft_ms"] is not None else None)
+        row["hand_off_pays"] = (row["remote_over_local"] is not None and row["remote_over_local"] <= 1 + tolerance
+                                and row["local_ttft_ms"] >= stall_ms)
         rows.append(row)
-    ok = [r["length"] for r in rows if r["remote_over_local"] is not None and r["remote_over_local"] <= 1 + a.tolerance]
-    # The smallest length from which on remote stays within the tolerance (not a lucky single length).
-    crossover = next((r["length"] for i, r in enumerate(rows)
-                      if all(x["remote_over_local"] is not None and x["remote_over_local"] <= 1 + a.tolerance
-                             for x in rows[i:])), None)
+    suggested = next((r["length"] for i, r in enumerate(rows) if all(x["hand_off_pays"] for x in rows[i:])), None)
     lines = [f"| prompt tokens | TTFT remote prefill (ms) | TTFT local prefill (ms) | **remote / local** | remote − local (ms) "
              f"| ITL remote / local (ms) | samples remote ; local |", "|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['length']} | {fmt(r['remote_ttft_ms'])} | {fmt(r['local_ttft_ms'])} | **{fmt(r['remote_over_local'], 2)}** "
                      f"| {fmt(r['remote_minus_local_ms'])} | {fmt(r['remote_itl_ms'])} / {fmt(r['local_itl_ms'])} "
                      f"| {', '.join(map(str, r['remote_ttft_all']))} ; {', '.join(map(str, r['local_ttft_all']))} |")
-    lines += ["", f"Remote within {a.tolerance:.0%} of local at: {ok}; from {crossover} tokens on at every longer length.",
-              f"Frontend prefills during the measurement: {json.dumps(prefills)}; prompt tokens by source: {json.dumps(sources)}"]
-    return ({"summary": rows, "crossover_length": crossover, "within_tolerance": ok, "samples": samples,
-             "prefills": prefills, "prompt_tokens_by_source": sources, "loadavg_before": load0,
-             "quiet": quiet.record(), "argv": argv, "logs": logs},
-            "\n".join(lines), failures)
+    lines += ["", f"Suggested --max-local-prefill-length: {suggested} (from there on the hand-off adds at most "
+                  f"{tolerance:.0%} to TTFT and a local prefill would stall the decode worker >= {stall_ms:g} ms)."]
+    return ({"summary": rows, "suggested_max_local_prefill_length": suggested, "tolerance": tolerance,
+             "stall_ms": stall_ms}, "\n".join(lines))
+
+
+def reanalyze(path: str, tolerance: float, stall_ms: float) -> int:
+    """Recompute a saved crossover result's summary under another rule (its samples stay)."""
+    data = json.loads(Path(path).read_text())
+    lengths = sorted({s["length"] for s in data["samples"]})
+    analysis, table = analyze_crossover(data["samples"], lengths, tolerance, stall_ms)
+    for stale in ("crossover_length", "within_tolerance"):
+        data.pop(stale, None)
+    data.update(analysis, markdown=table, reanalyzed_by=[sys.executable, *sys.argv])
+    Path(path).write_text(dump_json(data) + "\n")
+    print(table)
+    return 0
 
 
 # --------------------------------------------------------------------------- main
@@ -612,7 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lengths", default="32,64,128,256,512,1024,2048,3072")
     g.add_argument("--crossover-max-tokens", type=int, default=8)
     g.add_argument("--crossover-gap-s", type=float, default=0.5, help="idle time before each request")
-    g.add_argument("--tolerance", type=float, default=0.10, help="remote TTFT may exceed local by this fraction")
+    g.add_argument("--tolerance", type=float, default=0.25,
+                   help="the hand-off may add this fraction to a prompt's TTFT where it pays (see --stall-ms)")
+    g.add_argument("--stall-ms", type=float, default=1000,
+                   help="a local prefill at least this long (it stalls the decode worker's streams) is worth "
+                        "handing off")
+    g.add_argument("--reanalyze", metavar="JSON", default=None,
+                   help="recompute a saved crossover result's summary with --tolerance/--stall-ms, run nothing")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=None, help=f"default benchmarks/results/disagg-PART-{today}.json")
@@ -623,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if a.reanalyze:
+        return reanalyze(a.reanalyze, a.tolerance, a.stall_ms)
     mock = a.part == "mocker"
     a.repeats = a.repeats or (3 if a.part == "crossover" else 2)
     a.pairs = a.pairs or parse_pairs("2:1:1,4:2:2" if mock else "2:1:1")
