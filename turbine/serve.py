@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     url = f"http://{args.http_host}:{args.http_port}"
     try:
         what = "a prefill and a decode worker" if args.disagg else "worker"
-        print(f"[turbine] starting {what} for {name!r} (an engine takes ~30 s on a small CPU)…", flush=True)
+        print(f"[turbine] starting {what} for {name!r} (an engine takes 30 s to a few minutes on a small CPU; the first start compiles)…", flush=True)
         if not _wait_ready(url, name, procs, prefill=args.disagg):
             print("[turbine] failed to start; see the logs above", file=sys.stderr)
             return 1
