@@ -41,7 +41,40 @@ from frontend_overhead import (  # noqa: E402  (re-exported for the other benchm
 
 __all__ = ["REPO_ROOT", "Proc", "default_model", "find_export", "fmt", "free_port", "http_get_json",
            "http_post_json", "log", "median", "parse_export", "parse_int_list", "run_aiperf", "tail",
-           "versions", "Stack", "aiperf_point", "wait_quiet", "read_cards", "proc_cpu_s", "ratio"]
+           "versions", "Stack", "aiperf_point", "wait_quiet", "read_cards", "proc_cpu_s", "ratio",
+           "StreamError", "sse_chunks", "record_usage"]
+
+
+class StreamError(Exception):
+    """An OpenAI streaming response that failed: an HTTP error, or an error chunk."""
+
+
+async def sse_chunks(client, url: str, body: dict):
+    """The JSON chunks of one OpenAI streaming response (httpx client), up to [DONE]."""
+    import json
+
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raise StreamError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise StreamError(str(chunk["error"])[:300])
+            yield chunk
+
+
+def record_usage(rec: dict, chunk: dict) -> None:
+    """Copies a chunk's usage (prompt, completion and cached tokens) into a request record."""
+    usage = chunk.get("usage")
+    if usage:
+        rec["prompt_tokens"] = usage.get("prompt_tokens")
+        rec["completion_tokens"] = usage.get("completion_tokens")
+        rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -56,7 +56,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio, tail,
+    REPO_ROOT, Stack, StreamError, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
+    record_usage, sse_chunks, tail,
     turbine_env, versions, wait_quiet)
 from common import _is_pytest  # noqa: E402
 from kv_routing_fleet import dump_json, pct, scrape  # noqa: E402
@@ -103,27 +104,12 @@ async def stream_one(client, url: str, prompt_ids: list[int], max_tokens: int) -
     rec = {"t_send": time.monotonic(), "times": [], "prompt_tokens": None, "completion_tokens": None,
            "cached_tokens": None, "error": None}
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])[:300]
-                    break
-                if any(c.get("text") for c in chunk.get("choices") or ()):
-                    rec["times"].append(time.monotonic())
-                usage = chunk.get("usage")
-                if usage:
-                    rec["prompt_tokens"] = usage.get("prompt_tokens")
-                    rec["completion_tokens"] = usage.get("completion_tokens")
-                    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        async for chunk in sse_chunks(client, f"{url}/v1/completions", body):
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                rec["times"].append(time.monotonic())
+            record_usage(rec, chunk)
+    except StreamError as e:
+        rec["error"] = str(e)
     except Exception as e:  # noqa: BLE001  (recorded, counted as an error)
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
     rec["t_end"] = time.monotonic()

@@ -68,7 +68,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio, tail,
+    REPO_ROOT, Stack, StreamError, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
+    record_usage, sse_chunks, tail,
     turbine_env, wait_quiet)
 
 sys.path.insert(0, str(REPO_ROOT))
@@ -233,33 +234,18 @@ async def stream_request(client, url: str, body: dict, kind: str) -> dict:
            "completion_tokens": None, "error": None, "text": ""}
     parts = []
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])[:300]
-                    break
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
-                    if text:
-                        now = time.monotonic()
-                        if rec["t_first"] is None:
-                            rec["t_first"] = now
-                        rec["t_last"] = now
-                        parts.append(text)
-                usage = chunk.get("usage")
-                if usage:
-                    rec["prompt_tokens"] = usage.get("prompt_tokens")
-                    rec["completion_tokens"] = usage.get("completion_tokens")
-                    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        async for chunk in sse_chunks(client, url, body):
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
+                if text:
+                    now = time.monotonic()
+                    if rec["t_first"] is None:
+                        rec["t_first"] = now
+                    rec["t_last"] = now
+                    parts.append(text)
+            record_usage(rec, chunk)
+    except StreamError as e:
+        rec["error"] = str(e)
     except Exception as e:  # noqa: BLE001  (recorded, counted as an error)
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
     rec["t_end"] = time.monotonic()
