@@ -9,6 +9,8 @@ served is mostly cached there and is cheaper to prefill locally than to hand ove
 
 from __future__ import annotations
 
+import time
+
 from turbine.router.approx import ApproxKvIndexer
 from turbine.router.hashing import block_hashes
 from turbine.router.indexer import WorkerKey
@@ -19,9 +21,9 @@ DECODE_CACHE_TTL_S = 120.0
 
 
 class DecodeCaches:
-    def __init__(self, block_size: int, ttl_s: float = DECODE_CACHE_TTL_S, clock=None):
+    def __init__(self, block_size: int, ttl_s: float = DECODE_CACHE_TTL_S, clock=time.monotonic):
         self.block_size = block_size
-        self._index = ApproxKvIndexer(ttl_s) if clock is None else ApproxKvIndexer(ttl_s, clock=clock)
+        self._index = ApproxKvIndexer(ttl_s, clock=clock)
         self._workers: set[str] = set()
 
     def cached_tokens(self, instance_id: str, token_ids: list[int]) -> int:
