@@ -144,6 +144,20 @@ def test_prefix_cache_hits_are_reported_as_cached_tokens(client):
     assert second.usage.prompt_tokens_details.cached_tokens == 192
 
 
+def test_a_chat_answer_sent_back_is_found_in_the_prefix_cache(client):
+    """The simulated answer's text encodes back to the tokens the worker generated (and cached
+    while decoding), so the next turn reuses it, as with a real model."""
+    messages = [{"role": "system", "content": "You answer questions about geography. " * 20}, *QUESTION]
+    first = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=100,
+                                           extra_body={"ignore_eos": True})
+    prompt = first.usage.prompt_tokens
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And of Italy?"}]
+    second = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=2)
+    # Full 64-token blocks of the first prompt and the 99 answer tokens computed after it.
+    assert second.usage.prompt_tokens_details.cached_tokens == (prompt + 99) // 64 * 64 > prompt
+
+
 def test_a_cancelled_stream_frees_the_workers_blocks(mockers, client):
     slow = mockers["slow"]
 
@@ -161,19 +175,31 @@ def test_a_cancelled_stream_frees_the_workers_blocks(mockers, client):
     assert metric(http_text(f"{slow.url}/metrics"), "turbine_worker_cancellations_total") == cancelled_before + 1
 
 
-def test_calibrate_measures_a_workers_step_times(mockers, tmp_path):
+@pytest.mark.parametrize("path", ["request-plane", "frontend"])
+def test_calibrate_measures_a_workers_step_times(mockers, tmp_path, path):
     out = tmp_path / "fitted.json"
     cmd = [sys.executable, "-m", "turbine.cli", "mocker", "calibrate", "--model", TARGET, "--output", str(out),
            "--prompt-lens", "32,256,512", "--repeats", "2", "--batch-sizes", "1,8",
            "--decode-prompt-lens", "64,512", "--decode-tokens", "24", "--cached-prefix-lens", "256"]
+    if path == "frontend":
+        cmd += ["--url", mockers["frontend"].url]
     result = subprocess.run(cmd, env=mockers["env"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     fitted = load_profile(out)
+    assert ("through the frontend" in fitted.source) == (path == "frontend")
     # No timed assertions: the fit's accuracy is proven on exact data in the unit tests.
-    # Here: the command measured a live worker over the request plane and wrote a usable
-    # profile whose shape follows the target's (a 512-token prefill costs ~8x a 32-token one).
+    # Here: the command measured a live worker (over the request plane, or through the
+    # frontend's streaming API) and wrote a usable profile whose shape follows the target's
+    # (a 512-token prefill costs ~8x a 32-token one).
     assert all(v >= 0 for v in msgspec.structs.asdict(fitted).values() if isinstance(v, (int, float)))
     assert fitted.step_ms(512, 512 * 256, 0, 0) > 2 * fitted.step_ms(32, 32 * 16, 0, 0)
+
+
+def test_calibrate_names_a_bad_url(mockers, tmp_path):
+    cmd = [sys.executable, "-m", "turbine.cli", "mocker", "calibrate", "--model", TARGET,
+           "--output", str(tmp_path / "x.json"), "--url", "localhost:8000"]
+    result = subprocess.run(cmd, env=mockers["env"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--url" in result.stderr
 
 
 def test_sigterm_unregisters_every_worker_and_exits_cleanly(mockers):

@@ -4,6 +4,7 @@ Hugging Face folder: vocabulary, special and EOS tokens, context length, KV size
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,12 @@ class ModelInfo:
     special_token_ids: tuple[int, ...]
     max_position_embeddings: int | None
     kv_bytes_per_token: int | None = None  # None: the config does not say
+    word_token_ids: tuple[int, ...] = ()  # tokens that are one whole lowercase word after a space
+
+
+# A space marker (byte-level BPE's "Ġ", SentencePiece's "▁") and a lowercase word: a run of
+# such tokens decodes to plain words that the tokenizer encodes back to the same tokens.
+_WORD_TOKEN = re.compile(r"[\u0120\u2581][a-z]{2,}")
 
 
 def read_model_info(folder: str) -> ModelInfo:
@@ -34,7 +41,9 @@ def read_model_info(folder: str) -> ModelInfo:
     special = tuple(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
     return ModelInfo(vocab_size=vocab, eos_token_ids=eos_ids, special_token_ids=special,
                      max_position_embeddings=config.get("max_position_embeddings"),
-                     kv_bytes_per_token=kv_bytes_per_token(config))
+                     kv_bytes_per_token=kv_bytes_per_token(config),
+                     word_token_ids=tuple(sorted(i for text, i in tokenizer.get_vocab().items()
+                                                 if i < vocab and _WORD_TOKEN.fullmatch(text))))
 
 
 def _json(path: Path) -> dict:

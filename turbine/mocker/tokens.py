@@ -2,7 +2,12 @@
 request and get the same output.
 
 The token at output position p of choice i is a hash of (prompt, i, p), drawn from the
-vocabulary minus its special tokens (so the text decodes to something visible). EOS comes
+model's whole-word tokens when it has them (" the", " cat", ...), else from the vocabulary
+minus its special tokens. Word tokens make the answer text encode back to the very tokens
+that were generated, as a real model's answers mostly do: a chat client that sends the
+answer back in its next turn then finds it in the prefix cache, where the engine put it
+while decoding (random ids would decode to text that encodes differently, so no turn would
+ever reuse an answer). EOS comes
 only where the simulated answer ends naturally: after a length drawn, again from the
 hash, between half and one and a half times `natural_output_len` (0 = never). The
 request's stop_token_ids are never drawn before min_tokens (vLLM masks them until then).
@@ -41,10 +46,15 @@ class Choice:
 
 
 class TokenSampler:
+    # Fewer word tokens than this: draw from all ordinary tokens (a toy vocabulary).
+    MIN_WORD_TOKENS = 256
+
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], special_token_ids: Sequence[int],
-                 natural_output_len: int):
+                 natural_output_len: int, word_token_ids: Sequence[int] = ()):
         excluded = set(special_token_ids) | set(eos_token_ids)
-        self._ordinary = [t for t in range(vocab_size) if t not in excluded]
+        words = [t for t in word_token_ids if t not in excluded and 0 <= t < vocab_size]
+        self._ordinary = (words if len(words) >= self.MIN_WORD_TOKENS
+                          else [t for t in range(vocab_size) if t not in excluded])
         if not self._ordinary:
             raise ValueError("the vocabulary has no ordinary (non-special) tokens")
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None

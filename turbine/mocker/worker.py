@@ -140,7 +140,8 @@ class Mocker:
         stop_on_signals(self.stopping)
         health = Health()
         info = cfg.model_info
-        sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len)
+        sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
+                               info.word_token_ids)
         plane = None
         if cfg.enable_prefix_caching:  # one event plane for all the workers here (nats: one connection)
             plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
