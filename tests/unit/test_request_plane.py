@@ -133,6 +133,21 @@ async def test_many_streams_multiplexed_on_one_connection(server, client, handle
     assert len(server._connections) == 1
 
 
+async def test_frames_sent_in_one_loop_turn_leave_in_one_write(server, client):
+    async def burst(r: GenerateRequest, ctx: StreamContext):
+        for i in range(50):
+            yield GenerateOutput(token_ids=[i])  # no await: all 50 chunks and the end in one turn
+
+    server.register("burst", GenerateRequest, burst)
+    await collect(client.stream(server.address, "generate", req("connect", n=1), GenerateOutput))
+    [conn] = server._connections
+    writes, write = [], conn._transport.write
+    conn._transport.write = lambda data: (writes.append(len(data)), write(data))[1]
+    items = await collect(client.stream(server.address, "burst", req("b"), GenerateOutput))
+    assert items == [GenerateOutput(token_ids=[i]) for i in range(50)]
+    assert len(writes) == 1  # one system call, not 51
+
+
 async def test_interleaved_generate_streams_keep_their_own_chunks(server, client):
     results = await asyncio.gather(
         *(collect(client.stream(server.address, "generate", req(str(i), n=50, first=i), GenerateOutput)) for i in range(20))

@@ -29,6 +29,10 @@ from turbine.runtime.errors import (
 
 logger = logging.getLogger("turbine.request_plane")
 
+# Frames waiting for the end of the loop turn are written at once past this size, so that a
+# handler that never awaits still meets the transport's backpressure.
+FLUSH_BYTES = 64 * 1024
+
 DEFAULT_MAX_FRAME_BYTES = 32 << 20
 _HEADER = struct.Struct(">I")
 _MAX_ERROR_CHARS = 16 << 10  # keep error frames small whatever the exception text
@@ -135,6 +139,11 @@ class _ServerConnection(asyncio.Protocol):
         self._streams: dict[int, tuple[asyncio.Task[None], StreamContext]] = {}
         # Not None while the transport's write buffer is over its high-water mark.
         self.blocked: asyncio.Future[None] | None = None
+        # Frames sent during this turn of the event loop, written together at its end: a worker
+        # streaming to one frontend sends a chunk per request per engine step, and one write
+        # (one system call) for all of a step's chunks costs far less than one each.
+        self._out: list[bytes] = []
+        self._out_bytes = 0
 
     # asyncio callbacks
 
@@ -184,13 +193,26 @@ class _ServerConnection(asyncio.Protocol):
     def send(self, frame: Frame) -> None:
         transport = self._transport
         if transport is not None and not transport.is_closing():
-            transport.write(encode_frame(frame, self._server.max_frame_bytes))
+            if not self._out:
+                asyncio.get_running_loop().call_soon(self._flush)
+            data = encode_frame(frame, self._server.max_frame_bytes)
+            self._out.append(data)
+            self._out_bytes += len(data)
+            if self._out_bytes >= FLUSH_BYTES:
+                self._flush()  # the transport sees the data now, so it can push back (pause_writing)
+
+    def _flush(self) -> None:
+        out, self._out, self._out_bytes = self._out, [], 0
+        transport = self._transport
+        if out and transport is not None and not transport.is_closing():
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
 
     def close(self) -> None:
         if self._transport is not None:
+            self._flush()
             self._transport.close()
 
     # internals
