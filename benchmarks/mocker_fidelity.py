@@ -102,7 +102,7 @@ def real_engine_config(st: Stack) -> dict:
 def calibrate(a, st: Stack) -> dict:
     argv = [str(Path(a.python).parent / "turbine"), "mocker", "calibrate", "--model", SERVED,
             "--discovery-backend", "file", "--discovery-dir", st.discovery_dir, "--output", str(a.profile),
-            *a.calibrate_args.split()]
+            *([] if a.calibrate_direct else ["--url", st.base_url]), *a.calibrate_args.split()]
     log(f"calibrating: {' '.join(argv)}")
     wait_quiet()
     t0 = time.monotonic()
@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-out", default=None,
                    help="where calibration writes the profile (default benchmarks/results/mocker_profile-<date>.json)")
     p.add_argument("--calibrate-args", default="", help="extra `turbine mocker calibrate` flags")
+    p.add_argument("--calibrate-direct", action="store_true",
+                   help="calibrate over the worker's request plane (before 2026-11-26 this was the only way); "
+                        "default: through the frontend with a streaming client (`--url`), as aiperf sees the engine")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kvcache-space", default="2")
     p.add_argument("--merge-with", default=None,

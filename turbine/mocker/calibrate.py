@@ -10,6 +10,11 @@ directly over the request plane, so the frontend's overhead is not counted as th
   the median gap between tokens is one step with B sequences and K = B x their context.
 A least-squares fit (on relative error) of TimingProfile's coefficients (kept >= 0) over all measurements is
 written as a profile JSON for `--profile`. Run it on an otherwise idle worker.
+
+With `--url`, the same requests go through a frontend's OpenAI API with a streaming client
+instead. Where the engine shares its cores with the serving path (a small CPU host), it runs
+slower under a frontend and an HTTP client than it does alone, and a mocker meant to stand in
+for it there should be calibrated that way: its own steps use no CPU to be slowed by them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 
 from turbine.config import add_discovery_args, discovery_config_from_args, make_registry
@@ -119,6 +125,9 @@ class Prober:
                 arrivals.append((time.monotonic(), len(chunk.token_ids)))
         return arrivals
 
+    async def close(self) -> None:
+        await self.client.close()
+
     async def prefill(self, prompt_len: int, cached_len: int = 0) -> Measurement:
         prefix = self._prompt(cached_len)
         if prefix:
@@ -139,6 +148,43 @@ class Prober:
                            decode_kv_tokens=round(batch * context))
 
 
+class HttpProber(Prober):
+    """Prober whose requests go through a frontend (`/v1/completions`, token-id prompts, streamed)."""
+
+    def __init__(self, url: str, model: str, record: InstanceRecord, vocab_size: int):
+        super().__init__(record, vocab_size)
+        self.url, self.model = url.rstrip("/"), model
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
+
+    async def _arrivals(self, req: GenerateRequest) -> list[tuple[float, int]]:
+        body = {"model": self.model, "prompt": req.token_ids, "max_tokens": req.stop.max_tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        arrivals, completion_tokens = [], None
+        async with self.http.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"the frontend refused a calibration request: HTTP {resp.status_code} "
+                                   f"{(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = msgspec.json.decode(line[6:])
+                if chunk.get("choices"):
+                    arrivals.append((time.monotonic(), 1))
+                if chunk.get("usage"):
+                    completion_tokens = chunk["usage"]["completion_tokens"]
+        if completion_tokens is None or not arrivals:
+            raise RuntimeError("the frontend's stream ended without tokens or usage")
+        if len(arrivals) != completion_tokens:
+            # Some chunks carried several tokens (the client fell behind): keep the stream's
+            # ends only, so the decode gap is the mean over the whole stream.
+            arrivals = [arrivals[0], (arrivals[-1][0], completion_tokens - 1)] if len(arrivals) > 1 else arrivals
+        return arrivals
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.client.close()
+
+
 async def find_instance(args) -> tuple[ModelCard, InstanceRecord]:
     registry = make_registry(args.discovery)
     await registry.backend.start()
@@ -157,7 +203,8 @@ async def find_instance(args) -> tuple[ModelCard, InstanceRecord]:
 
 async def calibrate(args) -> TimingProfile:
     card, record = await find_instance(args)
-    prober = Prober(record, read_model_info(card.tokenizer_path).vocab_size)
+    vocab = read_model_info(card.tokenizer_path).vocab_size
+    prober = HttpProber(args.url, card.name, record, vocab) if args.url else Prober(record, vocab)
     longest = min(card.max_num_batched_tokens, card.context_length - 2)  # one step, one prompt
     measurements: list[Measurement] = []
     for prompt_len in (p for p in args.prompt_lens if p <= longest):
@@ -178,8 +225,9 @@ async def calibrate(args) -> TimingProfile:
             m = await prober.decode(batch, prompt_len, args.decode_tokens)
             measurements.append(m)
             print(f"decode batch {batch:3d}, prompt {prompt_len:5d}: {m.ms:8.1f} ms/token", file=sys.stderr)
-    await prober.client.close()
-    source = (f"turbine mocker calibrate: model {card.name!r} ({card.engine}) instance {card.instance_id}, "
+    await prober.close()
+    via = f" through the frontend at {args.url}" if args.url else ""
+    source = (f"turbine mocker calibrate: model {card.name!r} ({card.engine}) instance {card.instance_id}{via}, "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
     return TimingProfile(**fit(measurements), source=source)
 
@@ -200,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="served model name of the worker to measure")
     p.add_argument("--namespace", default=None, help="only instances of this namespace")
     p.add_argument("--output", required=True, help="where to write the profile JSON")
+    p.add_argument("--url", default=None,
+                   help="measure through this frontend (base URL, e.g. http://127.0.0.1:8000) with a streaming "
+                        "HTTP client, as a benchmark's client sees the engine; default: the worker's request "
+                        "plane directly")
     p.add_argument("--prompt-lens", type=_int_list, default=[32, 128, 512, 1024, 2048],
                    help="prefill sweep: prompt lengths (longer than one step's budget are skipped)")
     p.add_argument("--repeats", type=int, default=3, help="prefill runs per length; the fastest counts")
@@ -222,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1")
     if args.decode_tokens < 8:
         parser.error("--decode-tokens must be >= 8 (the middle half of each stream is measured)")
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url {args.url!r}: expected an http:// or https:// base URL")
     args.discovery = discovery_config_from_args(args, parser)
     try:
         profile = asyncio.run(calibrate(args))
