@@ -413,14 +413,27 @@ def mode_flags(mode: str) -> list[str]:
     return ["--router-mode", mode]
 
 
+def vllm_argv(a, port: int) -> list[str]:
+    return ["-m", "turbine.vllm", "--model", a.model, "--served-model-name", SERVED, "--enforce-eager",
+            "--max-model-len", str(a.max_model_len), "--system-port", str(port), *a.vllm_args.split()]
+
+
 def start_stack(a, mode: str, workload: str, run_dir: Path, tag: str) -> Stack:
     st = Stack(mode, run_dir, tag)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
-    st.mocker_port = free_port()
-    st.argv_mocker = mocker_argv(a, workload, st.mocker_port)
     st.argv_frontend = ["-m", "turbine.frontend", "--http-port", str(st.port), *mode_flags(mode),
                         *a.frontend_args.split()]
-    st.spawn("mocker", [a.python, *st.argv_mocker], turbine_env(disc))
+    if a.engine == "mocker":
+        st.metrics_ports = [free_port()]
+        st.argv_mocker = mocker_argv(a, workload, st.metrics_ports[0])
+        st.spawn("mocker", [a.python, *st.argv_mocker], turbine_env(disc))
+    else:  # real vLLM CPU workers, each computing on its own core
+        st.metrics_ports = [free_port() for _ in range(a.num_workers)]
+        st.argv_mocker = vllm_argv(a, 0)
+        for i, port in enumerate(st.metrics_ports):
+            st.spawn(f"worker{i}", [a.python, *vllm_argv(a, port)],
+                     turbine_env(disc, VLLM_CPU_KVCACHE_SPACE="2",
+                                 VLLM_CPU_OMP_THREADS_BIND=str(i % (os.cpu_count() or 1))))
     st.spawn("frontend", [a.python, *st.argv_frontend], turbine_env(disc))
 
     def ready():
@@ -459,7 +472,7 @@ def run_one(a, mode: str, workload, rep: int, run_dir: Path) -> dict:
         w1 = time.monotonic()
         cpu1 = {k: proc_cpu_s(pid) for k, pid in procs.items()}
         cpu_self = time.process_time() - self0
-        mocker_metrics = scrape(f"http://127.0.0.1:{st.mocker_port}/metrics")
+        mocker_metrics = [m for port in st.metrics_ports for m in scrape(f"http://127.0.0.1:{port}/metrics")]
         frontend_metrics = scrape(f"{st.base_url}/metrics")
         died = [p.name for p in st.procs if not p.alive()]
     finally:
@@ -571,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=11)
     g = p.add_argument_group("fleet")
+    g.add_argument("--engine", choices=("mocker", "vllm"), default="mocker",
+                   help="vllm: --num-workers real vLLM CPU workers (turbine.vllm, --enforce-eager, one core "
+                        "each) instead of one mocker process; for the chat workload at a small size")
+    g.add_argument("--vllm-args", default="", help="extra turbine.vllm flags (--engine vllm)")
     g.add_argument("--num-workers", type=int, default=16)
     g.add_argument("--speedup", type=float, default=1.0, help="mocker --speedup-ratio")
     g.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker_profile-2026-11-25.json"))
