@@ -3,6 +3,8 @@ live cache, and the kv_events_replay endpoint that serves them (bad requests get
 
 from __future__ import annotations
 
+import gc
+
 import msgspec
 import pytest
 
@@ -49,6 +51,19 @@ def test_the_buffer_is_bounded_in_bytes_too(monkeypatch):
         pub.publish([stored(100 * i, 20)])  # a few hundred bytes each
     assert 0 < len(pub._recent) < 20 and pub._recent_bytes <= 2000
     assert pub.replay(0)[0].snapshot
+    pub.close()
+
+
+def test_the_state_kept_per_block_and_per_batch_is_not_for_the_garbage_collector_to_scan():
+    # A worker keeps one entry per cached block (100+ workers x 16384 blocks in a mocker
+    # process) and thousands of recent batches: if the collector tracked them, each of its
+    # passes would scan them all while every simulated engine waits.
+    pub = KvEventPublisher("w")
+    for i in range(10):
+        pub.publish([stored(10 * i, 4, parent=None)])
+    blocks = list(pub.state._blocks.values())
+    assert len(blocks) == 40 and not any(gc.is_tracked(b) for b in blocks)
+    assert len(pub._recent) == 10 and not any(gc.is_tracked(x) for x in pub._recent)
     pub.close()
 
 

@@ -32,7 +32,10 @@ class KvEventPublisher:
         self.next_event_id = 0
         self.state = KvCacheState()
         self.buffer_size = buffer_size
-        self._recent: deque[tuple[int, bytes]] = deque()  # (event id, encoded batch), consecutive ids
+        # The latest encoded batches, of consecutive ids from _first_recent_id (bytes only: no
+        # per-batch tuple for the garbage collector to scan).
+        self._recent: deque[bytes] = deque()
+        self._first_recent_id = 0
         self._recent_bytes = 0
 
     def publish(self, events: list[KvEvent], lora_name: str | None = None) -> KvEventBatch:
@@ -48,10 +51,13 @@ class KvEventPublisher:
 
     def _remember(self, event_id: int, data: bytes) -> None:
         recent = self._recent
-        recent.append((event_id, data))
+        if not recent:
+            self._first_recent_id = event_id
+        recent.append(data)
         self._recent_bytes += len(data)
         while recent and (len(recent) > self.buffer_size or self._recent_bytes > REPLAY_BUFFER_MAX_BYTES):
-            self._recent_bytes -= len(recent.popleft()[1])
+            self._recent_bytes -= len(recent.popleft())
+            self._first_recent_id += 1
 
     def replay(self, after_event_id: int) -> list[KvReplayChunk]:
         """What a router that applied everything up to `after_event_id` lacks: the batches after
@@ -60,9 +66,9 @@ class KvEventPublisher:
         last = self.next_event_id - 1
         first_missed = max(after_event_id, -1) + 1
         recent = self._recent
-        if after_event_id <= last and (first_missed > last or (recent and recent[0][0] <= first_missed)):
-            skip = first_missed - recent[0][0] if recent else 0
-            missed = [msgspec.Raw(data) for _, data in itertools.islice(recent, skip, None)]
+        if after_event_id <= last and (first_missed > last or (recent and self._first_recent_id <= first_missed)):
+            skip = first_missed - self._first_recent_id if recent else 0
+            missed = [msgspec.Raw(data) for data in itertools.islice(recent, skip, None)]
             return _chunks(missed, snapshot=False, event_id=last)
         batches = self.state.snapshot(self.instance_id, self.dp_rank, last)
         return _chunks([msgspec.Raw(encode(b)) for b in batches], snapshot=True, event_id=last)
