@@ -12,6 +12,7 @@ def test_defaults_come_from_the_embedded_model(model_dir):
     assert cfg.max_model_len == 8192  # the model's max_position_embeddings
     assert (cfg.model_info.vocab_size, cfg.model_info.eos_token_ids) == (49152, (2,))
     assert (cfg.num_workers, cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching) == (1, 16384, 64, True)
+    assert cfg.gc_interval == 60.0
     card = cfg.model_card("abc", engine="mocker", tokenizer_path=cfg.tokenizer_path, context_length=8192,
                           kv_block_size=64, total_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192)
     assert (card.engine, card.endpoint, card.endpoint_types) == ("mocker", "generate", ["chat", "completions"])
@@ -27,6 +28,7 @@ def test_defaults_come_from_the_embedded_model(model_dir):
     (["--num-workers", "2", "--port", "9000"], "--port"),
     (["--model", "/no/such/model/folder"], "--model"),
     (["--endpoint", "a.b"], "--endpoint"),
+    (["--gc-interval", "-1"], "--gc-interval"),
 ])
 def test_bad_mocker_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as info:

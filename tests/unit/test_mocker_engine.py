@@ -10,10 +10,10 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from turbine.mocker.engine import MockEngine
+from turbine.mocker.engine import MockEngine, Outputs
 from turbine.mocker.handlers import Handlers
 from turbine.mocker.kv_cache import BlockPool
-from turbine.mocker.scheduler import Scheduler
+from turbine.mocker.scheduler import Scheduler, SeqOutput
 from turbine.mocker.timing import TimingProfile, load_profile
 from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import (
@@ -30,7 +30,8 @@ PROMPT = list(range(100, 140))
 
 
 @contextlib.asynccontextmanager
-async def worker(*, speedup: float = 0.0, natural_output_len: int = 0, timing: TimingProfile | None = None):
+async def worker(*, speedup: float = 0.0, natural_output_len: int = 0, timing: TimingProfile | None = None,
+                 on_success=None):
     sampler = TokenSampler(1000, eos_token_ids=[EOS], special_token_ids=[0, 1, 2],
                            natural_output_len=natural_output_len)
     scheduler = Scheduler(BlockPool(256, 16), sampler, max_num_seqs=16, max_num_batched_tokens=256,
@@ -39,7 +40,7 @@ async def worker(*, speedup: float = 0.0, natural_output_len: int = 0, timing: T
     metrics = WorkerMetrics({"namespace": "t", "component": "c", "model": "m", "worker_id": str(id(engine))})
     task = asyncio.create_task(engine.run())
     try:
-        yield Handlers(engine, metrics, vocab_size=1000)
+        yield Handlers(engine, metrics, vocab_size=1000, on_success=on_success)
     finally:
         task.cancel()
 
@@ -131,6 +132,31 @@ async def test_cancelling_a_stream_frees_its_blocks_at_once():
         assert not h.engine.scheduler.has_work()
         labels = {"namespace": "t", "component": "c", "model": "m", "worker_id": str(id(h.engine))}
         assert REGISTRY.get_sample_value("turbine_worker_cancellations_total", labels) == 1
+
+
+async def test_completed_requests_and_only_those_are_reported_as_successes():
+    done = []
+    async with worker(on_success=lambda: done.append(1)) as h:
+        await collect(h, request(max_tokens=3, ignore_eos=True))
+        assert len(done) == 1  # the health checks skip the canary after this
+        await collect(h, request(prompt=[]))  # invalid: not a success
+        stream = h.generate(request(max_tokens=50, ignore_eos=True), None)
+        await anext(stream)
+        await stream.aclose()  # cancelled: not a success
+        assert len(done) == 1
+
+
+async def test_outputs_that_pile_up_are_taken_together_in_order():
+    outputs = Outputs()
+    outs = [SeqOutput(seq=None, token=t) for t in range(3)]
+    outputs.put(outs[0])
+    outputs.put(outs[1])
+    assert await outputs.take() == outs[:2]
+    reader = asyncio.create_task(outputs.take())
+    await asyncio.sleep(0)
+    assert not reader.done()  # nothing left: it waits
+    outputs.put(outs[2])
+    assert await reader == outs[2:]
 
 
 async def test_invalid_requests_get_an_error_chunk():

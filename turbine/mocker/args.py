@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import TimingProfile, load_profile
+from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
 from turbine.worker_config import ServingConfig, add_serving_args, serving_config_from_args
 
 
@@ -27,6 +28,7 @@ class MockerConfig(ServingConfig):
     speedup_ratio: float
     timing: TimingProfile
     kv_transfer: KvTransferModel  # decode workers: how long pulling a prompt's KV takes
+    gc_interval: float  # seconds between paced garbage-collector passes; 0: Python's automatic collection
     kv_events_drop_after: int | None = None  # test hook: see --kv-events-drop-after
 
 
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="simulated time runs this many times faster than real time; 0 = steps take no time")
     sim.add_argument("--profile", default=None,
                      help="JSON file of step-time coefficients (see docs/mocker.md); default: built-in")
+    sim.add_argument("--gc-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                     help="after start-up, Python's automatic garbage collection is off and a full pass runs "
+                          f"every this many seconds (default {DEFAULT_INTERVAL_S:g}): the automatic passes "
+                          "stall every simulated worker several times a second; 0 = leave it automatic")
     disagg = p.add_argument_group("simulated KV transfer (with --disaggregation-mode decode)")
     disagg.add_argument("--kv-bytes-per-token", type=int, default=None,
                         help="KV cache bytes per token pulled from a prefill worker (default: from the model's "
@@ -86,6 +92,8 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         parser.error("--speedup-ratio must be >= 0")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
         parser.error("--kv-bytes-per-token must be >= 1")
+    if args.gc_interval < 0:
+        parser.error("--gc-interval must be >= 0 (seconds; 0 = automatic collection)")
     if not args.kv_transfer_bandwidth > 0:
         parser.error("--kv-transfer-bandwidth must be > 0 (GB/s)")
     if args.kv_events_drop_after is not None and args.kv_events_drop_after < 0:
@@ -122,5 +130,5 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         natural_output_len=args.natural_output_len, speedup_ratio=args.speedup_ratio, timing=timing,
-        kv_transfer=kv_transfer, kv_events_drop_after=args.kv_events_drop_after,
+        kv_transfer=kv_transfer, gc_interval=args.gc_interval, kv_events_drop_after=args.kv_events_drop_after,
     )

@@ -25,6 +25,32 @@ from turbine.mocker.timing import TimingProfile
 MAX_CATCH_UP_S = 1.0
 
 
+class Outputs:
+    """One request's step outputs on their way from the engine to its handler: a list the
+    engine appends to and at most one waiting reader. (asyncio.Queue does the same with more
+    bookkeeping, and this runs for every token of every request.)"""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list[SeqOutput] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, out: SeqOutput) -> None:
+        self._items.append(out)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[SeqOutput]:
+        """Every output not taken yet, oldest first; waits for one when there is none."""
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+
 class MockEngine:
     def __init__(self, scheduler: Scheduler, timing: TimingProfile, speedup_ratio: float,
                  on_step: Callable[[Scheduler], None] | None = None,
@@ -35,18 +61,18 @@ class MockEngine:
         self.kv_transfer = kv_transfer  # None: pulls take no time
         # Called after each step and each abort, like vLLM's stat loggers (load metrics).
         self.on_step = on_step
-        self._outputs: dict[Sequence, asyncio.Queue[SeqOutput]] = {}
+        self._outputs: dict[Sequence, Outputs] = {}
         self._wake = asyncio.Event()
         self._pulls: dict[Sequence, float] = {}  # pulling sequence -> when its KV lands (loop time)
 
-    def submit(self, seqs: list[Sequence]) -> asyncio.Queue[SeqOutput]:
-        """Queue the sequences of one request; their outputs arrive on the returned queue."""
-        queue: asyncio.Queue[SeqOutput] = asyncio.Queue()
+    def submit(self, seqs: list[Sequence]) -> Outputs:
+        """Queue the sequences of one request; their outputs arrive on the returned Outputs."""
+        outputs = Outputs()
         for seq in seqs:
-            self._outputs[seq] = queue
+            self._outputs[seq] = outputs
             self.scheduler.add(seq)
         self._wake.set()
-        return queue
+        return outputs
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Cancel sequences now: their blocks are freed before this returns."""
@@ -86,10 +112,10 @@ class MockEngine:
             else:
                 await asyncio.sleep(0)
             for out in scheduler.complete(step):
-                queue = outputs[out.seq]
-                if out.finish_reason is not None:
-                    del outputs[out.seq]
-                queue.put_nowait(out)
+                if out.finish_reason is None:
+                    outputs[out.seq].put(out)
+                else:
+                    outputs.pop(out.seq).put(out)
             if self.on_step is not None:
                 self.on_step(scheduler)
 

@@ -8,7 +8,7 @@ instead of computing the prompt (kv_transfer.py)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from turbine.mocker.engine import MockEngine
 from turbine.mocker.kv_transfer import prefill_params, wants_remote_prefill
@@ -34,9 +34,11 @@ class InvalidRequest(ValueError):
 
 class Handlers:
     def __init__(self, engine: MockEngine, metrics: WorkerMetrics, vocab_size: int, *,
-                 disaggregation_mode: str = "agg", instance_id: str = ""):
+                 disaggregation_mode: str = "agg", instance_id: str = "",
+                 on_success: Callable[[], None] | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.on_success = on_success  # told of each completed request (the health checks)
         self.vocab_size = vocab_size
         self.is_prefill = disaggregation_mode == "prefill"
         self.is_decode = disaggregation_mode == "decode"
@@ -88,20 +90,19 @@ class Handlers:
             self.metrics.error("invalid_request")
             yield GenerateOutput(token_ids=[], finish_reason=f"error: invalid request: {exc}")
             return
-        queue = self.engine.submit(seqs)
+        outputs = self.engine.submit(seqs)
         unfinished = len(seqs)
         self.metrics.inflight.inc()
         try:
             while unfinished:
                 # Outputs that piled up while we waited leave as one chunk per choice, like
                 # vLLM's output collector merging deltas for a slow consumer.
-                outs = [await queue.get()]
-                while not queue.empty():
-                    outs.append(queue.get_nowait())
-                for chunk in self._chunks(outs, req):
+                for chunk in self._chunks(await outputs.take(), req):
                     unfinished -= chunk.finish_reason is not None
                     yield chunk
             self.metrics.request_done("success")
+            if self.on_success is not None:
+                self.on_success()
         finally:
             self.metrics.inflight.dec()
             if unfinished:

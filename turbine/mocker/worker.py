@@ -10,7 +10,6 @@ engine that crashes (a bug) takes the process down the same way, exiting non-zer
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import uuid
 
@@ -23,6 +22,7 @@ from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
 from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
+from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
 from turbine.runtime.kv_publisher import KvEventPublisher
 from turbine.runtime.kv_replay import serve_kv_replay
 from turbine.runtime.load_publisher import LoadMetricsPublisher
@@ -68,9 +68,10 @@ class SimulatedWorker:
         self.metrics.total_kv_blocks.set(cfg.num_gpu_blocks)
         self.gauges = EngineGauges(labels, scheduler)
         self.handlers = Handlers(self.engine, self.metrics, cfg.model_info.vocab_size,
-                                 disaggregation_mode=cfg.disaggregation_mode, instance_id=self.instance_id)
+                                 disaggregation_mode=cfg.disaggregation_mode, instance_id=self.instance_id,
+                                 on_success=health.succeeded)
         self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
-        self.server.register(cfg.endpoint, GenerateRequest, health.tracked(self.handlers.generate))
+        self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
         if self.kv_events is not None:
             serve_kv_replay(self.server, [self.kv_events])  # routers that missed events recover here
@@ -113,10 +114,10 @@ class SimulatedWorker:
         req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
                               stop=StopConditions(max_tokens=1))
         seqs = self.handlers.sequences(req)
-        queue = self.engine.submit(seqs)
+        outputs = self.engine.submit(seqs)
         try:
             async with asyncio.timeout(CANARY_TIMEOUT_S):
-                while (await queue.get()).finish_reason is None:
+                while all(out.finish_reason is None for out in await outputs.take()):
                     pass
         except TimeoutError:
             self.engine.abort(seqs)
@@ -164,23 +165,27 @@ class Mocker:
 
         registry = make_registry(cfg.discovery)
         await registry.backend.start()
+        gc_pacing = None
         try:
             records = []
             for w in workers:
                 records += await register(registry, w.card, advertised_address(w.server.address))
             health.set_ready(lambda: _first_failure([w.canary() for w in workers]))
             log.info("%d simulated worker(s) serving %r", len(workers), cfg.served_model_name)
-            # What start-up built (the workers, their block pools and metrics, the tokenizer's
-            # vocabulary) lives as long as the process: keep it out of the collector's full
-            # passes, which otherwise stall every simulated worker's step at once.
-            gc.collect()
-            gc.freeze()
+            # The collector's automatic passes would stall every simulated worker's step at
+            # once, several times a second, and find nothing (gc_pacing.py).
+            if cfg.gc_interval > 0:
+                gc_pacing = pace_garbage_collection(cfg.gc_interval)
+            else:
+                freeze_start_up_heap()
             await self.stopping.wait()
             health.set_not_ready()
             # Unregister first so no new traffic arrives, then let in-flight requests finish.
             await unregister(registry, records)
             await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0)
         finally:
+            if gc_pacing is not None:
+                gc_pacing.cancel()
             for task in engines:
                 task.remove_done_callback(self._engine_stopped)
                 task.cancel()

@@ -105,9 +105,11 @@ def _int_or_ints(value) -> bool:
 
 class Handlers:
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
-                 *, role: str = "agg", kv_transfer_timeout: float = 30.0):
+                 *, role: str = "agg", kv_transfer_timeout: float = 30.0,
+                 on_success: Callable[[], None] | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.on_success = on_success  # told of each completed request (the health checks)
         self.role = role
         self.kv_transfer_timeout = kv_transfer_timeout
         # vLLM flushes its own AllBlocksCleared event only at its next step; an idle worker
@@ -154,6 +156,8 @@ class Handlers:
                     yield chunk
                 finished = out.finished
             self.metrics.request_done("success")
+            if self.on_success is not None:
+                self.on_success()
         except ValueError as exc:  # vLLM's input validation
             self.metrics.error("invalid_request")
             yield GenerateOutput(token_ids=[], finish_reason=f"error: invalid request: {exc}")

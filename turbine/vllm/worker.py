@@ -102,10 +102,11 @@ class Worker:
         vcfg = engine.vllm_config
         metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
         handlers = Handlers(engine, metrics, on_cleared=relay.cleared if relay else None,
-                            role=cfg.disaggregation_mode, kv_transfer_timeout=cfg.kv_transfer_timeout)
+                            role=cfg.disaggregation_mode, kv_transfer_timeout=cfg.kv_transfer_timeout,
+                            on_success=health.succeeded)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
-        server.register(cfg.endpoint, GenerateRequest, health.tracked(handlers.generate))
+        server.register(cfg.endpoint, GenerateRequest, handlers.generate)
         server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, handlers.clear_kv_blocks)
         if relay is not None:
             serve_kv_replay(server, relay.publishers)  # routers that missed events recover here
