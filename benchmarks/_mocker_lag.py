@@ -7,13 +7,16 @@ seen from the engine module, and records per step: the wall time it woke, how la
 (`lag_ms` = wake time - deadline; a step planned after its deadline already passed counts the
 full overdue time), and the simulated step duration from the timing profile.  Lag that stays
 small means the process keeps up with real time; lag that grows means it falls behind.
-At exit (SIGTERM) the records go to $MOCKER_LAG_FILE as JSON columns.
+It also records each garbage-collector pass (wall time, milliseconds, generation), since a
+pass stalls every simulated worker at once. At exit (SIGTERM) the records go to
+$MOCKER_LAG_FILE as JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import json
 import os
 import sys
@@ -55,15 +58,27 @@ class _AsyncioSeenByEngine:
         return result
 
 
+_gc: list[tuple[float, float, int]] = []  # (wall time it began, ms, generation)
+_gc_began = [0.0]
+
+
+def _gc_pass(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_began[0] = time.perf_counter()
+    else:
+        _gc.append((time.time(), (time.perf_counter() - _gc_began[0]) * 1000.0, info["generation"]))
+
+
 def _dump() -> None:
     path = os.environ.get("MOCKER_LAG_FILE")
     if path:
         with open(path, "w") as f:
-            json.dump({"wake": _wake, "lag_ms": _lag_ms, "step_ms": _step_ms}, f)
+            json.dump({"wake": _wake, "lag_ms": _lag_ms, "step_ms": _step_ms, "gc": _gc}, f)
 
 
 TimingProfile.step_ms = _step_ms_recorded
 _engine.asyncio = _AsyncioSeenByEngine()
+gc.callbacks.append(_gc_pass)
 atexit.register(_dump)
 
 if __name__ == "__main__":

@@ -16,9 +16,15 @@ for --osl tokens with ignore_eos.
 - client side: ITL p50 observed by the load generator / median simulated step time (1.0 =
   tokens arrive exactly at the profile's pace), and completed / offered requests.
 A point passes when the step-lag criterion holds and >= 99 % of the requests sent during the
-window finish with no error.
+window finish with no error.  The mocker's garbage-collector passes in the window are counted
+too: each one stalls every worker of the process.  The mocker runs a full pass every
+--gc-interval (60) seconds after start-up, so a --duration of 75 s puts one in every window.
 
-  .venv/bin/python benchmarks/mocker_scale.py --workers 64,128,256 --rate 200 --duration 30
+--variants runs each point with several mocker flag sets in turn (the same load, one process
+at a time), e.g. the paced collector against Python's automatic one:
+
+  .venv/bin/python benchmarks/mocker_scale.py --workers 128,256 --rate 200 --duration 75 --repeats 2 \
+      --variants 'paced=;automatic=--gc-interval 0'
 """
 
 from __future__ import annotations
@@ -107,14 +113,15 @@ async def drive(records, rate: float, duration: float, isl: int, osl: int, vocab
             "loadgen_sends_late": len(send_lag)}
 
 
-def run_point(a, n_workers: int, rate: float, run_dir: Path) -> dict:
-    tag = f"w{n_workers}_r{int(rate)}"
+def run_point(a, n_workers: int, rate: float, run_dir: Path, variant: str = "", variant_args: str = "",
+              repeat: int = 1) -> dict:
+    tag = f"w{n_workers}_r{int(rate)}" + (f"_{variant}" if variant else "") + f"_{repeat}"
     st = Stack("mocker", run_dir, tag)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
     lag_file = run_dir / f"{tag}_lag.json"
     argv = [a.python, str(Path(__file__).resolve().parent / "_mocker_lag.py"), "--served-model-name", SERVED,
             "--num-workers", str(n_workers), "--speedup-ratio", "1", "--system-port", str(free_port()),
-            *(["--profile", a.profile] if a.profile else []), *a.mocker_args.split()]
+            *(["--profile", a.profile] if a.profile else []), *a.mocker_args.split(), *variant_args.split()]
     proc = st.spawn("mocker", argv, turbine_env(disc, MOCKER_LAG_FILE=str(lag_file)))
 
     def ready():
@@ -139,6 +146,7 @@ def run_point(a, n_workers: int, rate: float, run_dir: Path) -> dict:
     lo, hi = load["wall_start"] + a.settle, load["wall_send_end"]
     idx = [i for i, w in enumerate(lag["wake"]) if lo <= w <= hi]
     lags = [lag["lag_ms"][i] for i in idx]
+    gc_ms = [ms for at, ms, _gen in lag.get("gc", []) if lo <= at <= hi]
     steps = [lag["step_ms"][i] for i in idx if lag["step_ms"][i] > 0]
     res = load["results"]
     ok = [r for r in res if r["error"] is None and r["tokens"] == a.osl]
@@ -150,13 +158,14 @@ def run_point(a, n_workers: int, rate: float, run_dir: Path) -> dict:
     step_p50 = statistics.median(steps) if steps else None
     lag_p99 = pct(lags, 99)
     out = {
-        "workers": n_workers, "rate": rate, "duration_s": a.duration, "isl": a.isl, "osl": a.osl,
+        "variant": variant, "repeat": repeat, "workers": n_workers, "rate": rate, "duration_s": a.duration, "isl": a.isl, "osl": a.osl,
         "sent": load["sent"], "completed_ok": len(ok), "errors": sum(1 for r in res if r["error"]),
         "unfinished": load["sent"] - len(res), "send_window_s": load["send_window_s"],
         "achieved_rate": len(ok) / load["send_window_s"] if load["send_window_s"] else None,
         "loadgen_sends_late": load["loadgen_sends_late"], "loadgen_send_late_ms_p99": load["loadgen_send_late_ms_p99"],
         "steps_in_window": len(lags), "step_ms_p50": step_p50,
         "lag_ms_p50": pct(lags, 50), "lag_ms_p90": pct(lags, 90), "lag_ms_p99": lag_p99, "lag_ms_max": max(lags, default=None),
+        "gc_passes": len(gc_ms), "gc_ms_total": sum(gc_ms), "gc_ms_max": max(gc_ms, default=None),
         "ttft_ms_p50": pct(ttfts, 50), "itl_ms_p50": pct(itls, 50), "itl_ms_p99": pct(itls, 99),
         "itl_over_step": (pct(itls, 50) / step_p50) if itls and step_p50 else None,
         "mocker_cpu_util": ((cpu1 - cpu0) / (w1 - w0)) if cpu0 is not None and cpu1 is not None else None,
@@ -166,8 +175,8 @@ def run_point(a, n_workers: int, rate: float, run_dir: Path) -> dict:
     lag_ok = (lag_p99 is not None and step_p50 is not None and lag_p99 <= a.max_lag_frac * step_p50
               and (out["lag_ms_max"] or 0) < 1000)
     out["keeps_up"] = bool(lag_ok and load["sent"] and len(ok) >= 0.99 * load["sent"])
-    log(f"{tag}: keeps_up={out['keeps_up']} lag p50/p99/max {fmt(out['lag_ms_p50'], 2)}/{fmt(lag_p99, 2)}/"
-        f"{fmt(out['lag_ms_max'], 1)} ms, step p50 {fmt(step_p50, 1)} ms, ITL p50 {fmt(out['itl_ms_p50'], 1)} ms, "
+    log(f"{tag}: {variant_args or ''} keeps_up={out['keeps_up']} lag p50/p99/max {fmt(out['lag_ms_p50'], 2)}/{fmt(lag_p99, 2)}/"
+        f"{fmt(out['lag_ms_max'], 1)} ms, gc passes {len(gc_ms)} (max {fmt(out['gc_ms_max'], 1)} ms), step p50 {fmt(step_p50, 1)} ms, ITL p50 {fmt(out['itl_ms_p50'], 1)} ms, "
         f"ok {len(ok)}/{load['sent']}, mocker cpu {fmt(out['mocker_cpu_util'], 2)}, loadgen cpu {fmt(out['loadgen_cpu_util'], 2)}")
     try:
         lag_file.unlink()  # large; the summary keeps what matters
@@ -179,13 +188,14 @@ def run_point(a, n_workers: int, rate: float, run_dir: Path) -> dict:
 def markdown(points: list[dict], a) -> str:
     lines = [f"Load: Poisson arrivals, {a.isl} prompt tokens (random, unique) / {a.osl} output tokens (ignore_eos), "
              f"{a.duration:.0f} s per point, round-robin over the workers, request plane (no frontend).", "",
-             "| workers | offered req/s | ok / sent | step p50 (ms) | step lag p50 / p99 / max (ms) | p99 lag / step | "
-             "ITL p50 (ms) | ITL p50 / step | TTFT p50 (ms) | mocker CPU | load-gen CPU | keeps up |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| variant | run | workers | offered req/s | ok / sent | step p50 (ms) | step lag p50 / p99 / max (ms) | p99 lag / step | "
+             "GC passes (max ms) | ITL p50 (ms) | ITL p50 / step | TTFT p50 (ms) | mocker CPU | load-gen CPU | keeps up |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in points:
         frac = p["lag_ms_p99"] / p["step_ms_p50"] if p.get("lag_ms_p99") is not None and p.get("step_ms_p50") else None
-        lines.append(f"| {p['workers']} | {p['rate']:.0f} | {p['completed_ok']} / {p['sent']} | {fmt(p['step_ms_p50'], 1)} "
+        lines.append(f"| {p.get('variant') or '-'} | {p.get('repeat', 1)} | {p['workers']} | {p['rate']:.0f} | {p['completed_ok']} / {p['sent']} | {fmt(p['step_ms_p50'], 1)} "
                      f"| {fmt(p['lag_ms_p50'], 2)} / {fmt(p['lag_ms_p99'], 2)} / {fmt(p['lag_ms_max'], 1)} | {fmt(frac, 3)} "
+                     f"| {p.get('gc_passes', '-')} ({fmt(p.get('gc_ms_max'), 1)}) "
                      f"| {fmt(p['itl_ms_p50'], 1)} | {fmt(p['itl_over_step'], 2)} | {fmt(p['ttft_ms_p50'], 1)} "
                      f"| {fmt(p['mocker_cpu_util'], 2)} | {fmt(p['loadgen_cpu_util'], 2)} | {'yes' if p['keeps_up'] else '**no**'} |")
     return "\n".join(lines)
@@ -205,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--profile", default=None, help="mocker timing profile (default: built-in)")
     p.add_argument("--mocker-args", default="", help="extra turbine mocker flags")
+    p.add_argument("--variants", default="",
+                   help="mocker versions to compare in this run, NAME=FLAGS;NAME=FLAGS, each point runs each in "
+                        "turn, e.g. 'paced=;automatic=--gc-interval 0'")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every point (and variant), interleaved")
     p.add_argument("--max-lag-frac", type=float, default=0.10)
     p.add_argument("--startup-timeout", type=float, default=180)
     p.add_argument("--work-dir", default=None)
@@ -215,14 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     points, failures = [], 0
     started = time.time()
+    variants = [tuple(v.split("=", 1)) if "=" in v else (v, "") for v in a.variants.split(";") if v] or [("", "")]
     for n in a.workers:
         for rate in a.rate:
-            wait_quiet()
-            try:
-                points.append(run_point(a, n, rate, run_dir))
-            except (RuntimeError, OSError) as e:
-                failures += 1
-                log(f"w{n} r{rate}: {e}")
+            for repeat in range(1, a.repeats + 1):
+                for name, flags in variants:
+                    wait_quiet()
+                    try:
+                        points.append(run_point(a, n, rate, run_dir, name, flags, repeat))
+                    except (RuntimeError, OSError) as e:
+                        failures += 1
+                        log(f"w{n} r{rate} {name} {repeat}: {e}")
     table = markdown(points, a)
     print(table)
     out = Path(a.out)
