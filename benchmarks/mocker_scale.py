@@ -123,6 +123,9 @@ def run_point(a, n_workers: int, rate: float, run_dir: Path, variant: str = "", 
             "--num-workers", str(n_workers), "--speedup-ratio", "1", "--system-port", str(free_port()),
             *(["--profile", a.profile] if a.profile else []), *a.mocker_args.split(), *variant_args.split()]
     proc = st.spawn("mocker", argv, turbine_env(disc, MOCKER_LAG_FILE=str(lag_file)))
+    if a.pin:  # before the mocker starts its threads, which inherit the main thread's CPU set
+        os.sched_setaffinity(proc.popen.pid, {0})
+        os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)))
 
     def ready():
         cards, recs = read_cards(disc)
@@ -201,6 +204,14 @@ def markdown(points: list[dict], a) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,11 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="mocker versions to compare in this run, NAME=FLAGS;NAME=FLAGS, each point runs each in "
                         "turn, e.g. 'paced=;automatic=--gc-interval 0'")
     p.add_argument("--repeats", type=int, default=1, help="runs of every point (and variant), interleaved")
+    p.add_argument("--pin", action="store_true",
+                   help="run the mocker on CPU 0 and this load generator on the other CPUs, so that on a "
+                        "small machine they do not preempt each other")
     p.add_argument("--max-lag-frac", type=float, default=0.10)
     p.add_argument("--startup-timeout", type=float, default=180)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"mocker_scale-{today}.json"))
     a = p.parse_args(argv)
+    if a.pin and (os.cpu_count() or 1) < 2:
+        p.error("--pin needs at least 2 CPUs")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(a.work_dir or f"/tmp/turbine-mocker-scale-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "turbine_mocker_scale", "date": _dt.datetime.now().isoformat(timespec="seconds"),
                                "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
-                               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                               "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu_model": _cpu_model()},
                                "config": vars(a), "work_dir": str(run_dir), "points": points, "markdown": table},
                               indent=2, default=str) + "\n")
     log(f"wrote {out}")

@@ -182,7 +182,7 @@ class HttpProber(Prober):
 
     async def close(self) -> None:
         await self.http.aclose()
-        await self.client.close()
+        await super().close()
 
 
 async def find_instance(args) -> tuple[ModelCard, InstanceRecord]:
