@@ -12,7 +12,9 @@ import pytest
 from turbine.protocol.discovery import InstanceRecord
 from turbine.protocol.frames import CHUNK, END, REQUEST, Frame
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
-from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
+from turbine.protocol import errors as codes
+from turbine.protocol.errors import WorkerError
+from turbine.runtime.errors import ConnectFailed, InvalidRequest, PeerDisconnected, RemoteError, RequestFailed
 from turbine.runtime.request_plane import (
     RequestPlaneClient,
     RequestPlaneServer,
@@ -75,6 +77,14 @@ class Handlers:
     async def big(self, r: GenerateRequest, ctx: StreamContext):
         yield GenerateOutput(token_ids=list(range(400_000)))
 
+    async def refuse(self, r: GenerateRequest, ctx: StreamContext):
+        yield GenerateOutput(token_ids=[1])
+        raise RequestFailed("draining", code=codes.SHUTTING_DOWN)
+
+    async def invalid(self, r: GenerateRequest, ctx: StreamContext):
+        raise InvalidRequest("token_ids is empty")
+        yield  # an async generator
+
 
 @pytest.fixture
 async def handlers():
@@ -90,6 +100,8 @@ async def server(handlers):
     srv.register("boom", GenerateRequest, handlers.boom)
     srv.register("big", GenerateRequest, handlers.big)
     srv.register("flood", GenerateRequest, handlers.flood)
+    srv.register("refuse", GenerateRequest, handlers.refuse)
+    srv.register("invalid", GenerateRequest, handlers.invalid)
     handlers.server = srv
     await srv.start()
     yield srv
@@ -272,8 +284,24 @@ async def test_handler_exception_is_remote_error_and_server_keeps_serving(server
 
 
 async def test_unknown_endpoint_is_remote_error(server, client):
-    with pytest.raises(RemoteError, match="unknown endpoint 'nope'"):
+    with pytest.raises(RemoteError, match="unknown endpoint 'nope'") as failed:
         await collect(client.stream(server.address, "nope", req("u"), GenerateOutput))
+    assert failed.value.code == codes.UNKNOWN_ENDPOINT
+
+
+async def test_handler_failures_arrive_typed(server, client):
+    """A handler's RequestFailed reaches the caller as a struct (code, message, retryable);
+    any other exception as INTERNAL, not retryable."""
+    with pytest.raises(RemoteError) as failed:
+        await collect(client.stream(server.address, "refuse", req("r"), GenerateOutput))
+    assert failed.value.error == WorkerError(code=codes.SHUTTING_DOWN, message="draining", retryable=True)
+    with pytest.raises(RemoteError) as failed:
+        await collect(client.stream(server.address, "invalid", req("i"), GenerateOutput))
+    assert failed.value.error == WorkerError(code=codes.INVALID_REQUEST, message="token_ids is empty",
+                                             retryable=False)
+    with pytest.raises(RemoteError) as failed:
+        await collect(client.stream(server.address, "boom", req("b"), GenerateOutput))
+    assert (failed.value.code, failed.value.error.retryable) == (codes.INTERNAL, False)
 
 
 async def test_undecodable_request_payload_is_remote_error_naming_field(server, client):

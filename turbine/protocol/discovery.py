@@ -52,4 +52,6 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # "agg" serves whole requests; "prefill" computes prompts' KV for decode workers to pull;
     # "decode" generates, pulling the KV that a prefill worker computed.
     disaggregation_mode: str = "agg"
+    # Engines (data-parallel ranks) behind this instance; a request's dp_rank picks one.
+    data_parallel_size: int = 1
     v: int = WIRE_VERSION

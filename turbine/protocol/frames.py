@@ -23,5 +23,9 @@ class Frame(msgspec.Struct, omit_defaults=True, kw_only=True):
     stream_id: int  # chosen by the client, unique per connection
     endpoint: str = ""  # REQUEST only
     payload: bytes = b""
-    error: str = ""  # ERROR only: "<ExceptionClass>: <message>"
+    error: str = ""  # ERROR only: the message
+    # ERROR only: what kind of failure (turbine.protocol.errors) and whether another worker may
+    # take the request. A peer that sends no code is read as INTERNAL.
+    code: str = ""
+    retryable: bool = False
     v: int = WIRE_VERSION

@@ -48,6 +48,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Disaggregated serving: what a prefill worker returned, so that a decode worker pulls the
     # prompt's KV instead of computing it (the KV connector's own parameters, passed through).
     kv_transfer_params: dict[str, Any] | None = None
+    # The data-parallel rank (engine) of the chosen worker that serves it, as the router decided;
+    # None: the worker picks one.
+    dp_rank: int | None = None
     v: int = WIRE_VERSION
 
 
@@ -69,7 +72,8 @@ class GenerateOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     index: int = 0  # choice index when n > 1
     log_probs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
-    # "stop" | "length" | "cancelled" | "error: <message>"; None while streaming.
+    # "stop" | "length"; None while streaming. A failed request ends with an ERROR frame
+    # carrying a turbine.protocol.errors.WorkerError instead.
     finish_reason: str | None = None
     # The stop token id that ended the sequence, if any.
     stop_reason: int | None = None

@@ -1,6 +1,10 @@
-"""Exceptions raised by the runtime (codec, request plane, discovery)."""
+"""Exceptions raised by the runtime (codec, request plane, discovery), and the one a worker's
+handler raises to fail a request with a typed error."""
 
 from __future__ import annotations
+
+from turbine.protocol import errors as codes
+from turbine.protocol.errors import WorkerError
 
 
 class DecodeError(ValueError):
@@ -20,11 +24,37 @@ class PeerDisconnected(RequestPlaneError):
 
 
 class RemoteError(RequestPlaneError):
-    """The server answered the stream with an error frame."""
+    """The server answered the stream with an error frame: `error` says what and whether the
+    request may be tried elsewhere."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, error: WorkerError) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.message = error.message
+
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+
+class RequestFailed(Exception):
+    """Raised by a request-plane handler to fail its stream with a typed error (the server
+    sends it in the ERROR frame). Any other exception reaches the caller as INTERNAL."""
+
+    code = codes.INTERNAL
+
+    def __init__(self, message: str, code: str | None = None, retryable: bool | None = None) -> None:
         super().__init__(message)
-        self.message = message
+        if code is not None:
+            self.code = code
+        self.error = WorkerError(code=self.code, message=message,
+                                 retryable=codes.RETRYABLE.get(self.code, False) if retryable is None else retryable)
+
+
+class InvalidRequest(RequestFailed, ValueError):
+    """The request is wrong (it would fail on any worker): HTTP 400 at the frontend."""
+
+    code = codes.INVALID_REQUEST
 
 
 class FrameTooLarge(RequestPlaneError):

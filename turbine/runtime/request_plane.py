@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from turbine.protocol import errors as codes
+from turbine.protocol.errors import WorkerError
 from turbine.protocol.frames import CANCEL, CHUNK, END, ERROR, REQUEST, Frame
 from turbine.runtime import codec
 from turbine.runtime.errors import (
@@ -24,6 +26,7 @@ from turbine.runtime.errors import (
     FrameTooLarge,
     PeerDisconnected,
     RemoteError,
+    RequestFailed,
     RequestPlaneError,
 )
 
@@ -316,12 +319,13 @@ class RequestPlaneServer:
             endpoint = self._endpoints.get(ctx.endpoint)
             if endpoint is None:
                 known = ", ".join(sorted(self._endpoints)) or "none"
-                _send_error(conn, sid, f"unknown endpoint {ctx.endpoint!r} (known: {known})")
+                _send_error(conn, sid, WorkerError.of(
+                    codes.UNKNOWN_ENDPOINT, f"unknown endpoint {ctx.endpoint!r} (known: {known})"))
                 return
             try:
                 request = codec.decode(payload, endpoint.request_type)
             except DecodeError as exc:
-                _send_error(conn, sid, f"DecodeError: {exc}")
+                _send_error(conn, sid, WorkerError.of(codes.INVALID_REQUEST, f"DecodeError: {exc}"))
                 return
             items = endpoint.handler(request, ctx)
             try:
@@ -338,15 +342,18 @@ class RequestPlaneServer:
             conn.send(Frame(kind=END, stream_id=sid))
         except asyncio.CancelledError:
             raise  # the client cancelled or went away: nobody to tell
+        except RequestFailed as exc:
+            _send_error(conn, sid, exc.error)
         except Exception as exc:
             logger.warning("handler for %r stream %d failed", ctx.endpoint, sid, exc_info=True)
-            _send_error(conn, sid, f"{type(exc).__name__}: {exc}")
+            _send_error(conn, sid, WorkerError.of(codes.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
             conn.stream_done(sid)
 
 
-def _send_error(conn: _ServerConnection, stream_id: int, message: str) -> None:
-    conn.send(Frame(kind=ERROR, stream_id=stream_id, error=message[:_MAX_ERROR_CHARS]))
+def _send_error(conn: _ServerConnection, stream_id: int, error: WorkerError) -> None:
+    conn.send(Frame(kind=ERROR, stream_id=stream_id, error=error.message[:_MAX_ERROR_CHARS], code=error.code,
+                    retryable=error.retryable))
 
 
 # ---------------------------------------------------------------- client
@@ -480,7 +487,8 @@ class ResponseStream(Generic[T]):
                 raise
         if frame.kind == END:
             raise StopAsyncIteration
-        raise RemoteError(frame.error)
+        raise RemoteError(WorkerError(code=frame.code or codes.INTERNAL, message=frame.error,
+                                      retryable=frame.retryable))
 
     async def aclose(self) -> None:
         """Abandon the stream; if it is still open, the server's handler is cancelled."""
