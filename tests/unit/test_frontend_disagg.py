@@ -14,7 +14,7 @@ from turbine.frontend.disagg import DisaggConfig, wants_remote_prefill
 from turbine.frontend.generation import Generation
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.models import ModelTable, ServedModel
-from turbine.frontend.router import RoundRobinRouter
+from turbine.router.policy import RoundRobinRouter
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, SamplingOptions, StopConditions, Usage
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer

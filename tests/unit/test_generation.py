@@ -12,7 +12,7 @@ from turbine.frontend.generation import Generation
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.models import ServedModel
 from turbine.frontend.openai_schemas import RequestError
-from turbine.frontend.router import RandomRouter, RoundRobinRouter, RouterConfig, make_router
+from turbine.router.policy import RandomRouter, RoundRobinRouter, RouterConfig, make_router
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, OutputOptions, StopConditions, Usage
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
@@ -119,10 +119,10 @@ async def test_outputs_that_arrive_together_are_merged(tokenizer):
 def test_routers(tokenizer):
     insts = [instance(str(i), f"h:{i}") for i in range(3)]
     card = served(tokenizer, insts).card
-    rr = make_router(RouterConfig(mode="round-robin"), card, FrontendMetrics())
-    assert [rr.select(insts, request()).instance_id for _ in range(6)] == ["0", "1", "2", "0", "1", "2"]
-    rnd = make_router(RouterConfig(mode="random"), card, FrontendMetrics())
+    rr = make_router(RouterConfig(mode="round-robin"), card)
+    assert [rr.select(insts, request()).instance.instance_id for _ in range(6)] == ["0", "1", "2", "0", "1", "2"]
+    rnd = make_router(RouterConfig(mode="random"), card)
     assert isinstance(rnd, RandomRouter)
-    assert {rnd.select(insts, request()).instance_id for _ in range(200)} == {"0", "1", "2"}
+    assert {rnd.select(insts, request()).instance.instance_id for _ in range(200)} == {"0", "1", "2"}
     with pytest.raises(ValueError, match="--router-mode"):
-        make_router(RouterConfig(mode="nope"), card, FrontendMetrics())
+        make_router(RouterConfig(mode="nope"), card)

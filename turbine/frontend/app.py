@@ -35,7 +35,7 @@ from turbine.frontend.openai_schemas import (
     validate_chat,
     validate_completion,
 )
-from turbine.frontend.router import RouterConfig, make_router
+from turbine.router.policy import RouterConfig, make_router
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from turbine.runtime.request_plane import RequestPlaneClient
 
@@ -65,7 +65,7 @@ class Frontend:
         self.cfg = cfg
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
-        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics), cfg.namespace)
+        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router), cfg.namespace)
         self.client = RequestPlaneClient()
         self._watch_task = None
 

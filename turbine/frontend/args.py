@@ -8,7 +8,7 @@ import os
 from turbine.config import add_discovery_args, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
-from turbine.frontend.router import ROUTER_MODES, RouterConfig
+from turbine.router.policy import ROUTER_MODES, RouterConfig
 from turbine.router.args import add_kv_router_args, check_kv_router_args
 
 

@@ -78,12 +78,14 @@ async def remote_prefill(model: ServedModel, client, request: GenerateRequest,
         candidates = [i for i in model.prefill_instances if i.instance_id not in tried]
         if not candidates:
             raise PrefillFailed(f"no prefill worker left to try ({len(tried)} failed)")
-        inst = router.select(candidates, prefill_req)
+        target = router.select(candidates, prefill_req)
+        inst = target.instance
         tried.add(inst.instance_id)
         queued = model.prefill_queued_tokens
         queued[inst.instance_id] = queued.get(inst.instance_id, 0) + len(request.token_ids)
         try:
-            return await asyncio.wait_for(_prefill_on(client, inst, prefill_req, router), cfg.prefill_timeout_s)
+            attempt = msgspec.structs.replace(prefill_req, dp_rank=target.dp_rank)
+            return await asyncio.wait_for(_prefill_on(client, inst, attempt, router), cfg.prefill_timeout_s)
         except RequestError:
             raise
         except (ConnectFailed, PeerDisconnected, RemoteError, PrefillFailed, TimeoutError) as exc:

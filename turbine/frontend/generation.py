@@ -86,7 +86,7 @@ class Generation:
         if may_prefill_remotely(model, request) and model.instances:
             chosen = model.router.select(model.instances, request)
             caches = model.decode_caches
-            cached = caches.cached_tokens(chosen.instance_id, request.token_ids) if caches else 0
+            cached = caches.cached_tokens(chosen.instance.instance_id, request.token_ids) if caches else 0
             if wants_remote_prefill(model, request, self.disagg, cached):
                 try:
                     params, self.usage.cached_tokens = await remote_prefill(model, self.client, request,
@@ -104,13 +104,16 @@ class Generation:
         while True:
             router = model.router
             if chosen is not None:
-                inst, chosen = chosen, None
+                target, chosen = chosen, None
             else:
                 candidates = [i for i in model.instances if i.instance_id not in tried]
                 if not candidates:
                     raise RequestError(f"no live worker for model {model.name!r}", param="model",
                                        status=503, type_="service_unavailable")
-                inst = router.select(candidates, request)
+                target = router.select(candidates, request)
+            inst = target.instance
+            if target.dp_rank != request.dp_rank:
+                request = msgspec.structs.replace(request, dp_rank=target.dp_rank)
             stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput)
             handoff = request.kv_transfer_params is not None
             try:

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from turbine.frontend.decode_cache import DecodeCaches
-from turbine.frontend.router import Router
+from turbine.router.policy import Router
 from turbine.frontend.tokenizer import TextTokenizer
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 
