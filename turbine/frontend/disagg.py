@@ -17,6 +17,7 @@ import msgspec
 
 from turbine.frontend.models import ServedModel
 from turbine.frontend.openai_schemas import RequestError
+from turbine.protocol import errors as codes
 from turbine.protocol.generate import GenerateOutput, GenerateRequest
 from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
 
@@ -88,7 +89,12 @@ async def remote_prefill(model: ServedModel, client, request: GenerateRequest,
             return await asyncio.wait_for(_prefill_on(client, inst, attempt, router), cfg.prefill_timeout_s)
         except RequestError:
             raise
-        except (ConnectFailed, PeerDisconnected, RemoteError, PrefillFailed, TimeoutError) as exc:
+        except RemoteError as exc:
+            if exc.code == codes.INVALID_REQUEST:
+                raise RequestError(f"invalid request: {exc.message}") from None
+            log.warning("prefill of request %s on worker %s failed (%s: %s); trying another",
+                        request.request_id, inst.instance_id, exc.code, exc.message)
+        except (ConnectFailed, PeerDisconnected, PrefillFailed, TimeoutError) as exc:
             log.warning("prefill of request %s on worker %s failed (%s: %s); trying another",
                         request.request_id, inst.instance_id, type(exc).__name__, exc)
         finally:

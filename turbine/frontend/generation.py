@@ -24,6 +24,7 @@ from turbine.frontend.disagg import (
 from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.models import ServedModel
 from turbine.frontend.openai_schemas import RequestError
+from turbine.protocol import errors as codes
 from turbine.protocol.generate import GenerateOutput, GenerateRequest
 from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
 
@@ -54,6 +55,14 @@ class UsageCount:
 
 class WorkerFailed(Exception):
     """The worker failed or vanished after the request reached it (HTTP 502 / SSE error)."""
+
+
+def failure_of(exc: RemoteError, instance_id: str | None = None) -> Exception:
+    """A worker's typed error as what the frontend raises: bad input is the client's (400)."""
+    if exc.code == codes.INVALID_REQUEST:
+        return RequestError(f"invalid request: {exc.message}")
+    where = f"worker {instance_id}" if instance_id else "worker"
+    return WorkerFailed(f"{where} failed ({exc.code}): {exc.message}")
 
 
 class Generation:
@@ -129,7 +138,9 @@ class Generation:
                     if not handoff:  # (a hand-off cancels its own stream once the KV has moved)
                         await stream.aclose()  # the client left before the first token: cancel on the worker
                     raise
-                if isinstance(exc, (PeerDisconnected, RemoteError)):
+                if isinstance(exc, RemoteError):
+                    raise failure_of(exc, inst.instance_id) from exc
+                if isinstance(exc, PeerDisconnected):
                     raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
                 if isinstance(exc, StopAsyncIteration):
                     raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
@@ -192,7 +203,9 @@ class Generation:
                     chunk = await anext(self._stream)
                 except StopAsyncIteration:
                     raise WorkerFailed("worker ended the stream before every choice finished") from None
-                except (PeerDisconnected, RemoteError) as exc:
+                except RemoteError as exc:
+                    raise failure_of(exc) from exc
+                except PeerDisconnected as exc:
                     raise WorkerFailed(f"worker failed mid-stream: {exc}") from exc
         finally:
             # Closing early (stop string, client gone, error) cancels the worker's request.

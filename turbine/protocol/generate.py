@@ -51,6 +51,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The data-parallel rank (engine) of the chosen worker that serves it, as the router decided;
     # None: the worker picks one.
     dp_rank: int | None = None
+    # The LoRA adapter to generate with (None: the base model). It salts the KV router's block
+    # hashes; workers refuse it until they can load adapters.
+    lora_name: str | None = None
     v: int = WIRE_VERSION
 
 
