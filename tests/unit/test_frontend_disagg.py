@@ -8,15 +8,17 @@ import asyncio
 
 import pytest
 
-from tests.unit.test_generation import closed_port_address
+from tests.unit.test_dispatch import Run, closed_port_address
 from turbine.frontend.decode_cache import DecodeCaches
 from turbine.frontend.disagg import DisaggConfig, wants_remote_prefill
-from turbine.frontend.generation import Generation
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.models import ModelTable, ServedModel
 from turbine.router.policy import RoundRobinRouter
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, SamplingOptions, StopConditions, Usage
+from turbine.frontend.errors import RequestError
+from turbine.protocol import errors as codes
+from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[1]]}
@@ -57,7 +59,8 @@ class Workers:
 
     async def failing_prefill(self, req, ctx):
         self.prefill_calls.append(req)
-        yield GenerateOutput(token_ids=[], finish_reason="error: engine is dead")
+        raise RequestFailed("engine is dead", code=codes.ENGINE_FAILURE)
+        yield
 
     async def decode(self, req, ctx):
         self.decode_calls.append(req)
@@ -81,16 +84,15 @@ def model_with(tokenizer, decode_address: str, prefill_addresses: list[str]) -> 
     return model
 
 
-async def run(model, req, cfg=DisaggConfig(max_local_prefill_length=4)) -> tuple[str, Generation, FrontendMetrics]:
+async def run(model, req, cfg=DisaggConfig(max_local_prefill_length=4)) -> tuple[str, Run, FrontendMetrics]:
     metrics = FrontendMetrics()
     client = RequestPlaneClient(connect_timeout=1.0)
-    gen = Generation(model, client, req, stop=[], include_stop_str_in_output=False, skip_special_tokens=True,
-                     metrics=metrics.of("m"), disagg=cfg)
+    run = Run(model, client, req, metrics, cfg)
     try:
-        text = "".join([d.text async for d in gen.events()])
+        text = await run.text()
     finally:
         await client.close()
-    return text, gen, metrics
+    return text, run, metrics
 
 
 def req(n_tokens: int = 10, n: int = 1) -> GenerateRequest:
@@ -102,13 +104,13 @@ async def test_prefill_then_decode_with_the_kv_location(tokenizer):
     w = Workers(tokenizer)
     try:
         model = model_with(tokenizer, await w.serve(w.decode), [await w.serve(w.prefill)])
-        text, gen, _ = await run(model, req())
+        text, pipeline, _ = await run(model, req())
         assert text == " done"
         (p,) = w.prefill_calls
         assert p.stop.max_tokens == 1 and p.token_ids == req().token_ids
         (d,) = w.decode_calls
         assert d.kv_transfer_params == KV and d.stop.max_tokens == 20  # the original max_tokens
-        assert gen.usage.cached_tokens == 128  # what the prefill worker found cached
+        assert pipeline.usage.cached_tokens == 128  # what the prefill worker found cached
     finally:
         await w.stop()
 
@@ -198,12 +200,11 @@ async def test_hung_prefill_worker_times_out(tokenizer):
 
 
 async def test_invalid_request_from_the_prefill_worker_is_the_clients_error(tokenizer):
-    from turbine.frontend.openai_schemas import RequestError
-
     w = Workers(tokenizer)
 
     async def refuses(req, ctx):
-        yield GenerateOutput(token_ids=[], finish_reason="error: invalid request: token id out of vocabulary")
+        raise InvalidRequest("token id out of vocabulary")
+        yield
 
     try:
         model = model_with(tokenizer, await w.serve(w.decode), [await w.serve(refuses)])

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from turbine.config import add_discovery_args, discovery_config_from_args
+from turbine.config import add_discovery_args, config_errors_to, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
-from turbine.router.policy import ROUTER_MODES, RouterConfig
-from turbine.router.args import add_kv_router_args, check_kv_router_args
+from turbine.router.config import add_kv_router_args
+from turbine.router.policy import router_config_from_args, router_modes
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
@@ -18,7 +18,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--http-host", default=env("TURBINE_HTTP_HOST", "127.0.0.1"),
                    help="address the OpenAI HTTP server binds (default 127.0.0.1)")
     g.add_argument("--http-port", type=int, default=int(env("TURBINE_HTTP_PORT", str(default_port))))
-    g.add_argument("--router-mode", choices=ROUTER_MODES, default=env("TURBINE_ROUTER_MODE", "round-robin"))
+    g.add_argument("--router-mode", choices=router_modes(), default=env("TURBINE_ROUTER_MODE", "round-robin"))
     add_kv_router_args(g, scope="kv mode: ")
     g.add_argument("--namespace", default=env("TURBINE_NAMESPACE"),
                    help="serve only models registered in this namespace (default: all)")
@@ -38,26 +38,14 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
 
 
 def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
-    if not 0 <= args.http_port <= 65535:
-        parser.error(f"--http-port {args.http_port}: must be between 0 and 65535")
-    if args.max_request_bytes < 1024:
-        parser.error("--max-request-bytes must be at least 1024")
-    if args.api_key is not None and not args.api_key.strip():
-        parser.error("--api-key is empty")
-    check_kv_router_args(args, parser)
-    if args.max_local_prefill_length < 0:
-        parser.error("--max-local-prefill-length must be >= 0")
-    if args.prefill_timeout <= 0:
-        parser.error("--prefill-timeout must be > 0")
-    router = RouterConfig(mode=args.router_mode, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
-                          temperature=args.router_temperature, kv_events=args.router_kv_events,
-                          kv_events_deadline_s=args.router_kv_events_deadline)
-    return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
-                          namespace=args.namespace, api_key=args.api_key,
-                          max_request_bytes=args.max_request_bytes,
-                          discovery=discovery_config_from_args(args, parser),
-                          disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
-                                              prefill_timeout_s=args.prefill_timeout))
+    router = router_config_from_args(args, parser)
+    with config_errors_to(parser):
+        return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
+                              namespace=args.namespace, api_key=args.api_key,
+                              max_request_bytes=args.max_request_bytes,
+                              discovery=discovery_config_from_args(args, parser),
+                              disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
+                                                  prefill_timeout_s=args.prefill_timeout))
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:

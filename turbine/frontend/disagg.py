@@ -1,5 +1,5 @@
-"""Disaggregated serving, the frontend's half: compute a prompt's KV on a prefill worker, then
-hand its location to the decode worker that generates.
+"""Disaggregated serving, the frontend's policy: when to compute a prompt's KV on a prefill
+worker and hand its location to the decode worker that generates (the dispatch stage does it).
 
 A model is disaggregated while it has live prefill workers (their cards say so); when the last
 one leaves, requests go whole to the decode workers again, which then prefill themselves.
@@ -10,18 +10,11 @@ moving their KV costs more than it saves.
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
 
-import msgspec
-
+from turbine.config import check, flag
 from turbine.frontend.models import ServedModel
-from turbine.frontend.openai_schemas import RequestError
-from turbine.protocol import errors as codes
-from turbine.protocol.generate import GenerateOutput, GenerateRequest
-from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
-
-log = logging.getLogger("turbine.frontend")
+from turbine.protocol.generate import GenerateRequest
 
 # A prefill worker with this many scheduler steps' worth of prompt tokens queued from us is
 # saturated; when all are, the decode worker prefills instead of waiting in that queue.
@@ -34,8 +27,13 @@ class DisaggConfig:
     # there on, on the 2-core CPU host, handing over added at most 25 % to a lone prompt's TTFT
     # while a local prefill would stall the decode worker's streams for a second or more
     # (benchmarks/RESULTS.md, "Disaggregated prefill/decode", crossover).
-    max_local_prefill_length: int = 256
-    prefill_timeout_s: float = 60.0  # a prefill worker that answers later is given up on
+    max_local_prefill_length: int = flag("--max-local-prefill-length", default=256)
+    # A prefill worker that answers later is given up on.
+    prefill_timeout_s: float = flag("--prefill-timeout", default=60.0)
+
+    def __post_init__(self):
+        check(self, self.max_local_prefill_length >= 0, "max_local_prefill_length", "must be >= 0")
+        check(self, self.prefill_timeout_s > 0, "prefill_timeout_s", "must be > 0")
 
 
 class PrefillFailed(Exception):
@@ -63,62 +61,6 @@ def _saturated(model: ServedModel, instance_id: str) -> bool:
     card = model.prefill_cards.get(instance_id)
     budget = SATURATION_STEPS * (card.max_num_batched_tokens if card else 8192)
     return model.prefill_queued_tokens.get(instance_id, 0) >= budget
-
-
-async def remote_prefill(model: ServedModel, client, request: GenerateRequest,
-                         cfg: DisaggConfig) -> tuple[dict, int]:
-    """Runs the prompt on a prefill worker (max_tokens 1) and returns the KV connector's
-    parameters for the decode worker, and how many prompt tokens the prefill worker found
-    in its cache. A worker that is unreachable, dies, errs or times out is
-    skipped for another; when none is left, PrefillFailed. Cancelling cancels the prefill."""
-    stop = msgspec.structs.replace(request.stop, max_tokens=1, min_tokens=None)
-    prefill_req = msgspec.structs.replace(request, stop=stop)
-    router = model.prefill_router
-    tried: set[str] = set()
-    while True:
-        candidates = [i for i in model.prefill_instances if i.instance_id not in tried]
-        if not candidates:
-            raise PrefillFailed(f"no prefill worker left to try ({len(tried)} failed)")
-        target = router.select(candidates, prefill_req)
-        inst = target.instance
-        tried.add(inst.instance_id)
-        queued = model.prefill_queued_tokens
-        queued[inst.instance_id] = queued.get(inst.instance_id, 0) + len(request.token_ids)
-        try:
-            attempt = msgspec.structs.replace(prefill_req, dp_rank=target.dp_rank)
-            return await asyncio.wait_for(_prefill_on(client, inst, attempt, router), cfg.prefill_timeout_s)
-        except RequestError:
-            raise
-        except RemoteError as exc:
-            if exc.code == codes.INVALID_REQUEST:
-                raise RequestError(f"invalid request: {exc.message}") from None
-            log.warning("prefill of request %s on worker %s failed (%s: %s); trying another",
-                        request.request_id, inst.instance_id, exc.code, exc.message)
-        except (ConnectFailed, PeerDisconnected, PrefillFailed, TimeoutError) as exc:
-            log.warning("prefill of request %s on worker %s failed (%s: %s); trying another",
-                        request.request_id, inst.instance_id, type(exc).__name__, exc)
-        finally:
-            queued[inst.instance_id] -= len(request.token_ids)
-            router.finished(request.request_id)
-
-
-async def _prefill_on(client, inst, request: GenerateRequest, router) -> tuple[dict, int]:
-    async with client.stream(inst.address, inst.endpoint, request, GenerateOutput) as stream:
-        async for chunk in stream:
-            if chunk.token_ids:
-                router.first_token(request.request_id)
-            reason = chunk.finish_reason
-            if reason is None:
-                continue
-            if reason.startswith("error: invalid request"):
-                raise RequestError(reason.removeprefix("error: "))
-            if reason.startswith("error") or reason == "cancelled":
-                raise PrefillFailed(reason)
-            if not chunk.kv_transfer_params:
-                raise PrefillFailed("the prefill worker returned no KV transfer parameters")
-            cached = chunk.usage.cached_tokens or 0 if chunk.usage else 0
-            return chunk.kv_transfer_params, cached
-    raise PrefillFailed("the prefill worker ended the stream without finishing")
 
 
 async def first_output_of_handoff(stream):

@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from turbine.frontend.errors import RequestError
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
@@ -53,18 +55,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-
-
-class RequestError(Exception):
-    """A client error: becomes an OpenAI-style error body with this status."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")

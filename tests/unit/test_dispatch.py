@@ -1,5 +1,6 @@
-"""The frontend's worker call without an engine: unreachable instances are skipped, and
-when none is left the request gets 503; a real request-plane server stands in for a worker."""
+"""The dispatch stage (and postprocess behind it) without an engine: unreachable instances are
+skipped, when none is left the request gets 503, worker errors arrive typed, outputs that
+arrive together are merged; a real request-plane server stands in for a worker."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import socket
 
 import pytest
 
-from turbine.frontend.generation import Generation
+from turbine.frontend.disagg import DisaggConfig
+from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.models import ServedModel
-from turbine.frontend.openai_schemas import RequestError
+from turbine.frontend.pipeline import Pipeline
+from turbine.frontend.preprocess import OutputSpec, Prepared
+from turbine.protocol import errors as codes
+from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.router.policy import RandomRouter, RoundRobinRouter, RouterConfig, make_router
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, OutputOptions, StopConditions, Usage
@@ -36,6 +41,18 @@ def served(tokenizer, instances) -> ServedModel:
     return ServedModel("m", card, tokenizer, RoundRobinRouter(), list(instances))
 
 
+class Run(Pipeline):
+    """The stages after preprocess, as the http stage runs them."""
+
+    def __init__(self, model, client, req, metrics=None, disagg=DisaggConfig()):
+        spec = OutputSpec(stop=[], include_stop_str_in_output=False, skip_special_tokens=True)
+        prepared = Prepared("completions", model, req, spec, stream=True, include_usage=False)
+        super().__init__(prepared, client, (metrics or FrontendMetrics()).of("m"), disagg)
+
+    async def text(self) -> str:
+        return "".join([d.text async for d in self.deltas])
+
+
 def request() -> GenerateRequest:
     return GenerateRequest(request_id="r1", model="m", token_ids=[1, 2, 3], stop=StopConditions(max_tokens=2))
 
@@ -43,11 +60,8 @@ def request() -> GenerateRequest:
 async def test_no_reachable_worker_is_503(tokenizer):
     model = served(tokenizer, [instance("a", closed_port_address()), instance("b", closed_port_address())])
     client = RequestPlaneClient(connect_timeout=1.0)
-    gen = Generation(model, client, request(), stop=[], include_stop_str_in_output=False,
-                     skip_special_tokens=True, metrics=FrontendMetrics().of("m"))
     with pytest.raises(RequestError) as info:
-        async for _ in gen.events():
-            pass
+        await Run(model, client, request()).text()
     assert info.value.status == 503
     await client.close()
 
@@ -66,11 +80,9 @@ async def test_unreachable_instance_is_skipped(tokenizer):
     client = RequestPlaneClient(connect_timeout=1.0)
     try:
         for _ in range(2):  # whichever the round-robin picks first, the request succeeds
-            gen = Generation(model, client, request(), stop=[], include_stop_str_in_output=False,
-                             skip_special_tokens=True, metrics=FrontendMetrics().of("m"))
-            text = "".join([d.text async for d in gen.events()])
-            assert text == "Hello"
-            assert gen.usage.completion_tokens == len(hello)
+            run = Run(model, client, request())
+            assert await run.text() == "Hello"
+            assert run.usage.completion_tokens == len(hello)
     finally:
         await client.close()
         await server.stop()
@@ -100,9 +112,7 @@ async def test_outputs_that_arrive_together_are_merged(tokenizer):
             burst.clear()
             req = GenerateRequest(request_id=f"r-{logprobs}", model="m", token_ids=[1, 2, 3],
                                   stop=StopConditions(max_tokens=len(words)), output=OutputOptions(logprobs=logprobs))
-            gen = Generation(model, client, req, stop=[], include_stop_str_in_output=False,
-                             skip_special_tokens=True, metrics=FrontendMetrics().of("m"))
-            events = gen.events()
+            events = Run(model, client, req).deltas
             asyncio.get_running_loop().call_later(0.2, burst.set)
             deltas = [d async for d in events]
             assert "".join(d.text for d in deltas) == " one two three four five six"
@@ -126,3 +136,41 @@ def test_routers(tokenizer):
     assert {rnd.select(insts, request()).instance.instance_id for _ in range(200)} == {"0", "1", "2"}
     with pytest.raises(ValueError, match="--router-mode"):
         make_router(RouterConfig(mode="nope"), card)
+
+
+async def test_worker_errors_arrive_typed(tokenizer):
+    """A worker's typed error becomes the frontend's by its code (never by its message): bad
+    input is the client's 400, a draining or overloaded worker 503, an engine failure 502."""
+    failure = {}
+
+    async def generate(req, ctx):
+        yield GenerateOutput(token_ids=[])
+        raise failure["exc"]
+
+    async def refuse_at_once(req, ctx):
+        raise failure["exc"]
+        yield
+
+    server = RequestPlaneServer()
+    server.register("generate", GenerateRequest, refuse_at_once)
+    server.register("midway", GenerateRequest, generate)
+    await server.start()
+    model = served(tokenizer, [instance("live", server.address)])
+    client = RequestPlaneClient(connect_timeout=1.0)
+    cases = [(InvalidRequest("bad token"), RequestError, 400, "invalid_request_error"),
+             (RequestFailed("draining", code=codes.SHUTTING_DOWN), WorkerFailed, 503, "service_unavailable"),
+             (RequestFailed("full", code=codes.OVERLOADED), WorkerFailed, 503, "service_unavailable"),
+             (RequestFailed("engine died", code=codes.ENGINE_FAILURE), WorkerFailed, 502, "worker_error"),
+             (ValueError("a bug"), WorkerFailed, 502, "worker_error")]
+    try:
+        for endpoint in ("generate", "midway"):
+            model.instances[0] = InstanceRecord(namespace="ns", component="backend", endpoint=endpoint,
+                                                instance_id="live", address=server.address)
+            for exc, kind, status, type_ in cases:
+                failure["exc"] = exc
+                with pytest.raises(RequestError) as info:
+                    await Run(model, client, request()).text()
+                assert type(info.value) is kind and (info.value.status, info.value.type) == (status, type_), exc
+    finally:
+        await client.close()
+        await server.stop()

@@ -1,0 +1,213 @@
+"""The dispatch stage: take a prepared GenerateRequest to workers and stream back their raw
+outputs. It chooses the worker (the model's router), tries another when one cannot be
+reached, hands the prompt to a prefill worker first when the model is disaggregated, keeps
+the router told of each request's first token and end, and measures TTFT and ITL. Every
+attempt on some worker goes through one loop, `on_some_worker`; request migration belongs
+here too.
+
+Output: turbine.protocol.generate.GenerateOutput chunks; failures: RequestError (the client's,
+or no worker) and WorkerFailed (typed by the worker's error code)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+
+from turbine.frontend.disagg import (
+    DisaggConfig,
+    PrefillFailed,
+    first_output_of_handoff,
+    may_prefill_remotely,
+    wants_remote_prefill,
+)
+from turbine.frontend.errors import RequestError, WorkerFailed, failure_of
+from turbine.frontend.metrics import ModelMetrics
+from turbine.frontend.models import ServedModel
+from turbine.protocol.discovery import InstanceRecord
+from turbine.protocol.generate import GenerateOutput, GenerateRequest
+from turbine.router.policy import Router, Target
+from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
+
+log = logging.getLogger("turbine.frontend")
+
+T = TypeVar("T")
+
+
+async def on_some_worker(pool: list[InstanceRecord], router: Router, request: GenerateRequest,
+                         attempt: Callable[[Target, GenerateRequest], Awaitable[T]], *,
+                         retry: Callable[[BaseException], bool], none_left: Callable[[int], Exception],
+                         first: Target | None = None) -> T:
+    """Runs `attempt` on a worker the router picks among `pool` (`first`, if given, is tried
+    first), with the chosen data-parallel rank set on the request. A failure that `retry`
+    accepts moves on to a worker not tried yet; when none is left, `none_left(tried)` is raised.
+    The attempt keeps the router's per-request accounting."""
+    tried: set[str] = set()
+    while True:
+        if first is not None:
+            target, first = first, None
+        else:
+            candidates = [i for i in pool if i.instance_id not in tried]
+            if not candidates:
+                raise none_left(len(tried))
+            target = router.select(candidates, request)
+        tried.add(target.instance.instance_id)
+        attempt_request = request
+        if target.dp_rank != request.dp_rank:
+            attempt_request = msgspec.structs.replace(request, dp_rank=target.dp_rank)
+        try:
+            return await attempt(target, attempt_request)
+        except BaseException as exc:  # noqa: BLE001 - `retry` decides; the rest propagate
+            if not retry(exc):
+                raise
+            log.warning("request %s on worker %s failed (%s: %s); trying another", request.request_id,
+                        target.instance.instance_id, type(exc).__name__, exc)
+
+
+class Dispatch:
+    def __init__(self, model: ServedModel, client, request: GenerateRequest, metrics: ModelMetrics,
+                 disagg: DisaggConfig = DisaggConfig()):
+        self.model = model
+        self.client = client
+        self.request = request
+        self.metrics = metrics
+        self.disagg = disagg
+        self.remote_cached_tokens = 0  # prompt tokens a prefill worker found cached
+        self._stream = None
+
+    def output_ready(self) -> bool:
+        """Whether the worker's next output has already arrived (so the next one comes without
+        waiting): lets the writer put several events into one network write."""
+        return self._stream is not None and self._stream.buffered > 0
+
+    async def outputs(self) -> AsyncIterator[GenerateOutput]:
+        """The worker's outputs until the caller stops reading. Closing this generator early
+        (stop string, client gone, error) cancels the request on the worker."""
+        start = time.monotonic()
+        first = await self._open()
+        router, request_id = self.model.router, self.request.request_id
+        first_token_at = last_token_at = None
+        chunk = first
+        try:
+            while True:
+                if chunk.token_ids:
+                    now = time.monotonic()
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.metrics.ttft.observe(now - start)
+                        router.first_token(request_id)
+                    elif last_token_at is not None:
+                        self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
+                    last_token_at = now
+                yield chunk
+                try:
+                    chunk = await anext(self._stream)
+                except StopAsyncIteration:
+                    return
+                except RemoteError as exc:
+                    raise failure_of(exc) from exc
+                except PeerDisconnected as exc:
+                    raise WorkerFailed(f"worker failed mid-stream: {exc}") from exc
+        finally:
+            router.finished(request_id)
+            await self._stream.aclose()
+
+    # -- opening the stream -----------------------------------------------------------
+    async def _open(self) -> GenerateOutput:
+        """Open a stream on some live instance and return its first chunk. An instance that
+        cannot be reached is skipped (it may have died since the last discovery snapshot).
+        With prefill workers, the prompt's KV is computed on one of them first."""
+        request, model = self.request, self.model
+        chosen = None  # with prefill workers: the decode instance, chosen first
+        if may_prefill_remotely(model, request) and model.instances:
+            chosen = model.router.select(model.instances, request)
+            caches = model.decode_caches
+            cached = caches.cached_tokens(chosen.instance.instance_id, request.token_ids) if caches else 0
+            if wants_remote_prefill(model, request, self.disagg, cached):
+                try:
+                    params = await self._remote_prefill()
+                except PrefillFailed as exc:
+                    log.warning("request %s: %s; the decode worker prefills it", request.request_id, exc)
+                    self.metrics.local_prefills.inc()
+                except BaseException:
+                    model.router.finished(request.request_id)  # it never reached the decode worker
+                    raise
+                else:
+                    request = msgspec.structs.replace(request, kv_transfer_params=params)
+                    self.metrics.remote_prefills.inc()
+        return await on_some_worker(
+            model.instances, model.router, request, self._first_output, first=chosen,
+            retry=lambda exc: isinstance(exc, ConnectFailed),
+            none_left=lambda tried: RequestError(f"no live worker for model {model.name!r}", param="model",
+                                                 status=503, type_="service_unavailable"))
+
+    async def _first_output(self, target: Target, request: GenerateRequest) -> GenerateOutput:
+        inst = target.instance
+        stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput)
+        handoff = request.kv_transfer_params is not None
+        try:
+            first = await (first_output_of_handoff(stream) if handoff else anext(stream))
+        except BaseException as exc:
+            # The request never got going on this instance: the router stops counting it.
+            self.model.router.finished(self.request.request_id)
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) and not handoff:
+                # (a hand-off cancels its own stream once the KV has moved)
+                await stream.aclose()  # the client left before the first token: cancel on the worker
+            if isinstance(exc, RemoteError):
+                raise failure_of(exc, inst.instance_id) from exc
+            if isinstance(exc, PeerDisconnected):
+                raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
+            if isinstance(exc, StopAsyncIteration):
+                raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
+            raise
+        self._stream = stream
+        if self.model.decode_caches is not None:
+            self.model.decode_caches.served(inst.instance_id, request.token_ids)  # its KV is there now
+        return first
+
+    # -- disaggregated hand-off -------------------------------------------------------
+    async def _remote_prefill(self) -> dict:
+        """Runs the prompt on a prefill worker (max_tokens 1) and returns the KV connector's
+        parameters for the decode worker. A prefill worker that is unreachable, dies, errs or
+        times out is skipped for another; when none is left, PrefillFailed. Cancelling
+        cancels the prefill."""
+        model, request = self.model, self.request
+        stop = msgspec.structs.replace(request.stop, max_tokens=1, min_tokens=None)
+        prefill_req = msgspec.structs.replace(request, stop=stop)
+        return await on_some_worker(
+            model.prefill_instances, model.prefill_router, prefill_req, self._prefill_on,
+            # Anything but the client's own error: the decode worker can still prefill it.
+            retry=lambda exc: isinstance(exc, (ConnectFailed, PeerDisconnected, PrefillFailed, TimeoutError,
+                                               WorkerFailed)),
+            none_left=lambda tried: PrefillFailed(f"no prefill worker left to try ({tried} failed)"))
+
+    async def _prefill_on(self, target: Target, request: GenerateRequest) -> dict:
+        model, inst = self.model, target.instance
+        queued, tokens = model.prefill_queued_tokens, len(request.token_ids)
+        queued[inst.instance_id] = queued.get(inst.instance_id, 0) + tokens
+        try:
+            return await asyncio.wait_for(self._prefill_stream(inst, request), self.disagg.prefill_timeout_s)
+        finally:
+            queued[inst.instance_id] -= tokens
+            model.prefill_router.finished(request.request_id)
+
+    async def _prefill_stream(self, inst: InstanceRecord, request: GenerateRequest) -> dict:
+        router = self.model.prefill_router
+        try:
+            async with self.client.stream(inst.address, inst.endpoint, request, GenerateOutput) as stream:
+                async for chunk in stream:
+                    if chunk.token_ids:
+                        router.first_token(request.request_id)
+                    if chunk.finish_reason is None:
+                        continue
+                    if not chunk.kv_transfer_params:
+                        raise PrefillFailed("the prefill worker returned no KV transfer parameters")
+                    self.remote_cached_tokens = chunk.usage.cached_tokens or 0 if chunk.usage else 0
+                    return chunk.kv_transfer_params
+        except RemoteError as exc:
+            raise failure_of(exc, inst.instance_id) from exc  # a bad request is the client's: not retried
+        raise PrefillFailed("the prefill worker ended the stream without finishing")

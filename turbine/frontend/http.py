@@ -1,0 +1,211 @@
+"""The http stage: routes, authentication, body limits, and the mapping of every failure to
+an OpenAI-style error (HTTP status + body, or an SSE error event once a stream has started).
+A generation request runs the stages in order:
+
+    preprocess (body -> Prepared) -> dispatch (workers' outputs) -> postprocess (Deltas)
+    -> format (chat or completions, JSON or SSE)
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from turbine.frontend.deltas import Delta
+from turbine.frontend.errors import RequestError, WorkerFailed
+from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.format import SseChunks
+from turbine.frontend.pipeline import Pipeline
+from turbine.frontend.preprocess import Kind, preprocess
+
+if TYPE_CHECKING:
+    from turbine.frontend.app import Frontend
+
+log = logging.getLogger("turbine.frontend")
+
+GENERATION_ROUTES: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+class HttpApi:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+        self.cfg = frontend.cfg
+        self.metrics = frontend.metrics
+
+    def app(self):
+        """The ASGI app. The two generation routes are served here directly; the rest (and
+        the lifespan) by Starlette. Generation responses carry one write per token or so,
+        and Starlette's middleware would wrap every one of those writes twice."""
+        routes = [
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/live", self.live, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        others = Starlette(routes=routes, lifespan=self.frontend.lifespan,
+                           exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+
+        async def app(scope, receive, send):
+            kind = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+            if kind is None:
+                return await others(scope, receive, send)
+            request = Request(scope, receive)
+            if scope["method"] != "POST":
+                response = error_response(405, f"{scope['path']} takes POST", "invalid_request_error")
+                response.headers["allow"] = "POST"
+            else:
+                try:
+                    response = await self.generate(request, kind)
+                except Exception as exc:
+                    response = await self._internal_error(request, exc)
+            await response(scope, receive, send)
+
+        return app
+
+    async def _http_error(self, request: Request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    async def _internal_error(self, request: Request, exc: Exception):
+        log.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_server_error")
+
+    # -- plain endpoints ---------------------------------------------------------------
+    async def live(self, request: Request):
+        return JSONResponse({"status": "live"})
+
+    async def health(self, request: Request):
+        served = self.frontend.models.models
+        models = {name: len(m.instances) for name, m in served.items()}
+        if not models:
+            return JSONResponse({"status": "unhealthy", "reason": "no live workers", "models": {}},
+                                status_code=503)
+        body = {"status": "healthy", "models": models}
+        prefill = {name: len(m.prefill_instances) for name, m in served.items() if m.prefill_instances}
+        if prefill:
+            body["prefill_workers"] = prefill  # models served disaggregated
+        return JSONResponse(body)
+
+    async def prometheus(self, request: Request):
+        for model in self.frontend.models.models.values():
+            model.router.export_metrics()
+            if model.prefill_router is not None:
+                model.prefill_router.export_metrics()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def list_models(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "turbine"}
+                for name in sorted(self.frontend.models.models)]
+        return JSONResponse({"object": "list", "data": data})
+
+    # -- generation --------------------------------------------------------------------
+    async def generate(self, request: Request, kind: Kind):
+        model_name = "-"
+        try:
+            if (denied := self._auth(request)) is not None:
+                return denied
+            prepared = await preprocess(await self._read_body(request), kind, self.frontend.models)
+            model_name = prepared.model.name
+            run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
+            response = await (run.stream() if prepared.stream else run.whole())
+            self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
+            return response
+        except RequestError as exc:
+            if isinstance(exc, WorkerFailed):
+                log.warning("request failed on its worker: %s", exc)
+            self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+    def _auth(self, request: Request) -> JSONResponse | None:
+        key = self.cfg.api_key
+        if key is None:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return None
+        return error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                              "authentication_error")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+class _Run(Pipeline):
+    """Writes a pipeline's output as a whole JSON response or an SSE stream."""
+
+    async def whole(self) -> Response:
+        n = self.prepared.request.sampling.n
+        per_choice: list[list[Delta]] = [[] for _ in range(n)]
+        started = time.monotonic()
+        self.metrics.inflight.inc()
+        try:
+            async for delta in self.deltas:
+                per_choice[delta.index].append(delta)
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.duration.observe(time.monotonic() - started)
+        body = self.fmt.response([self.fmt.choice(i, per_choice[i]) for i in range(n)], self.post.usage)
+        return Response(body, media_type="application/json")
+
+    async def stream(self) -> EventStreamResponse:
+        deltas, fmt, metrics, post = self.deltas, self.fmt, self.metrics, self.post
+        # Wait for the first output before answering, so that errors found by the worker
+        # (or no reachable worker) still become a proper HTTP status.
+        first = await anext(deltas, None)
+        sse = SseChunks(fmt, self.prepared.include_usage)
+
+        async def body():
+            started = time.monotonic()
+            metrics.inflight.inc()
+            completed = False
+            try:
+                for choices in fmt.opening(self.prepared.request.sampling.n):
+                    yield sse.chunk(choices)
+                delta = first
+                while delta is not None:
+                    if delta.text or delta.finish_reason or delta.logprobs or delta.reasoning or delta.tool_calls:
+                        yield sse.chunk([fmt.chunk_choice(delta)])
+                    delta = await anext(deltas, None)
+                if self.prepared.include_usage:
+                    yield sse.chunk([], post.usage)
+                completed = True
+            except RequestError as exc:
+                log.warning("stream failed: %s", exc)
+                yield sse.error(str(exc), "worker_error" if isinstance(exc, WorkerFailed) else exc.type, exc.code)
+                completed = True
+            finally:
+                metrics.inflight.dec()
+                metrics.duration.observe(time.monotonic() - started)
+                if not completed:
+                    metrics.disconnects.inc()
+                await deltas.aclose()
+            yield SseChunks.DONE
+
+        return EventStreamResponse(body(), more_ready=self.more_ready)

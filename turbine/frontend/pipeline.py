@@ -1,0 +1,43 @@
+"""One generation request's trip through the stages after preprocess: dispatch (workers'
+outputs) -> postprocess (Deltas) -> the format for its endpoint. The http stage writes what
+comes out as JSON or SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from turbine.frontend.deltas import Delta, UsageCount
+from turbine.frontend.disagg import DisaggConfig
+from turbine.frontend.dispatch import Dispatch
+from turbine.frontend.format import FORMATS
+from turbine.frontend.metrics import ModelMetrics
+from turbine.frontend.postprocess import Postprocess
+from turbine.frontend.preprocess import Prepared
+
+
+class Pipeline:
+    def __init__(self, prepared: Prepared, client, metrics: ModelMetrics, disagg: DisaggConfig = DisaggConfig()):
+        model, request = prepared.model, prepared.request
+        self.prepared = prepared
+        self.metrics = metrics
+        metrics.input_tokens.inc(len(request.token_ids))
+        self.dispatch = Dispatch(model, client, request, metrics, disagg)
+        self.post = Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output)
+        self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,
+                                          request.output.logprobs is not None)
+        self.deltas: AsyncIterator[Delta] = self.post.deltas(self.dispatch.outputs(), self.dispatch.output_ready,
+                                                             self._done)
+
+    @property
+    def usage(self) -> UsageCount:
+        return self.post.usage
+
+    def more_ready(self) -> bool:
+        """Whether the next delta comes without waiting (the writer then holds this one back)."""
+        return self.dispatch.output_ready() or all(self.post.finished)
+
+    def _done(self, usage: UsageCount) -> None:
+        # A prompt prefilled remotely was (partly) cached on the prefill worker.
+        usage.cached_tokens = max(usage.cached_tokens, self.dispatch.remote_cached_tokens)
+        self.metrics.output_tokens.inc(usage.completion_tokens)
+        self.metrics.cached_tokens.inc(usage.cached_tokens)

@@ -1,0 +1,97 @@
+"""The postprocess stage: a worker's raw outputs -> per-choice Deltas. Per choice it
+detokenizes incrementally, applies stop strings, keeps logprobs and counts usage; then each
+delta passes a chain of output parsers (the place where tool-call and reasoning parsers go;
+empty for now). Outputs that arrived together are merged into one delta per choice."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from turbine.frontend.deltas import Delta, TokenLogprob, UsageCount
+from turbine.frontend.detokenizer import IncrementalDetokenizer
+from turbine.frontend.errors import WorkerFailed
+from turbine.frontend.preprocess import OutputSpec
+from turbine.frontend.tokenizer import TextTokenizer
+from turbine.protocol.generate import GenerateOutput
+
+
+class OutputParser(Protocol):
+    """Turns one choice's deltas into structured parts (e.g. text into tool-call fragments).
+    `push` may hold text back; `finish` releases what is held when the choice ends."""
+
+    def push(self, delta: Delta) -> Delta: ...
+
+    def finish(self, delta: Delta) -> Delta: ...
+
+
+class Postprocess:
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int], n: int, spec: OutputSpec,
+                 parsers: Callable[[], list[OutputParser]] = list):
+        """`parsers` makes one choice's parser chain."""
+        self.detoks = [IncrementalDetokenizer(tokenizer, prompt_ids, stop=spec.stop,
+                                              skip_special_tokens=spec.skip_special_tokens,
+                                              include_stop_str_in_output=spec.include_stop_str_in_output)
+                       for _ in range(n)]
+        self.chains = [parsers() for _ in range(n)]
+        self.finished = [False] * n
+        self.usage = UsageCount(prompt_tokens=len(prompt_ids))
+
+    def apply(self, chunk: GenerateOutput) -> Delta | None:
+        """The delta of one output chunk (None once its choice has finished)."""
+        i = chunk.index
+        if self.finished[i]:
+            return None
+        detok = self.detoks[i]
+        self.usage.completion_tokens += len(chunk.token_ids)
+        delta = Delta(i, detok.push(chunk.token_ids) if chunk.token_ids else "")
+        if chunk.log_probs is not None:
+            tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
+            delta.logprobs = [TokenLogprob(t, lp, [(x.token_id, x.logprob) for x in top])
+                              for t, lp, top in zip(chunk.token_ids, chunk.log_probs, tops)]
+        if detok.stopped:
+            delta.finish_reason = "stop"
+        elif chunk.finish_reason is not None:
+            delta.text += detok.flush()
+            delta.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
+        for parser in self.chains[i]:
+            delta = parser.push(delta)
+            if delta.finish_reason is not None:
+                delta = parser.finish(delta)
+        if delta.finish_reason is not None:
+            self.finished[i] = True
+        return delta
+
+    async def deltas(self, outputs: AsyncIterator[GenerateOutput], more_ready: Callable[[], bool],
+                     on_done: Callable[[UsageCount], None] = lambda usage: None) -> AsyncIterator[Delta]:
+        """The request's deltas. Outputs that arrived together (`more_ready()`: the next one is
+        already here) are merged into one delta per choice, as vLLM's server does when it falls
+        behind: the client gets the same text, sooner, in fewer events. Closing this generator
+        closes `outputs` (which cancels the request on its worker)."""
+        held: Delta | None = None
+        try:
+            async with contextlib.aclosing(outputs):
+                async for chunk in outputs:
+                    delta = self.apply(chunk)
+                    if delta is not None:
+                        if held is not None and held.mergeable_with(delta):
+                            held.text += delta.text
+                            held.finish_reason = delta.finish_reason
+                        else:
+                            if held is not None:
+                                yield held
+                            held = delta
+                    if all(self.finished):
+                        break
+                    if held is not None and not more_ready():
+                        yield held
+                        held = None
+                else:
+                    raise WorkerFailed("worker ended the stream before every choice finished")
+            if held is not None:
+                yield held
+        finally:
+            on_done(self.usage)

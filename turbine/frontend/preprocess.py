@@ -1,0 +1,122 @@
+"""The preprocess stage: an OpenAI request body -> a Prepared request (the worker's token-in
+GenerateRequest plus what the later stages need). Decoding and validation, the model lookup,
+the chat template, tokenization and the context-length limits happen here; new input kinds
+(token ids, embeddings, media) plug in here too."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from turbine.frontend.errors import RequestError
+from turbine.frontend.models import ModelTable, ServedModel
+from turbine.frontend.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+    prompt_of,
+    stop_list,
+    validate_chat,
+    validate_completion,
+)
+from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+
+Kind = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """How the postprocess stage turns token ids into text."""
+
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    kind: Kind
+    model: ServedModel
+    request: GenerateRequest
+    output: OutputSpec
+    stream: bool
+    include_usage: bool  # streaming: a last chunk with the usage
+
+
+async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
+    """Raises RequestError (naming the parameter) for anything the request gets wrong."""
+    if kind == "chat":
+        req = decode_request(body, ChatCompletionRequest)
+        validate_chat(req)
+    else:
+        req = decode_request(body, CompletionRequest)
+        validate_completion(req)
+    model = served_model(models, req.model, kind)
+    tok = model.tokenizer
+    if kind == "chat":
+        try:
+            text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                           tools=req.tools, **(req.chat_template_kwargs or {}))
+        except ValueError as exc:
+            raise RequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+        # The template writes BOS and friends itself: no post-processor on top.
+        token_ids = await tok.encode_off_loop(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_param = "messages"
+    else:
+        prompt = prompt_of(req)
+        token_ids = await tok.encode_off_loop(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, list) and max(prompt) >= tok.vocab_size:
+            raise RequestError(f"prompt: token id {max(prompt)} is outside the vocabulary (size {tok.vocab_size})",
+                               param="prompt")
+        max_tokens = req.max_tokens
+        logprobs = req.logprobs
+        prompt_param = "prompt"
+    max_tokens = _checked_lengths(len(token_ids), max_tokens, model.card.context_length, prompt_param)
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise RequestError(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})",
+                           param="min_tokens")
+    if req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
+        raise RequestError("stop_token_ids: token id outside the vocabulary", param="stop_token_ids")
+    request = GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        model=model.name,
+        token_ids=token_ids,
+        sampling=SamplingOptions(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty),
+        stop=StopConditions(max_tokens=max_tokens, min_tokens=req.min_tokens,
+                            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
+        output=OutputOptions(logprobs=logprobs),
+    )
+    output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
+                        skip_special_tokens=req.skip_special_tokens)
+    return Prepared(kind, model, request, output, stream=req.stream,
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def served_model(models: ModelTable, name: str, kind: Kind) -> ServedModel:
+    model = models.models.get(name)
+    if model is None or not model.instances:
+        raise RequestError(f"the model {name!r} does not exist or has no live worker", param="model",
+                           status=404, code="model_not_found")
+    if kind not in model.card.endpoint_types:
+        raise RequestError(f"the model {name!r} does not serve {kind} requests", param="model")
+    return model
+
+
+def _checked_lengths(prompt_tokens: int, max_tokens: int | None, context: int, prompt_param: str) -> int:
+    """max_tokens, defaulted to what the context leaves; a prompt or total over the context is an error."""
+    if prompt_tokens >= context:
+        raise RequestError(f"the prompt has {prompt_tokens} tokens but the model's context length is {context}",
+                           param=prompt_param)
+    if max_tokens is None:
+        return context - prompt_tokens
+    if prompt_tokens + max_tokens > context:
+        raise RequestError(f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                           f"{prompt_tokens + max_tokens} in all, over the model's context length of {context}",
+                           param="max_tokens")
+    return max_tokens
