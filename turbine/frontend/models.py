@@ -56,7 +56,7 @@ class ModelTable:
         for card in sorted(cards, key=lambda c: c.instance_id):
             if self.namespace and card.namespace != self.namespace:
                 continue
-            rec = by_path.get(f"{card.namespace}/{card.component}/{card.endpoint}/{card.instance_id}")
+            rec = by_path.get(card.path)
             if rec is None:
                 continue  # the card outlived its instance record (or arrived first)
             if card.disaggregation_mode == "prefill":

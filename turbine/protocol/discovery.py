@@ -9,6 +9,11 @@ WIRE_VERSION = 1
 DISAGGREGATION_MODES = ("agg", "prefill", "decode")
 
 
+def instance_path(namespace: str, component: str, endpoint: str, instance_id: str) -> str:
+    """Where one instance's records live in discovery (its InstanceRecord and ModelCard alike)."""
+    return f"{namespace}/{component}/{endpoint}/{instance_id}"
+
+
 class InstanceRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     """One serving endpoint of one process: where to send its requests."""
 
@@ -23,7 +28,7 @@ class InstanceRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def path(self) -> str:
-        return f"{self.namespace}/{self.component}/{self.endpoint}/{self.instance_id}"
+        return instance_path(self.namespace, self.component, self.endpoint, self.instance_id)
 
 
 class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -49,9 +54,17 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     migration_limit: int = 0
     # Where this instance publishes its KV cache events ("tcp://host:port"); None: it doesn't.
     kv_events_address: str | None = None
+    # Where this instance publishes its load reports (every worker does, whatever its role or
+    # prefix caching); the same address as kv_events_address when it has one.
+    load_metrics_address: str | None = None
     # "agg" serves whole requests; "prefill" computes prompts' KV for decode workers to pull;
     # "decode" generates, pulling the KV that a prefill worker computed.
     disaggregation_mode: str = "agg"
     # Engines (data-parallel ranks) behind this instance; a request's dp_rank picks one.
     data_parallel_size: int = 1
     v: int = WIRE_VERSION
+
+    @property
+    def path(self) -> str:
+        """The path of the instance this card belongs to."""
+        return instance_path(self.namespace, self.component, self.endpoint, self.instance_id)

@@ -23,19 +23,11 @@ MODELS = "models/"
 T = TypeVar("T")
 
 
-def _path(namespace: str, component: str, endpoint: str, instance_id: str) -> str:
-    parts = (namespace, component, endpoint, instance_id)
-    if any(not part or "/" in part for part in parts):
-        raise ValueError(f"discovery path parts must be non-empty and contain no '/': {parts}")
-    return "/".join(parts)
-
-
-def _card_path(card: ModelCard) -> str:
-    return _path(card.namespace, card.component, card.endpoint, card.instance_id)
-
-
-def _instance_path(rec: InstanceRecord) -> str:
-    return _path(rec.namespace, rec.component, rec.endpoint, rec.instance_id)
+def _checked(path: str) -> str:
+    parts = path.split("/")
+    if len(parts) != 4 or not all(parts):
+        raise ValueError(f"discovery path parts must be non-empty and contain no '/': {path!r}")
+    return path
 
 
 def _decode_all(entries: dict[str, bytes], prefix: str, type_: type[T]) -> list[T]:
@@ -55,14 +47,14 @@ class Registry:
         self.backend = backend
 
     async def register_instance(self, rec: InstanceRecord) -> None:
-        await self.backend.put(INSTANCES + _instance_path(rec), codec.encode(rec))
+        await self.backend.put(INSTANCES + _checked(rec.path), codec.encode(rec))
 
     async def register_model(self, card: ModelCard) -> None:
-        await self.backend.put(MODELS + _card_path(card), codec.encode(card))
+        await self.backend.put(MODELS + _checked(card.path), codec.encode(card))
 
     async def unregister_instance(self, rec: InstanceRecord) -> None:
         """Remove the instance and the model card published under the same path."""
-        path = _instance_path(rec)
+        path = rec.path
         await self.backend.delete(MODELS + path)
         await self.backend.delete(INSTANCES + path)
 
