@@ -42,7 +42,7 @@ from frontend_overhead import (  # noqa: E402  (re-exported for the other benchm
 __all__ = ["REPO_ROOT", "Proc", "default_model", "find_export", "fmt", "free_port", "http_get_json",
            "http_post_json", "log", "median", "parse_export", "parse_int_list", "run_aiperf", "tail",
            "versions", "Stack", "aiperf_point", "wait_quiet", "read_cards", "proc_cpu_s", "ratio",
-           "StreamError", "sse_chunks", "record_usage"]
+           "StreamError", "sse_chunks", "record_usage", "checkout_env", "turbine_origin"]
 
 
 class StreamError(Exception):
@@ -198,15 +198,44 @@ def turbine_env(discovery_dir: str, **extra: str) -> dict[str, str]:
 
 
 def start_turbine(stack: Stack, python: str, worker_argv: list[str], worker_env: dict[str, str] | None = None,
-                  frontend_args: list[str] | None = None) -> str:
+                  frontend_args: list[str] | None = None, env: dict[str, str] | None = None) -> str:
     """A Turbine frontend plus one worker process (vLLM or mocker) sharing a private file
-    discovery folder; returns that folder.  The caller waits for readiness."""
+    discovery folder; returns that folder.  The caller waits for readiness.  `env` goes to both
+    processes (e.g. `checkout_env(path)` to run another Turbine checkout)."""
     disc = tempfile.mkdtemp(prefix="discovery_", dir=stack.run_dir)
     stack.discovery_dir = disc
-    stack.spawn("worker", [python, *worker_argv], turbine_env(disc, **(worker_env or {})))
+    stack.spawn("worker", [python, *worker_argv], turbine_env(disc, **(env or {}), **(worker_env or {})))
     stack.spawn("frontend", [python, "-m", "turbine.frontend", "--http-port", str(stack.port),
-                             *(frontend_args or [])], turbine_env(disc))
+                             *(frontend_args or [])], turbine_env(disc, **(env or {})))
     return disc
+
+
+def checkout_env(checkout: str | Path) -> dict[str, str]:
+    """Environment that makes Turbine's python import `turbine` from another checkout (same venv).
+    PYTHONPATH alone is not enough: the processes run with the current directory in this repo, and
+    `python -m` / `-c` put that directory first on sys.path, ahead of PYTHONPATH; PYTHONSAFEPATH=1
+    (Python >= 3.11) leaves it out.  The editable install's finder comes after both."""
+    path = str(Path(checkout).resolve())
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": path + (os.pathsep + rest if rest else ""), "PYTHONSAFEPATH": "1"}
+
+
+def turbine_origin(python: str, env: dict[str, str] | None = None) -> dict[str, str | None]:
+    """Where `turbine` is imported from under this python and environment (as the stack's processes
+    run: current directory REPO_ROOT), and that checkout's git commit."""
+    code = "import os, turbine; print(os.path.dirname(os.path.dirname(os.path.abspath(turbine.__file__))))"
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=str(REPO_ROOT),
+                       env=dict(os.environ, **(env or {})), timeout=120)
+    root = r.stdout.strip() or None
+    commit = None
+    if root:
+        g = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = g.stdout.strip() or None
+        d = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+        if d.returncode == 0 and d.stdout.strip() and commit:
+            commit += "+dirty"
+    return {"root": root, "commit": commit, "error": r.stderr.strip()[-500:] if r.returncode else None}
 
 
 async def _read_cards(discovery_dir: str):

@@ -14,12 +14,24 @@ max(2, C) requests, concurrency 1, 8, 32, max(300, 40 x C) measured requests.  T
 reported values are medians over repeats, with per-repeat ratios in the JSON.  The CPU
 seconds each process used during each point are recorded too.
 
+  turbine-base  the same as turbine, from another Turbine checkout (--turbine-baseline PATH, env
+           TURBINE_BASELINE), run with this venv's python and PYTHONPATH=PATH (plus PYTHONSAFEPATH=1,
+           so the current directory does not shadow it): this version against an older one, in the
+           same sitting, alternating with the others.  Which checkout each system really imported
+           (and its commit) is checked before measuring and recorded in the JSON.
+
+--systems picks and orders the systems (default turbine,dynamo; turbine,turbine-base,dynamo when a
+baseline is given).  Ratios are the first system (normally turbine) over each other one.
+
 --py-spy PATH: afterwards, start Turbine once more and record its frontend with py-spy during
 one extra point (not part of the measurement) and write the raw stacks plus a top-N summary.
 
+Paths come from flags or environment variables (AIPERF, DYNAMO_PYTHON, TURBINE_BASELINE,
+TURBINE_PEER_DIR, PY_SPY), for example:
+
   .venv/bin/python benchmarks/frontend_ceiling.py --aiperf /work/bench-tools/aiperf/bin/aiperf \
-      --dynamo-python /work/bench-tools/dynamo/bin/python --repeats 3 \
-      --py-spy /work/bench-tools/dynamo/bin/py-spy
+      --dynamo-python /work/bench-tools/dynamo/bin/python --turbine-baseline /work/baseline-b979bab \
+      --systems turbine,turbine-base,dynamo --repeats 3 --py-spy /work/bench-tools/dynamo/bin/py-spy
 """
 
 from __future__ import annotations
@@ -40,18 +52,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, aiperf_point, default_model, fmt, free_port, log, median, parse_int_list, proc_cpu_s,
-    ratio, start_turbine, versions, wait_quiet)
+    REPO_ROOT, Stack, aiperf_point, checkout_env, default_model, fmt, free_port, log, median, parse_int_list,
+    proc_cpu_s, ratio, start_turbine, turbine_origin, versions, wait_quiet)
 
 SERVED = "smollm2-135m-instruct"
-PEER_DIR = Path("/work/shared/peer")
-SYSTEMS = ("turbine", "dynamo")
+# The peer's recipe and its zmq_broker.py: --peer-dir, $TURBINE_PEER_DIR, else the project's shared/
+# folder beside this checkout.
+DEFAULT_PEER_DIR = REPO_ROOT.parent / "shared" / "peer"
+SYSTEMS = ("turbine", "turbine-base", "dynamo")
+METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "request_per_s")
 
 
-def start_turbine_stack(a, run_dir: Path, tag: str) -> Stack:
-    st = Stack("turbine", run_dir, tag)
+def system_env(a, system: str) -> dict[str, str]:
+    return checkout_env(a.turbine_baseline) if system == "turbine-base" else {}
+
+
+def start_turbine_stack(a, run_dir: Path, tag: str, system: str = "turbine") -> Stack:
+    st = Stack(system, run_dir, tag)
     start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
-                                 "--speedup-ratio", "0", "--system-port", str(free_port()), *a.turbine_mocker_args.split()])
+                                 "--speedup-ratio", "0", "--system-port", str(free_port()), *a.turbine_mocker_args.split()],
+                  env=system_env(a, system))
     st.wait_ready(lambda: st.models_ready(SERVED, True), a.startup_timeout)
     st.sanity_check(SERVED)
     return st
@@ -69,7 +89,7 @@ def start_dynamo_stack(a, run_dir: Path, tag: str) -> Stack:
                DYN_ZMQ_BROKER_URL=f"xsub=tcp://127.0.0.1:{xsub},xpub=tcp://127.0.0.1:{xpub}",
                HOME=str(peer / "home"), DYN_SELF_HOST_METADATA="0", HF_HUB_OFFLINE="1")
     py = a.dynamo_python
-    st.spawn("broker", [py, str(PEER_DIR / "zmq_broker.py"), str(xsub), str(xpub)], env)
+    st.spawn("broker", [py, str(Path(a.peer_dir) / "zmq_broker.py"), str(xsub), str(xpub)], env)
     time.sleep(1)
     st.spawn("frontend", [py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(st.port)], env)
     st.spawn("worker", [py, "-m", "dynamo.mocker", "--model-path", a.model, "--model-name", SERVED,
@@ -100,51 +120,73 @@ def run_point(a, st: Stack, c: int, rep: int, run_dir: Path, seed_offset: int = 
     return rec
 
 
-def summarize(runs: list[dict], concs: list[int]) -> dict:
+def _cpu_ms_per_request(r: dict) -> float | None:
+    cpu = (r.get("cpu_s") or {}).get("frontend")
+    return cpu * 1000 / (r["metrics"].get("requests") or r["requests"]) if cpu is not None else None
+
+
+def summarize(runs: list[dict], concs: list[int], systems: list[str]) -> dict:
+    """Per concurrency: each system's medians over repeats, and the first system over each other
+    one (medians' ratios and every repeat's own ratio)."""
+    ref = systems[0]
     summary = {}
     for c in concs:
         row = {}
-        for s in SYSTEMS:
+        for s in systems:
             ok = [r for r in runs if r["system"] == s and r["concurrency"] == c and r["ok"]]
-            row[s] = {k: median([r["metrics"][k] for r in ok])
-                      for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "request_per_s")}
+            row[s] = {k: median([r["metrics"][k] for r in ok if r["metrics"].get(k) is not None]) for k in METRICS}
             row[s]["n_ok_runs"] = len(ok)
             row[s]["frontend_cpu_ms_per_request"] = median(
-                [r["cpu_s"].get("frontend") * 1000 / (r["metrics"].get("requests") or r["requests"])
-                 for r in ok if r.get("cpu_s", {}).get("frontend") is not None])
-        row["throughput_ratio"] = ratio(row["turbine"]["output_tok_s"], row["dynamo"]["output_tok_s"])
-        row["ttft_p50_ratio"] = ratio(row["turbine"]["ttft_p50_ms"], row["dynamo"]["ttft_p50_ms"])
-        row["ttft_p99_ratio"] = ratio(row["turbine"]["ttft_p99_ms"], row["dynamo"]["ttft_p99_ms"])
-        per = []
-        for rep in sorted({r["repeat"] for r in runs}):
-            pair = {r["system"]: r for r in runs if r["repeat"] == rep and r["concurrency"] == c and r["ok"]}
-            if len(pair) == 2:
-                per.append(ratio(pair["turbine"]["metrics"]["output_tok_s"], pair["dynamo"]["metrics"]["output_tok_s"]))
-        row["per_repeat_throughput_ratio"] = per
+                [x for r in ok if (x := _cpu_ms_per_request(r)) is not None])
+        ratios = {}
+        for o in systems[1:]:
+            rr = {k: ratio(row[ref][k], row[o][k]) for k in (*METRICS, "frontend_cpu_ms_per_request")}
+            per_tok, per_cpu = [], []
+            for rep in sorted({r["repeat"] for r in runs}):
+                pair = {r["system"]: r for r in runs if r["repeat"] == rep and r["concurrency"] == c and r["ok"]}
+                if ref in pair and o in pair:
+                    per_tok.append(ratio(pair[ref]["metrics"]["output_tok_s"], pair[o]["metrics"]["output_tok_s"]))
+                    per_cpu.append(ratio(_cpu_ms_per_request(pair[ref]), _cpu_ms_per_request(pair[o])))
+            rr["per_repeat_throughput_ratio"] = per_tok
+            rr["per_repeat_frontend_cpu_ratio"] = per_cpu
+            ratios[f"{ref}/{o}"] = rr
+        row["ratios"] = ratios
+        if "turbine/dynamo" in ratios:  # the keys of earlier results
+            d = ratios["turbine/dynamo"]
+            row["throughput_ratio"], row["ttft_p50_ratio"], row["ttft_p99_ratio"] = (
+                d["output_tok_s"], d["ttft_p50_ms"], d["ttft_p99_ms"])
+            row["per_repeat_throughput_ratio"] = d["per_repeat_throughput_ratio"]
         summary[str(c)] = row
     return summary
 
 
-def markdown(summary: dict, runs: list[dict]) -> str:
-    lines = ["| C | out tok/s Turbine | out tok/s Dynamo | **ratio T/D** | TTFT p50 T / D (ms) | TTFT p99 T / D (ms) "
-             "| ITL p50 T / D (ms) | frontend CPU ms/request T / D | per-repeat tok/s ratios | runs |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+def markdown(summary: dict, runs: list[dict], systems: list[str]) -> str:
+    lines = ["| C | system | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | frontend CPU ms/request | runs |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for c, row in summary.items():
-        t, d = row["turbine"], row["dynamo"]
-        per = ", ".join(fmt(x, 2) for x in row["per_repeat_throughput_ratio"])
-        lines.append(f"| {c} | {fmt(t['output_tok_s'], 0)} | {fmt(d['output_tok_s'], 0)} | **{fmt(row['throughput_ratio'], 2)}** "
-                     f"| {fmt(t['ttft_p50_ms'])} / {fmt(d['ttft_p50_ms'])} | {fmt(t['ttft_p99_ms'])} / {fmt(d['ttft_p99_ms'])} "
-                     f"| {fmt(t['itl_p50_ms'], 2)} / {fmt(d['itl_p50_ms'], 2)} "
-                     f"| {fmt(t['frontend_cpu_ms_per_request'], 1)} / {fmt(d['frontend_cpu_ms_per_request'], 1)} "
-                     f"| {per} | {t['n_ok_runs']}/{d['n_ok_runs']} |")
-    lines += ["", "Per run:", "", "| repeat | system | C | ok | tok/s | TTFT p50 | TTFT p99 | ITL p50 | CPU s (per process) | wall s |",
-              "|---:|---|---:|---|---:|---:|---:|---:|---|---:|"]
+        for s in systems:
+            t = row[s]
+            lines.append(f"| {c} | {s} | {fmt(t['output_tok_s'], 0)} | {fmt(t['ttft_p50_ms'])} | {fmt(t['ttft_p99_ms'])} "
+                         f"| {fmt(t['itl_p50_ms'], 2)} | {fmt(t['frontend_cpu_ms_per_request'], 2)} | {t['n_ok_runs']} |")
+    lines += ["", "Ratios (medians over repeats; per-repeat ratios of the same repeat's runs):", "",
+              "| C | ratio | **tok/s** | TTFT p50 | TTFT p99 | ITL p50 | frontend CPU/request | per-repeat tok/s | per-repeat CPU/request |",
+              "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for c, row in summary.items():
+        for name, rr in row["ratios"].items():
+            per = ", ".join(fmt(x, 2) for x in rr["per_repeat_throughput_ratio"])
+            per_cpu = ", ".join(fmt(x, 2) for x in rr["per_repeat_frontend_cpu_ratio"])
+            lines.append(f"| {c} | {name} | **{fmt(rr['output_tok_s'], 2)}** | {fmt(rr['ttft_p50_ms'], 2)} "
+                         f"| {fmt(rr['ttft_p99_ms'], 2)} | {fmt(rr['itl_p50_ms'], 2)} "
+                         f"| {fmt(rr['frontend_cpu_ms_per_request'], 2)} | {per} | {per_cpu} |")
+    lines += ["", "Per run:", "", "| repeat | system | C | ok | tok/s | TTFT p50 | TTFT p99 | ITL p50 | CPU s (per process) | frontend CPU ms/request | wall s |",
+              "|---:|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in runs:
         m = r.get("metrics") or {}
-        cpu = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("cpu_s") or {}).items() if v is not None)
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in (r.get("cpu_s") or {}).items() if v is not None)
+        per_req = _cpu_ms_per_request(r) if m else None
         lines.append(f"| {r['repeat']} | {r['system']} | {r['concurrency']} | {'yes' if r['ok'] else 'NO'} "
                      f"| {fmt(m.get('output_tok_s'), 0)} | {fmt(m.get('ttft_p50_ms'))} | {fmt(m.get('ttft_p99_ms'))} "
-                     f"| {fmt(m.get('itl_p50_ms'), 2)} | {cpu} | {fmt(r.get('wall_s'), 0)} |")
+                     f"| {fmt(m.get('itl_p50_ms'), 2)} | {cpu} | {fmt(per_req, 2)} | {fmt(r.get('wall_s'), 0)} |")
     return "\n".join(lines)
 
 
@@ -193,10 +235,15 @@ def profile_turbine(a, run_dir: Path, out_dir: Path) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--aiperf", required=True)
+    env = os.environ.get
+    p.add_argument("--aiperf", default=env("AIPERF"), help="aiperf executable (its own venv); env AIPERF")
     p.add_argument("--python", default=sys.executable, help="Turbine's python")
-    p.add_argument("--dynamo-python", default="/work/bench-tools/dynamo/bin/python",
-                   help="python of the venv with ai-dynamo 1.6.1 (see ../shared/peer/README.md)")
+    p.add_argument("--dynamo-python", default=env("DYNAMO_PYTHON"),
+                   help="python of the venv with ai-dynamo 1.6.1 (see ../shared/peer/README.md); env DYNAMO_PYTHON")
+    p.add_argument("--peer-dir", default=env("TURBINE_PEER_DIR", str(DEFAULT_PEER_DIR)),
+                   help="folder with the peer's zmq_broker.py; env TURBINE_PEER_DIR; default ../shared/peer beside the checkout")
+    p.add_argument("--turbine-baseline", default=env("TURBINE_BASELINE"),
+                   help="another Turbine checkout, measured as system turbine-base with this venv's python; env TURBINE_BASELINE")
     p.add_argument("--model", default=None)
     p.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 32])
     p.add_argument("--isl", type=int, default=200)
@@ -207,11 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--order", choices=("abab", "abba"), default="abba")
-    p.add_argument("--systems", default="turbine,dynamo")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, in order, of {', '.join(SYSTEMS)}; the first is the ratios' numerator "
+                        "(default turbine,dynamo, or turbine,turbine-base,dynamo with --turbine-baseline)")
     p.add_argument("--dynamo-speedup", default="1000")
     p.add_argument("--turbine-mocker-args", default="")
     p.add_argument("--dynamo-mocker-args", default="")
-    p.add_argument("--py-spy", default=None, help="py-spy executable: profile Turbine's frontend afterwards")
+    p.add_argument("--py-spy", default=env("PY_SPY"), help="py-spy executable: profile Turbine's frontend afterwards; env PY_SPY")
     p.add_argument("--py-spy-seconds", type=int, default=30)
     p.add_argument("--py-spy-concurrency", type=int, default=32)
     p.add_argument("--startup-timeout", type=float, default=180)
@@ -222,9 +271,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    a.model = a.model or default_model(a.python)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.systems is None:
+        a.systems = "turbine,turbine-base,dynamo" if a.turbine_baseline else "turbine,dynamo"
     systems = [s for s in a.systems.split(",") if s]
+    if bad := [s for s in systems if s not in SYSTEMS] or (len(set(systems)) != len(systems) and ["(repeated)"]):
+        parser.error(f"--systems: unknown or repeated {bad}; choose from {', '.join(SYSTEMS)}")
+    if not a.aiperf:
+        parser.error("--aiperf (or env AIPERF) is required")
+    if "dynamo" in systems and not a.dynamo_python:
+        parser.error("system dynamo needs --dynamo-python (or env DYNAMO_PYTHON)")
+    if "dynamo" in systems and not (Path(a.peer_dir) / "zmq_broker.py").is_file():
+        parser.error(f"system dynamo needs zmq_broker.py in --peer-dir ({a.peer_dir})")
+    if "turbine-base" in systems and not a.turbine_baseline:
+        parser.error("system turbine-base needs --turbine-baseline PATH (or env TURBINE_BASELINE)")
+    origins = {}
+    for s in systems:  # which checkout each Turbine system really imports, before spending time on it
+        if s.startswith("turbine"):
+            origins[s] = turbine_origin(a.python, system_env(a, s))
+            log(f"{s}: turbine from {origins[s]['root']} ({origins[s]['commit']})")
+    if "turbine-base" in systems:
+        want = str(Path(a.turbine_baseline).resolve())
+        if origins["turbine-base"]["root"] != want:
+            parser.error(f"turbine-base imports turbine from {origins['turbine-base']['root']}, not {want}: "
+                         f"{origins['turbine-base']['error'] or ''}")
+    a.model = a.model or default_model(a.python)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     failures = 0
     started = time.time()
-    starters = {"turbine": start_turbine_stack, "dynamo": start_dynamo_stack}
+    starters = {"turbine": start_turbine_stack, "dynamo": start_dynamo_stack,
+                "turbine-base": lambda a_, d, t: start_turbine_stack(a_, d, t, "turbine-base")}
     try:
         for rep in range(a.repeats):
             order = systems if (a.order == "abab" or rep % 2 == 0) else list(reversed(systems))
@@ -269,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - the profile is extra; keep the measurement
             log(f"py-spy profile failed: {e}")
             profile = {"error": str(e)}
-    summary = summarize(runs, a.concurrency)
-    table = markdown(summary, runs)
+    summary = summarize(runs, a.concurrency, systems)
+    table = markdown(summary, runs, systems)
     print(table)
     if profile and profile.get("summary"):
         print("\npy-spy self time (% of samples):")
@@ -279,11 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "turbine_frontend_ceiling", "date": _dt.datetime.now().isoformat(timespec="seconds"),
               "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "versions": {"turbine_venv": versions(a.python),
+              "versions": {"turbine_venv": versions(a.python), "turbine_checkouts": origins,
                            "dynamo_venv": subprocess.run([a.dynamo_python, "-c", "import importlib.metadata as m, json;"
                                                           "print(json.dumps({d: m.version(d) for d in ('ai-dynamo', 'ai-dynamo-runtime')}))"],
-                                                         capture_output=True, text=True).stdout.strip()},
-              "config": vars(a), "work_dir": str(run_dir), "summary": summary, "runs": runs,
+                                                         capture_output=True, text=True).stdout.strip()
+                           if "dynamo" in systems else None,
+                           "aiperf": subprocess.run([a.aiperf, "--version"], capture_output=True, text=True,
+                                                    timeout=120).stdout.strip()[-40:]},
+              "systems": systems, "config": vars(a), "work_dir": str(run_dir), "summary": summary, "runs": runs,
               "py_spy": profile, "markdown": table}
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     log(f"wrote {out}")

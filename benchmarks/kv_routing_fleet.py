@@ -78,7 +78,8 @@ sys.path.insert(0, str(REPO_ROOT))
 SERVED = "smollm2-135m-instruct"
 MODES = ("kv", "round-robin", "random")
 WORKLOADS = ("chat", "trace")
-TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
+# The trace comes from --trace or $TURBINE_BENCH_TRACE; by default the project's shared/ folder beside the checkout.
+DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 MOONCAKE_BLOCK = 512
 
 
@@ -170,7 +171,8 @@ class TraceWorkload:
 
     def __init__(self, a, vocab: int):
         self.a = a
-        rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+        self.path = Path(a.trace)
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         # A sample of whole prefix families (requests whose first hash id is the same share their
         # prefixes; different first ids never do), so the sample keeps the trace's reuse.
         rows = [r for r in rows if random.Random(r["hash_ids"][0] * 7919 + a.seed).random() < 1 / a.trace_sample]
@@ -208,7 +210,7 @@ class TraceWorkload:
         lens = [len(i["prompt_ids"]) for i in self.items]
         outs = [i["max_tokens"] for i in self.items]
         span = self.items[-1]["at"] if self.items else 0
-        return {"trace": str(TRACE), "requests": len(self.items), "sample": f"1/{a.trace_sample} of prefix families",
+        return {"trace": str(self.path), "requests": len(self.items), "sample": f"1/{a.trace_sample} of prefix families",
                 "families": self.families,
                 "tokens_per_hash_id": a.trace_tokens_per_id, "scale": f"512 -> {a.trace_tokens_per_id} tokens per id",
                 "speed": a.trace_speed, "replay_span_s": span, "offered_req_per_s": len(lens) / span if span else None,
@@ -611,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                         "not wait for answers, unless an answer is not back yet)")
     g.add_argument("--min-think-s", type=float, default=0.2, help="a late turn goes out this long after the answer")
     g = p.add_argument_group("trace workload")
+    g.add_argument("--trace", default=os.environ.get("TURBINE_BENCH_TRACE", str(DEFAULT_TRACE)),
+                   help="the Mooncake synthetic trace (JSONL); env TURBINE_BENCH_TRACE; default: ../shared/data/mooncake_synthetic_trace.jsonl beside the checkout")
     g.add_argument("--trace-sample", type=int, default=4,
                    help="keep the requests of one prefix family (first hash id) in this many, at random")
     g.add_argument("--trace-requests", type=int, default=None, help="at most this many (smoke tests)")
