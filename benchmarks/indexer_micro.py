@@ -62,6 +62,7 @@ import msgspec  # noqa: E402
 
 from turbine.mocker.kv_cache import BlockPool  # noqa: E402
 from turbine.protocol.kv_events import BlockRemoved, BlockStored, KvEventBatch  # noqa: E402
+from turbine.router.config import KvRouterConfig  # noqa: E402
 from turbine.router.indexer import WorkerKey  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's vocabulary size: token ids are drawn below it
@@ -89,7 +90,6 @@ class Impl:
         self.block_hashes = hashing.block_hashes
         self.KvIndexer = indexer.KvIndexer
         self.KvRouter = kv_router.KvRouter
-        self.KvRouterConfig = kv_router.KvRouterConfig
 
 
 def current_impl() -> Impl:
@@ -340,7 +340,7 @@ class DecisionIndex:
         self.bs = bs
         self.rng = rng = random.Random(seed)
         self.workers = [WorkerKey(f"worker-{i:02d}") for i in range(a.decision_workers)]
-        self.router = impl.KvRouter(impl.KvRouterConfig(block_size=bs), rng=random.Random(seed))
+        self.router = impl.KvRouter(KvRouterConfig(), bs, rng=random.Random(seed))
         self.index = self.router.index
         self.corpus = Corpus(1 << 22, rng, as_array=True)
         self.systems = [self.corpus.take(a.system_tokens - a.system_tokens % bs) for _ in range(a.system_prompts)]

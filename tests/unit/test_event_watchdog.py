@@ -110,7 +110,7 @@ def test_a_worker_that_leaves_is_forgotten():
 
 async def test_the_model_router_expects_events_only_for_blocks_new_to_the_worker():
     from turbine.protocol.discovery import ModelCard
-    from turbine.router.kv_router import KvRouterConfig
+    from turbine.router.config import KvRouterConfig
     from turbine.router.model_router import ModelKvRouter
 
     def card(i, bs=BS):
@@ -119,7 +119,7 @@ async def test_the_model_router_expects_events_only_for_blocks_new_to_the_worker
                          max_num_seqs=1, max_num_batched_tokens=10, kv_events_address="tcp://127.0.0.1:1")
 
     clock = Clock()
-    router = ModelKvRouter("m", KvRouterConfig(block_size=BS), clock=clock)
+    router = ModelKvRouter("m", KvRouterConfig(), BS, clock=clock)
     router.instances_changed({"a": card("a"), "odd": card("odd", bs=8)})
     try:
         prompt = list(range(2 * BS))

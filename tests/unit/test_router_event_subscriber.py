@@ -9,7 +9,7 @@ from turbine.protocol.kv_events import BlockStored
 from turbine.router.event_subscriber import RouterEventSubscriber
 from turbine.router.hashing import block_hashes
 from turbine.router.indexer import WorkerKey
-from turbine.router.kv_router import KvRouterConfig
+from turbine.router.config import KvRouterConfig
 from turbine.router.model_router import ModelKvRouter
 from turbine.runtime.event_plane import KV_EVENTS_TOPIC, LOAD_METRICS_TOPIC
 from turbine.runtime.kv_publisher import KvEventPublisher
@@ -26,7 +26,7 @@ def card(instance_id: str, address: str | None, block_size: int = BS) -> ModelCa
 
 
 async def test_one_connection_per_worker_carries_kv_events_and_load_reports():
-    router = ModelKvRouter("m", KvRouterConfig(block_size=BS))
+    router = ModelKvRouter("m", KvRouterConfig(), BS)
     w1, odd = KvEventPublisher("w1"), KvEventPublisher("odd")
     loads = {p.instance_id: LoadMetricsPublisher(p.events_plane, p.instance_id, min_interval_s=0, keepalive_s=0)
              for p in (w1, odd)}

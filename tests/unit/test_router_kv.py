@@ -8,7 +8,8 @@ from turbine.protocol.kv_events import BlockStored
 from turbine.router.approx import ApproxKvIndexer
 from turbine.router.hashing import block_hashes
 from turbine.router.indexer import WorkerKey
-from turbine.router.kv_router import KvRouter, KvRouterConfig
+from turbine.router.config import KvRouterConfig
+from turbine.router.kv_router import KvRouter
 
 BS = 16
 W = [WorkerKey("a"), WorkerKey("b"), WorkerKey("c")]
@@ -16,7 +17,7 @@ SYSTEM = list(range(100, 100 + 4 * BS))  # a shared 4-block system prompt
 
 
 def test_events_mode_routes_to_the_worker_holding_the_prefix():
-    router = KvRouter(KvRouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(KvRouterConfig(), BS, rng=random.Random(0))
     router.index.apply(W[1], BlockStored.from_token_ids(block_hashes=[1, 2, 3, 4], parent_hash=None, token_ids=SYSTEM,
                                                         block_size=BS))
     d = router.decide("r1", SYSTEM + [7, 8, 9], W)
@@ -25,7 +26,7 @@ def test_events_mode_routes_to_the_worker_holding_the_prefix():
 
 
 def test_approximate_mode_learns_from_its_own_decisions():
-    router = KvRouter(KvRouterConfig(block_size=BS, use_kv_events=False), rng=random.Random(0))
+    router = KvRouter(KvRouterConfig(use_kv_events=False), BS, rng=random.Random(0))
     first = router.decide("r1", SYSTEM + [1, 2, 3], W)
     router.first_token("r1")
     router.finished("r1")
@@ -33,7 +34,7 @@ def test_approximate_mode_learns_from_its_own_decisions():
     again = router.decide("r2", SYSTEM + [4, 5, 6], W)
     assert again.worker == first.worker and again.overlap_blocks == 4
     router.finished("r2")
-    router.worker_left(first.worker)
+    router.instance_left(first.worker.instance_id)
     assert router.decide("r3", SYSTEM, [w for w in W if w != first.worker]).overlap_blocks == 0
 
 

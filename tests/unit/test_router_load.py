@@ -12,7 +12,8 @@ from collections import Counter
 from turbine.protocol.load_metrics import LoadMetrics
 from turbine.router.cost import LoadTracker, WorkerLoad
 from turbine.router.indexer import WorkerKey
-from turbine.router.kv_router import KvRouter, KvRouterConfig
+from turbine.router.config import KvRouterConfig
+from turbine.router.kv_router import KvRouter
 
 BS = 16
 W = [WorkerKey(f"w{i}") for i in range(4)]
@@ -77,7 +78,7 @@ def test_burst_spreads_although_the_workers_reports_still_say_idle():
     # 8 identical requests arrive at once; every worker reported itself idle, and reports keep
     # coming (they cannot include requests not yet admitted). The router's own counts of what
     # it just sent spread the burst instead of herding it onto one worker.
-    router = KvRouter(KvRouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(KvRouterConfig(), BS, rng=random.Random(0))
     prompt = list(range(8 * BS))
     for w in W:
         router.loads.report(w, report(w, active=0))
@@ -92,7 +93,7 @@ def test_burst_spreads_although_the_workers_reports_still_say_idle():
 def test_reported_load_of_other_routers_traffic_steers_decisions():
     # A worker busy with requests this router never saw (another frontend's) reports its
     # blocks; the router sends new work elsewhere.
-    router = KvRouter(KvRouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(KvRouterConfig(), BS, rng=random.Random(0))
     router.loads.report(W[0], report(W[0], active=500, running=20))
     for w in W[1:]:
         router.loads.report(w, report(w, active=0))

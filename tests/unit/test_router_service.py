@@ -99,7 +99,8 @@ async def test_departed_workers_are_not_chosen(service):
 def test_flags():
     cfg = parse_router_args(["--router-temperature", "0.5", "--no-router-kv-events", "--namespace", "prod",
                              "--router-kv-events-deadline", "3"])
-    assert (cfg.temperature, cfg.kv_events, cfg.namespace, cfg.kv_events_deadline_s) == (0.5, False, "prod", 3.0)
+    assert (cfg.kv.temperature, cfg.kv.use_kv_events, cfg.namespace, cfg.kv.events_deadline_s) == \
+        (0.5, False, "prod", 3.0)
     for bad in (["--router-temperature", "-1"], ["--router-kv-overlap-score-weight", "-2"],
                 ["--router-kv-events-deadline", "0"], ["--namespace", "a/b"], ["--router-request-ttl", "0"]):
         with pytest.raises(SystemExit):
@@ -111,6 +112,27 @@ def test_the_frontend_shares_the_router_flags():
 
     router = parse_frontend_args(["--router-mode", "kv", "--router-kv-events-deadline", "2",
                                   "--router-temperature", "0.1"]).router
-    assert (router.kv_events_deadline_s, router.temperature) == (2.0, 0.1)
+    assert (router.mode, router.kv.events_deadline_s, router.kv.temperature) == ("kv", 2.0, 0.1)
     with pytest.raises(SystemExit):
         parse_frontend_args(["--router-kv-events-deadline", "-1"])
+
+
+async def test_the_reply_names_the_rank_that_holds_the_prefix():
+    from msgspec import structs
+
+    from turbine.protocol.kv_events import BlockStored
+
+    svc = RouterService(RouterServiceConfig())
+    rec, card = worker("dp")
+    svc.apply([rec], [structs.replace(card, data_parallel_size=2)])
+    try:
+        prompt = list(range(3 * BS))
+        svc._routers[("m", "backend")].kv.index.apply(WorkerKey("dp", 1), BlockStored.from_token_ids(
+            block_hashes=[1, 2, 3], parent_hash=None, token_ids=prompt, block_size=BS))
+        reply = svc.choose(BestWorkerRequest(model="m", token_ids=prompt + [1], request_id="r1"))
+        assert (reply.instance_id, reply.dp_rank, reply.overlap_blocks) == ("dp", 1, 3)
+        # Uncached prompts go to the rank with less load: the other one, while r1 counts.
+        other = svc.choose(BestWorkerRequest(model="m", token_ids=list(range(500, 500 + 3 * BS)), request_id="r2"))
+        assert other.dp_rank == 0
+    finally:
+        svc.close()

@@ -47,12 +47,20 @@ class ApproxKvIndexer:
         return scores
 
     def remove_worker(self, worker: WorkerKey) -> None:
+        self._remove(lambda w: w == worker)
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Every data-parallel rank of an instance goes (it left discovery)."""
+        self._remove(lambda w: w.instance_id == instance_id)
+
+    def _remove(self, gone) -> None:
         for h in list(self._expiry):
             holders = self._expiry[h]
-            if holders.pop(worker, None) is not None:
+            for w in [w for w in holders if gone(w)]:
+                del holders[w]
                 self._size -= 1
-                if not holders:
-                    del self._expiry[h]
+            if not holders:
+                del self._expiry[h]
 
     def prune(self, target: int = 0) -> None:
         """Drop expired entries; then, if still over `target`, the ones expiring soonest."""

@@ -1,5 +1,5 @@
-"""Command line of the KV router: the flags it shares with the frontend's kv mode, and the
-standalone router service's (`python -m turbine.router`) → RouterServiceConfig."""
+"""Command line of the standalone router service (`python -m turbine.router`) → RouterServiceConfig.
+Its KV routing flags are the frontend's kv mode's (turbine.router.config)."""
 
 from __future__ import annotations
 
@@ -7,50 +7,33 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, add_discovery_args, discovery_config_from_args
-from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
-from turbine.router.kv_router import DEFAULT_OVERLAP_WEIGHT
+from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, check, config_errors_to, flag
+from turbine.config import add_discovery_args, discovery_config_from_args
+from turbine.router.config import KvRouterConfig, add_kv_router_args, kv_router_config_from_args
 
 DEFAULT_REQUEST_TTL_S = 600.0
 
 
-def add_kv_router_args(group, scope: str = "") -> None:
-    """The KV router's tuning flags; `scope` prefixes their help (the frontend says "kv mode: ")."""
-    group.add_argument("--router-kv-overlap-score-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
-                       help=f"{scope}weight of the prefill blocks a worker would still compute, against its "
-                            "decode load")
-    group.add_argument("--router-temperature", type=float, default=0.0,
-                       help=f"{scope}0 picks the cheapest worker; > 0 samples by softmax over the costs")
-    group.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
-                       help=f"{scope}approximate routing, learned from the router's own decisions (entries "
-                            "expire after 120 s) instead of the workers' KV events")
-    group.add_argument("--router-kv-events-deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
-                       help=f"{scope}warn (naming the worker) when a worker's KV events have not arrived this "
-                            "long after it prefilled blocks the router did not know it held")
-
-
-def check_kv_router_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.router_kv_overlap_score_weight < 0:
-        parser.error("--router-kv-overlap-score-weight must be >= 0")
-    if args.router_temperature < 0:
-        parser.error("--router-temperature must be >= 0")
-    if args.router_kv_events_deadline <= 0:
-        parser.error("--router-kv-events-deadline must be > 0")
-
-
 @dataclass(frozen=True)
 class RouterServiceConfig:
-    namespace: str = DEFAULT_NAMESPACE  # where it registers, and whose workers it routes to
+    # Where it registers, and whose workers it routes to.
+    namespace: str = flag("--namespace", default=DEFAULT_NAMESPACE)
     host: str = "127.0.0.1"  # request-plane bind address
-    port: int = 0
+    port: int = flag("--port", default=0)
     system_host: str = "127.0.0.1"
-    system_port: int | None = None  # /health, /live, /metrics; off when None
-    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
-    temperature: float = 0.0
-    kv_events: bool = True
-    kv_events_deadline_s: float = DEFAULT_DEADLINE_S
-    request_ttl_s: float = DEFAULT_REQUEST_TTL_S
+    system_port: int | None = flag("--system-port", default=None)  # /health, /live, /metrics; off when None
+    kv: KvRouterConfig = field(default_factory=KvRouterConfig)
+    request_ttl_s: float = flag("--router-request-ttl", default=DEFAULT_REQUEST_TTL_S)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+
+    def __post_init__(self):
+        ns = self.namespace
+        check(self, bool(ns) and "/" not in ns and ns.replace("-", "").replace("_", "").isalnum(), "namespace",
+              f"{ns!r}: use letters, digits, '-' and '_' only")
+        for name in ("port", "system_port"):
+            port = getattr(self, name)
+            check(self, port is None or 0 <= port <= 65535, name, f"{port}: must be between 0 and 65535")
+        check(self, self.request_ttl_s > 0, "request_ttl_s", "must be > 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,17 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_router_args(argv: list[str] | None = None) -> RouterServiceConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_kv_router_args(args, parser)
-    ns = args.namespace
-    if not ns or "/" in ns or not ns.replace("-", "").replace("_", "").isalnum():
-        parser.error(f"--namespace {ns!r}: use letters, digits, '-' and '_' only")
-    for flag, port in (("--port", args.port), ("--system-port", args.system_port)):
-        if port is not None and not 0 <= port <= 65535:
-            parser.error(f"{flag} {port}: must be between 0 and 65535")
-    if args.router_request_ttl <= 0:
-        parser.error("--router-request-ttl must be > 0")
-    return RouterServiceConfig(
-        namespace=ns, host=args.host, port=args.port, system_host=args.system_host, system_port=args.system_port,
-        overlap_weight=args.router_kv_overlap_score_weight, temperature=args.router_temperature,
-        kv_events=args.router_kv_events, kv_events_deadline_s=args.router_kv_events_deadline,
-        request_ttl_s=args.router_request_ttl, discovery=discovery_config_from_args(args, parser))
+    kv = kv_router_config_from_args(args, parser)
+    discovery = discovery_config_from_args(args, parser)
+    with config_errors_to(parser):
+        return RouterServiceConfig(namespace=args.namespace, host=args.host, port=args.port,
+                                   system_host=args.system_host, system_port=args.system_port, kv=kv,
+                                   request_ttl_s=args.router_request_ttl, discovery=discovery)

@@ -111,10 +111,17 @@ class LoadTracker:
             waiting.discard(request_id)
 
     def forget_worker(self, worker: WorkerKey) -> None:
-        self._own.pop(worker, None)
-        self._reports.pop(worker, None)
-        self._awaiting_report.pop(worker, None)
-        self._sent = {r: s for r, s in self._sent.items() if s.worker != worker}
+        self._forget(lambda w: w == worker)
+
+    def forget_instance(self, instance_id: str) -> None:
+        """Every data-parallel rank of an instance (it left discovery)."""
+        self._forget(lambda w: w.instance_id == instance_id)
+
+    def _forget(self, gone) -> None:
+        for table in (self._own, self._reports, self._awaiting_report):
+            for w in [w for w in table if gone(w)]:
+                del table[w]
+        self._sent = {r: s for r, s in self._sent.items() if not gone(s.worker)}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sent

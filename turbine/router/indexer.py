@@ -141,6 +141,12 @@ class KvIndexer:
         self._slot_worker[slot] = None
         self._free_slots.append(slot)
 
+    def remove_instance(self, instance_id: str) -> None:
+        """Every data-parallel rank of an instance goes (it left discovery)."""
+        for worker in [w for w in {*self._slot, *self._engine_to_router} if w.instance_id == instance_id]:
+            self.remove_worker(worker)
+        self.events_of.pop(instance_id, None)
+
     # -- queries ----------------------------------------------------------------------
     def find_matches(self, hashes: list[int]) -> dict[WorkerKey, int]:
         """Number of leading blocks of `hashes` each worker holds (workers with none omitted)."""

@@ -74,8 +74,7 @@ class KvEventsConsumer:
             for key in {k for k in (*self._last_event_id, *self._held) if k.instance_id == instance_id}:
                 self._last_event_id.pop(key, None)
                 self._stop_recovery(key)
-                self.index.remove_worker(key)
-            self.index.remove_worker(WorkerKey(instance_id))
+            self.index.remove_instance(instance_id)  # every rank's blocks
         for instance_id, card in cards.items():
             if card.disaggregation_mode == "decode":
                 continue  # decode workers get KV handed to them: routed by load, they publish no KV events
@@ -97,10 +96,12 @@ class KvEventsConsumer:
                 self._address_of[instance_id] = card.kv_events_address
                 if instance_id in addresses:
                     self._replay_address[instance_id] = addresses[instance_id]
-                # It may have cached blocks already: learn them now (once subscribed, so that
-                # nothing falls between the answer and the live events), not at its next event.
-                self._start_recovery(WorkerKey(instance_id), -1,
-                                     subscribed=self._sub.subscribed(card.kv_events_address))
+                # It may have cached blocks already, in any of its ranks: learn them now (once
+                # subscribed, so that nothing falls between the answer and the live events), not
+                # at its next event.
+                for rank in range(max(1, card.data_parallel_size)):
+                    self._start_recovery(WorkerKey(instance_id, rank), -1,
+                                         subscribed=self._sub.subscribed(card.kv_events_address))
 
     def handle(self, payload: bytes) -> None:
         """One message of the KV-events topic, as received."""

@@ -8,24 +8,10 @@ import time
 from dataclasses import dataclass
 
 from turbine.router.approx import ApproxKvIndexer
+from turbine.router.config import KvRouterConfig
 from turbine.router.cost import LoadTracker, choose_worker, new_blocks, worker_costs
 from turbine.router.hashing import block_hashes
 from turbine.router.indexer import KvIndexer, WorkerKey
-
-
-# Prefill blocks weigh 4 decode blocks: on the 16-worker fleet benchmark (benchmarks/RESULTS.md,
-# 2026-11-26) weight 4 beat 1 on TTFT p50/p99 and cache hits for both workloads; computing a block
-# of prompt costs the engine far more than holding one more block while decoding.
-DEFAULT_OVERLAP_WEIGHT = 4.0
-
-
-@dataclass(frozen=True)
-class KvRouterConfig:
-    block_size: int
-    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
-    temperature: float = 0.0
-    use_kv_events: bool = True  # False: approximate mode (index learned from our own decisions)
-    approx_ttl_s: float = 120.0
 
 
 @dataclass
@@ -39,27 +25,34 @@ class Decision:
 
 
 class KvRouter:
-    def __init__(self, cfg: KvRouterConfig, rng: random.Random | None = None):
+    """`block_size`: the model's (from its card); workers of another block size are not indexed."""
+
+    def __init__(self, cfg: KvRouterConfig, block_size: int, rng: random.Random | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
         self.cfg = cfg
-        self.index: KvIndexer | ApproxKvIndexer = (KvIndexer(cfg.block_size) if cfg.use_kv_events
+        self.block_size = block_size
+        self.index: KvIndexer | ApproxKvIndexer = (KvIndexer(block_size) if cfg.use_kv_events
                                                    else ApproxKvIndexer(cfg.approx_ttl_s))
         self.loads = LoadTracker()
         self._rng = rng or random.Random()
 
     def decide(self, request_id: str, token_ids: list[int], workers: list[WorkerKey],
                lora_name: str | None = None, track: bool = True) -> Decision:
-        """`track`: count the request as load on the chosen worker until `finished` (False:
-        a query that changes nothing)."""
+        """`workers`: every candidate, each data-parallel rank its own. `lora_name` salts the block
+        hashes: the same tokens under another adapter are another KV cache. `track`: count the
+        request as load on the chosen worker until `finished` (False: a query that changes nothing)."""
         started = time.perf_counter()
-        hashes = block_hashes(token_ids, self.cfg.block_size, lora_name=lora_name)
+        bs = self.block_size
+        hashes = block_hashes(token_ids, bs, lora_name=lora_name)
         overlaps = self.index.find_matches(hashes)
         loads = {w: self.loads.load(w) for w in workers}
-        costs = worker_costs(overlaps, loads, len(token_ids), self.cfg.block_size, self.cfg.overlap_weight)
+        costs = worker_costs(overlaps, loads, len(token_ids), bs, self.cfg.overlap_weight)
         worker = choose_worker(costs, loads, self.cfg.temperature, self._rng)
         overlap = overlaps.get(worker, 0)
         if track:
-            self.loads.add(request_id, worker, prefill_tokens=len(token_ids) - overlap * self.cfg.block_size,
-                           blocks=new_blocks(len(token_ids), overlap, self.cfg.block_size))
+            self.loads.add(request_id, worker, prefill_tokens=len(token_ids) - overlap * bs,
+                           blocks=new_blocks(len(token_ids), overlap, bs))
             if isinstance(self.index, ApproxKvIndexer):
                 self.index.record(worker, hashes)
         return Decision(worker, overlap, costs, time.perf_counter() - started,
@@ -71,6 +64,7 @@ class KvRouter:
     def finished(self, request_id: str) -> None:
         self.loads.free(request_id)
 
-    def worker_left(self, worker: WorkerKey) -> None:
-        self.index.remove_worker(worker)
-        self.loads.forget_worker(worker)
+    def instance_left(self, instance_id: str) -> None:
+        """An instance left: every rank of it goes from the index and the loads."""
+        self.index.remove_instance(instance_id)
+        self.loads.forget_instance(instance_id)

@@ -31,7 +31,6 @@ class LoadMetricsConsumer:
         self._sub = subscriber or RouterEventSubscriber()
         self._sub.on(LOAD_METRICS_TOPIC, self.handle)
         self._address_of: dict[str, str] = {}  # instance id -> its publisher's address
-        self._ranks: dict[str, set[int]] = {}  # instance id -> ranks it reported
         self._unfollowable: set[str] = set()  # instance ids whose address we cannot follow (warned once)
         self.received = 0
         self.rejected = 0
@@ -40,8 +39,7 @@ class LoadMetricsConsumer:
         """Follow exactly the publishers of these instances (call on every discovery change)."""
         for instance_id in self._address_of.keys() - cards.keys():
             self._sub.unfollow(self._address_of.pop(instance_id))
-            for rank in self._ranks.pop(instance_id, ()):
-                self.loads.forget_worker(WorkerKey(instance_id, rank))
+            self.loads.forget_instance(instance_id)  # the reports of every rank it had
         self._unfollowable &= cards.keys()
         for instance_id, card in cards.items():
             if card.kv_events_address is not None and instance_id not in self._address_of:
@@ -68,7 +66,6 @@ class LoadMetricsConsumer:
         if metrics.instance_id not in self._address_of:
             return  # a worker we no longer follow
         self.received += 1
-        self._ranks.setdefault(metrics.instance_id, set()).add(metrics.dp_rank)
         self.loads.report(WorkerKey(metrics.instance_id, metrics.dp_rank), metrics)
 
     def close(self) -> None:

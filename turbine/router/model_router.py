@@ -11,10 +11,11 @@ import time
 
 from turbine.protocol.discovery import ModelCard
 from turbine.router.event_subscriber import RouterEventSubscriber
-from turbine.router.event_watchdog import DEFAULT_DEADLINE_S, EventWatchdog
+from turbine.router.config import KvRouterConfig
+from turbine.router.event_watchdog import EventWatchdog
 from turbine.router.indexer import KvIndexer, WorkerKey
 from turbine.router.kv_events_consumer import KvEventsConsumer
-from turbine.router.kv_router import Decision, KvRouter, KvRouterConfig
+from turbine.router.kv_router import Decision, KvRouter
 from turbine.router.load_consumer import LoadMetricsConsumer
 from turbine.router.metrics import RouterMetrics
 
@@ -26,13 +27,15 @@ def worker_label(worker: WorkerKey) -> str:
 
 
 class ModelKvRouter:
-    def __init__(self, model: str, cfg: KvRouterConfig, metrics: RouterMetrics | None = None,
-                 events_deadline_s: float = DEFAULT_DEADLINE_S, rng: random.Random | None = None,
-                 clock=time.monotonic):
+    """`block_size`: the model's KV block size, from its card."""
+
+    def __init__(self, model: str, cfg: KvRouterConfig, block_size: int, metrics: RouterMetrics | None = None,
+                 rng: random.Random | None = None, clock=time.monotonic):
         self.model = model
         self.cfg = cfg
+        self.block_size = block_size
         self.metrics = metrics
-        self.kv = KvRouter(cfg, rng)
+        self.kv = KvRouter(cfg, block_size, rng)
         # One connection per worker for every topic it publishes; each consumer handles its topic.
         self.subscriber = RouterEventSubscriber()
         self.loads = LoadMetricsConsumer(self.kv.loads, subscriber=self.subscriber)
@@ -42,18 +45,20 @@ class ModelKvRouter:
             index = self.kv.index
             self.events = KvEventsConsumer(index, subscriber=self.subscriber)
             self.watchdog = EventWatchdog(model, lambda instance_id: index.events_of.get(instance_id, 0),
-                                          events_deadline_s, clock=clock, on_warning=self._count_warning)
+                                          cfg.events_deadline_s, clock=clock, on_warning=self._count_warning)
         # Updated on every decision: label children bound once (labels() is a locked lookup).
         self._per_decision = None if metrics is None else (
             metrics.decisions.labels(model), metrics.decision_seconds.labels(model), metrics.overlap.labels(model))
-        self._known: set[str] = set()
+        self._ranks: dict[str, int] = {}  # live instance id -> its number of data-parallel ranks
         self._exported: dict[object, set[str]] = {}  # gauge -> worker labels it has series for
         self._watch_task: asyncio.Task | None = None
 
     # -- requests ---------------------------------------------------------------------
     def decide(self, request_id: str, token_ids: list[int], instance_ids: list[str],
                lora_name: str | None = None, track: bool = True) -> Decision:
-        decision = self.kv.decide(request_id, token_ids, [WorkerKey(i) for i in instance_ids], lora_name, track)
+        """The worker (instance and data-parallel rank) among `instance_ids` for this prompt: every
+        rank of each instance is a candidate of its own, since each engine has its own cache and load."""
+        decision = self.kv.decide(request_id, token_ids, self.workers(instance_ids), lora_name, track)
         if self._per_decision is not None:
             decisions, seconds, overlap = self._per_decision
             decisions.inc()
@@ -74,21 +79,24 @@ class ModelKvRouter:
         if self.watchdog is not None:
             self.watchdog.finished(request_id)
 
+    def workers(self, instance_ids) -> list[WorkerKey]:
+        """Every rank of these instances (an instance whose card we have not seen yet: rank 0)."""
+        ranks = self._ranks
+        return [WorkerKey(i, r) for i in instance_ids for r in range(ranks.get(i, 1))]
+
     # -- fleet ------------------------------------------------------------------------
     def instances_changed(self, cards: dict[str, ModelCard], addresses: dict[str, str] | None = None) -> None:
         """The model's live instances now (instance id -> card, and -> request-plane address, where
         missed KV events are recovered from); call on every discovery change."""
-        for gone in self._known - cards.keys():
-            self.kv.worker_left(WorkerKey(gone))
-            if isinstance(self.kv.index, KvIndexer):
-                self.kv.index.events_of.pop(gone, None)
-        self._known = set(cards)
+        for gone in self._ranks.keys() - cards.keys():
+            self.kv.instance_left(gone)
+        self._ranks = {i: max(1, c.data_parallel_size) for i, c in cards.items()}
         self.loads.sync(cards)
         if self.events is not None:
             self.events.sync(cards, addresses)
             # Only workers whose events the index takes (same block size) are expected to send them.
             self.watchdog.follow({i: c.kv_events_address for i, c in cards.items()
-                                  if c.kv_events_address is not None and c.kv_block_size == self.cfg.block_size
+                                  if c.kv_events_address is not None and c.kv_block_size == self.block_size
                                   and c.disaggregation_mode != "decode"})
             if self._watch_task is None:
                 self._watch_task = asyncio.get_running_loop().create_task(self._watch())
@@ -112,7 +120,7 @@ class ModelKvRouter:
             self.watchdog.check()
         index = self.kv.index
         if isinstance(index, KvIndexer):
-            self._set(m.indexed_blocks, {w: index.blocks_of(WorkerKey(w)) for w in self._known})
+            self._set(m.indexed_blocks, {worker_label(w): index.blocks_of(w) for w in self.workers(self._ranks)})
             m.events.labels(model).set(index.events_applied)
         if self.events is not None:
             m.event_gaps.labels(model).set(self.events.gaps)
@@ -124,7 +132,8 @@ class ModelKvRouter:
         self._set(m.worker_total_blocks, {w: r.kv_total_blocks for w, r in reports.items()})
         self._set(m.worker_waiting, {w: r.num_waiting for w, r in reports.items()})
         self._set(m.worker_running, {w: r.num_running for w, r in reports.items()})
-        self._set(m.worker_pending_blocks, {w: loads.pending(WorkerKey(w)).active_blocks for w in self._known})
+        self._set(m.worker_pending_blocks, {worker_label(w): loads.pending(w).active_blocks
+                                            for w in self.workers(self._ranks)})
         m.load_reports.labels(model).set(self.loads.received)
 
     def _set(self, gauge, values: dict[str, float]) -> None:

@@ -1,31 +1,23 @@
 """Routing policies: pick the worker (instance and data-parallel rank) for a request among a
 model's live instances. Every process that routes (the frontend, the standalone router) uses
-these; `make_router` builds one by its mode."""
+these. Policies are found by name in a registry (`register_policy`, `router_modes`), which the
+frontend's `--router-mode` choices come from; `make_router` builds one for a model."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import random
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
+from turbine.config import check, config_errors_to, flag
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateRequest
-from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
-from turbine.router.kv_router import DEFAULT_OVERLAP_WEIGHT, KvRouterConfig
+from turbine.router.config import KvRouterConfig, kv_router_config_from_args
 from turbine.router.metrics import RouterMetrics
 from turbine.router.model_router import ModelKvRouter
-
-ROUTER_MODES = ("round-robin", "random", "kv")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    mode: str = "round-robin"
-    kv_overlap_score_weight: float = DEFAULT_OVERLAP_WEIGHT
-    temperature: float = 0.0
-    kv_events: bool = True  # False: approximate KV routing, learned from our own decisions
-    kv_events_deadline_s: float = DEFAULT_DEADLINE_S  # expected KV events later than this: a warning
 
 
 class Target(NamedTuple):
@@ -53,7 +45,50 @@ class Router:
         """Copy this router's state into the frontend's gauges (called at scrape time)."""
 
 
+# The built-in policies' names; a policy registered later is valid too (RouterConfig checks the registry).
+RouterMode = Literal["round-robin", "random", "kv"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: RouterMode = flag("--router-mode", default="round-robin")
+    kv: KvRouterConfig = field(default_factory=KvRouterConfig)  # for policies that route by KV cache
+
+    def __post_init__(self):
+        check(self, self.mode in _POLICIES, "mode", f"{self.mode!r}: choose from {', '.join(router_modes())}")
+
+
+# A policy: (config, the model's card, the host's router metrics or None) -> a Router for that model.
+PolicyFactory = Callable[[RouterConfig, ModelCard, "RouterMetrics | None"], Router]
+_POLICIES: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Make a policy available by name (to make_router, RouterConfig and --router-mode)."""
+    if name in _POLICIES:
+        raise ValueError(f"router policy {name!r} is registered already")
+    _POLICIES[name] = factory
+
+
+def router_modes() -> tuple[str, ...]:
+    return tuple(_POLICIES)
+
+
+def make_router(cfg: RouterConfig, card: ModelCard, metrics: RouterMetrics | None = None) -> Router:
+    return _POLICIES[cfg.mode](cfg, card, metrics)
+
+
+def router_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RouterConfig:
+    """--router-mode and the KV router's flags (add_kv_router_args) -> RouterConfig."""
+    kv = kv_router_config_from_args(args, parser)
+    with config_errors_to(parser):
+        return RouterConfig(mode=args.router_mode, kv=kv)
+
+
+# -- the built-in policies -------------------------------------------------------------
 class RoundRobinRouter(Router):
+    """dp_rank stays None: the worker balances its own engines."""
+
     def __init__(self):
         self._counter = itertools.count()
 
@@ -62,23 +97,23 @@ class RoundRobinRouter(Router):
 
 
 class RandomRouter(Router):
+    """dp_rank stays None: the worker balances its own engines."""
+
     def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> Target:
         return Target(random.choice(instances))
 
 
 class KvAwareRouter(Router):
-    """Routes to the instance that already holds most of the prompt's prefix, weighed against
-    load. The routing itself is turbine.router's (shared with the standalone router service)."""
+    """Routes to the worker (instance and data-parallel rank) that already holds most of the
+    prompt's prefix, under the request's LoRA adapter, weighed against load. The routing itself
+    is ModelKvRouter's (shared with the standalone router service)."""
 
-    def __init__(self, cfg: RouterConfig, model: str, block_size: int, metrics: RouterMetrics | None):
-        self.core = ModelKvRouter(
-            model, KvRouterConfig(block_size=block_size, overlap_weight=cfg.kv_overlap_score_weight,
-                                  temperature=cfg.temperature, use_kv_events=cfg.kv_events),
-            metrics, events_deadline_s=cfg.kv_events_deadline_s)
+    def __init__(self, cfg: KvRouterConfig, model: str, block_size: int, metrics: RouterMetrics | None):
+        self.core = ModelKvRouter(model, cfg, block_size, metrics)
 
     def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> Target:
         by_id = {i.instance_id: i for i in instances}
-        decision = self.core.decide(request.request_id, request.token_ids, list(by_id))
+        decision = self.core.decide(request.request_id, request.token_ids, list(by_id), request.lora_name)
         return Target(by_id[decision.worker.instance_id], decision.worker.dp_rank)
 
     def export_metrics(self) -> None:
@@ -94,11 +129,6 @@ class KvAwareRouter(Router):
         self.core.instances_changed(cards, {i.instance_id: i.address for i in live})
 
 
-def make_router(cfg: RouterConfig, card: ModelCard, metrics: RouterMetrics | None = None) -> Router:
-    if cfg.mode == "round-robin":
-        return RoundRobinRouter()
-    if cfg.mode == "random":
-        return RandomRouter()
-    if cfg.mode == "kv":
-        return KvAwareRouter(cfg, card.name, card.kv_block_size, metrics)
-    raise ValueError(f"--router-mode {cfg.mode!r}: choose from {', '.join(ROUTER_MODES)}")
+register_policy("round-robin", lambda cfg, card, metrics: RoundRobinRouter())
+register_policy("random", lambda cfg, card, metrics: RandomRouter())
+register_policy("kv", lambda cfg, card, metrics: KvAwareRouter(cfg.kv, card.name, card.kv_block_size, metrics))

@@ -29,7 +29,6 @@ from turbine.protocol.router import (
     RequestNotice,
 )
 from turbine.router.args import RouterServiceConfig
-from turbine.router.kv_router import KvRouterConfig
 from turbine.router.metrics import RouterMetrics
 from turbine.router.model_router import ModelKvRouter
 
@@ -77,10 +76,7 @@ class RouterService:
         self._pools = pools
 
     def _new_router(self, card: ModelCard) -> ModelKvRouter:
-        cfg = self.cfg
-        kv = KvRouterConfig(block_size=card.kv_block_size, overlap_weight=cfg.overlap_weight,
-                            temperature=cfg.temperature, use_kv_events=cfg.kv_events)
-        return ModelKvRouter(card.name, kv, self.metrics, events_deadline_s=cfg.kv_events_deadline_s)
+        return ModelKvRouter(card.name, self.cfg.kv, card.kv_block_size, self.metrics)
 
     # -- endpoints --------------------------------------------------------------------
     async def best_worker(self, req: BestWorkerRequest, ctx) -> AsyncIterator[BestWorkerReply]:
