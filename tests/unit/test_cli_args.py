@@ -55,6 +55,10 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
     (["--connector", "kvbm"], "--connector kvbm"),
     (["--connector", "rdma"], "--connector"),
     (["--is-decode-worker", "--connector", "nixl", "--kv-transfer-timeout", "0"], "--kv-transfer-timeout"),
+    (["--event-plane", "kafka"], "--event-plane"),
+    (["--nats-server", "http://x"], "--nats-server"),
+    (["--kv-events-buffer", "-1"], "--kv-events-buffer"),
+    (["--graceful-shutdown-timeout", "-1"], "--graceful-shutdown-timeout"),
 ])
 def test_bad_disaggregation_flags_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -118,3 +122,26 @@ def test_cpu_without_native_bfloat16_computes_in_float32():
     with open("/proc/cpuinfo") as f:
         want = cpu_dtype_default(f.read()) or "auto"
     assert parse_worker_args([]).engine_args.dtype == want
+
+
+def test_a_user_kv_events_config_is_refused_not_silently_dropped(capsys):
+    # vLLM's own KV events config would replace Turbine's relay and leave KV routers blind.
+    with pytest.raises(SystemExit) as info:
+        parse_worker_args(["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-events-config is not supported" in err and "relays the engine's KV events" in err
+
+
+def test_worker_configs_built_in_code_check_themselves():
+    from turbine.config import ConfigError, DiscoveryConfig
+    from turbine.worker.config import ServingConfig
+
+    ok = dict(served_model_name="m", model_path="/m", discovery=DiscoveryConfig())
+    assert ServingConfig(**ok).disaggregation_mode == "agg"
+    for bad, flag in (({"disaggregation_mode": "both"}, "--disaggregation-mode"),
+                      ({"event_plane": "kafka"}, "--event-plane"), ({"port": 70000}, "--port"),
+                      ({"endpoint_types": ("chat", "embeddings")}, "--endpoint-types"),
+                      ({"component": "a/b"}, "--component"), ({"kv_transfer_timeout": 0}, "--kv-transfer-timeout")):
+        with pytest.raises(ConfigError, match=flag):
+            ServingConfig(**ok, **bad)

@@ -160,4 +160,5 @@ def test_the_vllm_worker_has_the_same_flags(capsys):
     assert (cfg.event_plane, cfg.nats_server) == ("nats", "nats://127.0.0.1:4333")
     with pytest.raises(SystemExit) as info:
         parse_worker_args(["--event-plane", "carrier-pigeon"])
-    assert info.value.code == 2 and "--event-plane 'carrier-pigeon'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "(--event-plane): 'carrier-pigeon'" in err

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from turbine.mocker.args import parse_mocker_args
 from turbine.mocker.engine import MockEngine
-from turbine.mocker.handlers import Handlers
+from turbine.mocker.handlers import HANDLERS_OF_ROLE, Handlers
 from turbine.mocker.kv_cache import BlockPool
 from turbine.mocker.kv_transfer import KvTransferModel, kv_bytes_per_token
 from turbine.mocker.scheduler import FINISHED, PULLING, WAITING, Scheduler, Sequence
@@ -26,6 +26,8 @@ from turbine.mocker.tokens import Choice, TokenSampler, prompt_seed
 from turbine.mocker.worker import SimulatedWorker
 from turbine.protocol.generate import GenerateRequest, SamplingOptions, StopConditions
 from turbine.protocol.kv_events import BlockRemoved, BlockStored
+from turbine.runtime.errors import InvalidRequest
+from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.status_server import Health
 from turbine.runtime.worker_metrics import WorkerMetrics
 
@@ -48,7 +50,7 @@ async def worker(mode: str = "agg", *, speedup: float = 0.0, transfer: KvTransfe
     metrics = WorkerMetrics({"namespace": "t", "component": mode, "model": "m", "worker_id": worker_id})
     task = asyncio.create_task(engine.run())
     try:
-        yield Handlers(engine, metrics, vocab_size=1000, disaggregation_mode=mode, instance_id=worker_id)
+        yield HANDLERS_OF_ROLE[mode]([engine], metrics, vocab_size=1000, instance_id=worker_id)
     finally:
         task.cancel()
 
@@ -77,9 +79,9 @@ async def test_a_prefill_worker_computes_one_token_and_hands_over_the_prompt_blo
     async with worker("prefill") as p:
         [last] = await chunks(p, request(max_tokens=50, min_tokens=20, ignore_eos=True))
         probe = make_seq(PROMPT, 1)
-        p.engine.scheduler.add(probe)  # only to get the prompt's block hashes
-        p.engine.scheduler.waiting.remove(probe)
-        cached = p.engine.scheduler.pool.lookup(probe.hashes)
+        p.engines[0].scheduler.add(probe)  # only to get the prompt's block hashes
+        p.engines[0].scheduler.waiting.remove(probe)
+        cached = p.engines[0].scheduler.pool.lookup(probe.hashes)
     assert len(last.token_ids) == 1 and last.finish_reason == "length"
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 1)
     params = last.kv_transfer_params
@@ -93,10 +95,9 @@ async def test_a_prefill_worker_computes_one_token_and_hands_over_the_prompt_blo
 
 async def test_a_prefill_worker_refuses_n_above_one():
     async with worker("prefill") as p:
-        [bad] = await chunks(p, request(n=2, max_tokens=5))
+        with pytest.raises(InvalidRequest, match="n=2"):
+            await chunks(p, request(n=2, max_tokens=5))
         ok = await chunks(p, request(n=1, max_tokens=5))
-    assert bad.token_ids == [] and bad.finish_reason.startswith("error: invalid request:")
-    assert "n=2" in bad.finish_reason
     assert ok[-1].finish_reason == "length" and ok[-1].kv_transfer_params is not None
 
 
@@ -127,10 +128,10 @@ async def test_decode_with_pulled_kv_generates_what_aggregated_does_and_counts_t
                 # tokens (cold on the first pull; the local run then cached the prompt's full blocks).
                 local_hit = 0 if k == 0 else (len(prompt) - 1) // 16 * 16
                 assert [u.cached_tokens for u in usage] == [local_hit] * 2
-            d.engine.scheduler.pool.reset()
+            d.engines[0].scheduler.pool.reset()
             [cold] = [c.usage for c in await chunks(d, request(prompt, max_tokens=2)) if c.usage]
             assert cold.cached_tokens == 0  # without transfer params: a local prefill
-        assert d.engine.scheduler.pool.num_in_use == 0
+        assert d.engines[0].scheduler.pool.num_in_use == 0
 
 
 async def test_params_that_ask_for_no_remote_prefill_mean_a_local_prefill():
@@ -138,7 +139,7 @@ async def test_params_that_ask_for_no_remote_prefill_mean_a_local_prefill():
         for params in ({"do_remote_prefill": False, "do_remote_decode": True}, {}):
             [last] = [c for c in await chunks(d, request(max_tokens=2, kv_transfer_params=params)) if c.usage]
             assert last.usage.cached_tokens == 0
-            d.engine.scheduler.pool.reset()
+            d.engines[0].scheduler.pool.reset()
 
 
 async def test_the_pull_takes_the_simulated_transfer_time_scaled_by_the_speedup_ratio():
@@ -146,7 +147,7 @@ async def test_the_pull_takes_the_simulated_transfer_time_scaled_by_the_speedup_
     transfer = KvTransferModel(bytes_per_token=1000, bandwidth_bytes_per_s=1e6)
     async with worker("prefill") as p, worker("decode", speedup=0.1, transfer=transfer) as d:
         params = await prefill(p)
-        sched = d.engine.scheduler
+        sched = d.engines[0].scheduler
         started = time.monotonic()
         task = asyncio.create_task(chunks(d, request(max_tokens=3, ignore_eos=True, kv_transfer_params=params)))
         await asyncio.sleep(0.05)
@@ -172,7 +173,7 @@ async def test_cancelling_during_the_transfer_frees_the_blocks_at_once():
     slow = KvTransferModel(bytes_per_token=10**6, bandwidth_bytes_per_s=1e6)  # 40 s for the prompt
     async with worker("prefill") as p, worker("decode", speedup=1.0, transfer=slow) as d:
         params = await prefill(p)
-        sched = d.engine.scheduler
+        sched = d.engines[0].scheduler
         task = asyncio.create_task(chunks(d, request(max_tokens=3, kv_transfer_params=params)))
         async with asyncio.timeout(5):
             while not sched.pulling:
@@ -181,9 +182,9 @@ async def test_cancelling_during_the_transfer_frees_the_blocks_at_once():
         task.cancel()  # what the request plane does when the client goes away
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        assert sched.pool.num_in_use == 0 and not sched.has_work() and not d.engine._pulls
+        assert sched.pool.num_in_use == 0 and not sched.has_work() and not d.engines[0]._pulls
         # The engine still serves, and a later pull of the same prompt is not confused by it.
-        d.engine.speedup_ratio = 0
+        d.engines[0].speedup_ratio = 0
         out = await chunks(d, request(max_tokens=3, kv_transfer_params=params))
         assert len(tokens_of(out)) == 3 and sched.pool.num_in_use == 0
 
@@ -325,11 +326,11 @@ async def test_prefill_workers_publish_kv_events_and_decode_workers_only_load(mo
             cfg = parse_mocker_args(["--disaggregation-mode", mode, "--speedup-ratio", "0"])
             info = cfg.model_info
             sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, 0)
-            workers.append(SimulatedWorker(cfg, sampler, Health()))
+            workers.append(SimulatedWorker(cfg, sampler, Health(), WorkerEventPlane("zmq", "127.0.0.1")))
         p, d = workers
         assert (p.card.disaggregation_mode, d.card.disaggregation_mode) == ("prefill", "decode")
         assert (p.card.component, d.card.component) == ("prefill", "backend")
-        tasks = [asyncio.create_task(w.engine.run()) for w in workers]
+        tasks = [asyncio.create_task(w.engines[0].run()) for w in workers]
         prompt = list(range(1000, 1200))
         [last] = [c async for c in p.handlers.generate(request(prompt, max_tokens=10), None)]
         assert last.kv_transfer_params["remote_engine_id"] == p.instance_id
@@ -338,13 +339,15 @@ async def test_prefill_workers_publish_kv_events_and_decode_workers_only_load(mo
         assert len(tokens_of(out)) == 10 and out[-1].usage.cached_tokens == 0  # pulled, not cached locally
         for t in tasks:
             t.cancel()
-        assert p.kv_events.next_event_id > 0  # routers index the prefill workers' caches
-        assert d.kv_events.next_event_id == 0 and d.engine.scheduler.pool.cached  # cached, not announced
-        assert d.load.published > 0
+        [p_kv], [d_kv] = p.events.kv, d.events.kv
+        assert p_kv.next_event_id > 0  # routers index the prefill workers' caches
+        assert d_kv.next_event_id == 0 and d.engines[0].scheduler.pool.cached  # cached, not announced
+        assert d.events.load.published > 0
+        # Routers follow the decode worker's address for its load (and skip its KV events).
+        assert d.card.kv_events_address == d.card.load_metrics_address == d.events.address
     finally:
         for w in workers:
-            w.load.close()
-            w.kv_events.close()
+            w.close()
 
 
 def test_kv_bytes_per_token_from_the_model_config(model_dir):

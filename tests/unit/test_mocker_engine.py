@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from turbine.mocker.engine import MockEngine, Outputs
-from turbine.mocker.handlers import Handlers
+from turbine.mocker.handlers import AggregatedHandlers, Handlers
 from turbine.mocker.kv_cache import BlockPool
 from turbine.mocker.scheduler import Scheduler, SeqOutput
 from turbine.mocker.timing import TimingProfile, load_profile
@@ -23,6 +23,7 @@ from turbine.protocol.generate import (
     SamplingOptions,
     StopConditions,
 )
+from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.worker_metrics import WorkerMetrics
 
 EOS = 2
@@ -40,7 +41,7 @@ async def worker(*, speedup: float = 0.0, natural_output_len: int = 0, timing: T
     metrics = WorkerMetrics({"namespace": "t", "component": "c", "model": "m", "worker_id": str(id(engine))})
     task = asyncio.create_task(engine.run())
     try:
-        yield Handlers(engine, metrics, vocab_size=1000, on_success=on_success)
+        yield AggregatedHandlers([engine], metrics, vocab_size=1000, on_success=on_success)
     finally:
         task.cancel()
 
@@ -122,15 +123,15 @@ async def test_usage_counts_prefix_cache_hits():
 
 async def test_cancelling_a_stream_frees_its_blocks_at_once():
     async with worker(speedup=1.0) as h:
-        pool = h.engine.scheduler.pool
+        pool = h.engines[0].scheduler.pool
         stream = h.generate(request(max_tokens=1000, ignore_eos=True), None)
         await anext(stream)
         await anext(stream)
         assert pool.num_in_use > 0
         await stream.aclose()
         assert pool.num_in_use == 0
-        assert not h.engine.scheduler.has_work()
-        labels = {"namespace": "t", "component": "c", "model": "m", "worker_id": str(id(h.engine))}
+        assert not h.engines[0].scheduler.has_work()
+        labels = {"namespace": "t", "component": "c", "model": "m", "worker_id": str(id(h.engines[0]))}
         assert REGISTRY.get_sample_value("turbine_worker_cancellations_total", labels) == 1
 
 
@@ -139,7 +140,8 @@ async def test_completed_requests_and_only_those_are_reported_as_successes():
     async with worker(on_success=lambda: done.append(1)) as h:
         await collect(h, request(max_tokens=3, ignore_eos=True))
         assert len(done) == 1  # the health checks skip the canary after this
-        await collect(h, request(prompt=[]))  # invalid: not a success
+        with pytest.raises(InvalidRequest):
+            await collect(h, request(prompt=[]))  # invalid: not a success
         stream = h.generate(request(max_tokens=50, ignore_eos=True), None)
         await anext(stream)
         await stream.aclose()  # cancelled: not a success
@@ -159,23 +161,24 @@ async def test_outputs_that_pile_up_are_taken_together_in_order():
     assert await reader == outs[2:]
 
 
-async def test_invalid_requests_get_an_error_chunk():
+async def test_invalid_requests_raise_a_typed_error():
     async with worker() as h:
         for req, words in ((request(prompt=[]), "empty"), (request(prompt=[5] * 4096), "context length"),
                            (request(prompt=[5, 1000]), "vocabulary"),
                            (request(max_tokens=2, min_tokens=3), "min_tokens"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5],
                                             output=OutputOptions(logprobs=1000)), "logprobs")):
-            [(tokens, finish, *_)] = await collect(h, req)
-            assert tokens == [] and finish.startswith("error: invalid request") and words in finish
+            with pytest.raises(InvalidRequest, match=words) as info:
+                await collect(h, req)
+            assert info.value.error.code == "invalid_request" and not info.value.error.retryable
 
 
 async def test_clear_kv_blocks_empties_the_prefix_cache():
     async with worker() as h:
         await collect(h, request(max_tokens=2))
-        assert h.engine.scheduler.pool.cached
+        assert h.engines[0].scheduler.pool.cached
         [reply] = [r async for r in h.clear_kv_blocks(ClearKvBlocksRequest(), None)]
-        assert reply.status == "success" and not h.engine.scheduler.pool.cached
+        assert reply.status == "success" and not h.engines[0].scheduler.pool.cached
 
 
 async def test_speedup_ratio_scales_simulated_step_time():

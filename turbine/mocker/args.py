@@ -6,30 +6,66 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from turbine.config import check, flag
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import TimingProfile, load_profile
+from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
-from turbine.worker_config import ServingConfig, add_serving_args, serving_config_from_args
+from turbine.worker.config import ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MockerConfig(ServingConfig):
     tokenizer_path: str  # local folder with the tokenizer files (for the model card)
     model_info: ModelInfo
-    num_workers: int
-    num_gpu_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_prefix_caching: bool
-    natural_output_len: int
-    speedup_ratio: float
-    timing: TimingProfile
-    kv_transfer: KvTransferModel  # decode workers: how long pulling a prompt's KV takes
-    gc_interval: float  # seconds between paced garbage-collector passes; 0: Python's automatic collection
-    kv_events_drop_after: int | None = None  # test hook: see --kv-events-drop-after
+    num_workers: int = flag("--num-workers", default=1)
+    data_parallel_size: int = flag("--data-parallel-size", default=1)  # engines (ranks) per worker
+    num_gpu_blocks: int = flag("--num-gpu-blocks", default=16384)  # per engine
+    block_size: int = flag("--block-size", default=64)
+    max_num_seqs: int = flag("--max-num-seqs", default=256)
+    max_num_batched_tokens: int = flag("--max-num-batched-tokens", default=8192)
+    max_model_len: int = flag("--max-model-len")
+    enable_prefix_caching: bool = flag("--enable-prefix-caching", default=True)
+    natural_output_len: int = flag("--natural-output-len", default=128)
+    speedup_ratio: float = flag("--speedup-ratio", default=1.0)
+    timing: TimingProfile = flag("--profile", default_factory=TimingProfile)
+    # Decode workers: how long pulling a prompt's KV takes. None: the model config's KV size.
+    kv_bytes_per_token: int | None = flag("--kv-bytes-per-token", default=None)
+    kv_transfer_bandwidth: float = flag("--kv-transfer-bandwidth", default=DEFAULT_BANDWIDTH_GB_S)  # GB/s
+    # Seconds between paced garbage-collector passes; 0: Python's automatic collection.
+    gc_interval: float = flag("--gc-interval", default=DEFAULT_INTERVAL_S)
+    kv_events_drop_after: int | None = flag("--kv-events-drop-after", default=None)  # test hook
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("num_workers", "data_parallel_size", "num_gpu_blocks", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            check(self, getattr(self, name) >= 1, name, "must be >= 1")
+        check(self, self.natural_output_len >= 0, "natural_output_len", "must be >= 0")
+        check(self, self.speedup_ratio >= 0, "speedup_ratio", "must be >= 0")
+        check(self, self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1, "kv_bytes_per_token",
+              "must be >= 1")
+        check(self, self.gc_interval >= 0, "gc_interval", "must be >= 0 (seconds; 0 = automatic collection)")
+        check(self, self.kv_transfer_bandwidth > 0, "kv_transfer_bandwidth", "must be > 0 (GB/s)")
+        check(self, self.kv_events_drop_after is None or self.kv_events_drop_after >= 0, "kv_events_drop_after",
+              "must be >= 0")
+        check(self, self.num_workers == 1 or not self.port, "port",
+              "with --num-workers > 1 each worker needs its own port; leave --port at 0")
+        check(self, self.max_model_len >= 2, "max_model_len",
+              "give a context length of at least 2 (the model config has none)")
+        # As vLLM does at start-up: one sequence of the full context must fit in the KV cache.
+        check(self, -(-self.max_model_len // self.block_size) <= self.num_gpu_blocks, "num_gpu_blocks",
+              f"{self.num_gpu_blocks} x --block-size {self.block_size} cannot hold one sequence of "
+              f"--max-model-len {self.max_model_len}")
+        check(self, not self.is_decode or self.kv_transfer.bytes_per_token >= 1, "kv_bytes_per_token",
+              "the model's config.json does not give its KV size; give it")
+
+    @property
+    def kv_transfer(self) -> KvTransferModel:
+        """Decode workers: how long pulling a prompt's KV takes."""
+        return KvTransferModel(bytes_per_token=self.kv_bytes_per_token or self.model_info.kv_bytes_per_token or 0,
+                               bandwidth_bytes_per_s=self.kv_transfer_bandwidth * 1e9)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim = p.add_argument_group("simulated engine")
     sim.add_argument("--num-workers", type=int, default=1,
                      help="independent simulated workers in this process, each its own instance")
-    sim.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV cache blocks per worker")
+    sim.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engines (data-parallel ranks) per simulated worker, each with its own KV cache and "
+                          "scheduler; a request's dp_rank picks one (none given: the least loaded)")
+    sim.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV cache blocks per engine")
     sim.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     sim.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
@@ -79,56 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
-    from turbine.model.prepare import tokenizer_folder
-
+    """Read the flags (and the model's tokenizer and config); MockerConfig checks the values."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag in ("num_workers", "num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.natural_output_len < 0:
-        parser.error("--natural-output-len must be >= 0")
-    if args.speedup_ratio < 0:
-        parser.error("--speedup-ratio must be >= 0")
-    if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
-        parser.error("--kv-bytes-per-token must be >= 1")
-    if args.gc_interval < 0:
-        parser.error("--gc-interval must be >= 0 (seconds; 0 = automatic collection)")
-    if not args.kv_transfer_bandwidth > 0:
-        parser.error("--kv-transfer-bandwidth must be > 0 (GB/s)")
-    if args.kv_events_drop_after is not None and args.kv_events_drop_after < 0:
-        parser.error("--kv-events-drop-after must be >= 0")
-    if args.num_workers > 1 and args.port:
-        parser.error("--port: with --num-workers > 1 each worker needs its own port; leave --port at 0")
     try:
         timing = load_profile(args.profile) if args.profile else TimingProfile()
     except ValueError as exc:
         parser.error(f"--profile: {exc}")
-
-    serving = serving_config_from_args(args, parser, args.served_model_name)
+    serving = serving_fields_from_args(args, parser, args.served_model_name)
     try:
-        tokenizer_path = tokenizer_folder(serving.model_path)
+        tokenizer_path = tokenizer_folder(serving["model_path"])
         info = read_model_info(tokenizer_path)
     except Exception as exc:  # hub and tokenizers errors have no common base class
-        parser.error(f"--model {serving.model_path!r}: cannot read its tokenizer: {exc}")
-    max_model_len = args.max_model_len or info.max_position_embeddings
-    if not max_model_len or max_model_len < 2:
-        parser.error("--max-model-len: give a context length of at least 2 (the model config has none)")
-    # As vLLM does at start-up: one sequence of the full context must fit in the KV cache.
-    if -(-max_model_len // args.block_size) > args.num_gpu_blocks:
-        parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size {args.block_size} cannot hold one "
-                     f"sequence of --max-model-len {max_model_len}")
-    kv_bytes = args.kv_bytes_per_token or info.kv_bytes_per_token
-    if kv_bytes is None and serving.is_decode:
-        parser.error("--kv-bytes-per-token: the model's config.json does not give its KV size; give it")
-    kv_transfer = KvTransferModel(bytes_per_token=kv_bytes or 0,
-                                  bandwidth_bytes_per_s=args.kv_transfer_bandwidth * 1e9)
-
-    return MockerConfig(
-        **vars(serving), tokenizer_path=tokenizer_path, model_info=info,
-        num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+        parser.error(f"--model {serving['model_path']!r}: cannot read its tokenizer: {exc}")
+    return checked(
+        MockerConfig, parser, **serving, tokenizer_path=tokenizer_path, model_info=info,
+        num_workers=args.num_workers, data_parallel_size=args.data_parallel_size,
+        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        natural_output_len=args.natural_output_len, speedup_ratio=args.speedup_ratio, timing=timing,
-        kv_transfer=kv_transfer, gc_interval=args.gc_interval, kv_events_drop_after=args.kv_events_drop_after,
+        max_model_len=args.max_model_len or info.max_position_embeddings or 0,
+        enable_prefix_caching=args.enable_prefix_caching, natural_output_len=args.natural_output_len,
+        speedup_ratio=args.speedup_ratio, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
+        kv_events_drop_after=args.kv_events_drop_after,
     )

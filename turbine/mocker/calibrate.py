@@ -36,6 +36,7 @@ from turbine.mocker.model_info import read_model_info
 from turbine.mocker.timing import TimingProfile, attention_pairs
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
+from turbine.runtime.errors import RemoteError
 from turbine.runtime.request_plane import RequestPlaneClient
 
 COEFFICIENTS = ("step_base_ms", "prefill_ms_per_token", "prefill_ms_per_token_pair", "decode_ms_per_seq",
@@ -118,11 +119,12 @@ class Prober:
         """(arrival time, tokens in the chunk) of each chunk of one stream."""
         arrivals = []
         stream = self.client.stream(self.record.address, self.record.endpoint, req, GenerateOutput)
-        async for chunk in stream:
-            if chunk.finish_reason and chunk.finish_reason.startswith("error"):
-                raise RuntimeError(f"the worker refused a calibration request: {chunk.finish_reason}")
-            if chunk.token_ids:
-                arrivals.append((time.monotonic(), len(chunk.token_ids)))
+        try:
+            async for chunk in stream:
+                if chunk.token_ids:
+                    arrivals.append((time.monotonic(), len(chunk.token_ids)))
+        except RemoteError as exc:
+            raise RuntimeError(f"the worker refused a calibration request: {exc.code}: {exc.message}") from exc
         return arrivals
 
     async def close(self) -> None:

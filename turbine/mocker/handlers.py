@@ -22,32 +22,44 @@ from turbine.protocol.generate import (
     TopLogprob,
     Usage,
 )
+from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.worker_metrics import WorkerMetrics
 
 MAX_N = 16  # choices per request; the frontend allows no more
 MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default limit
-
-
-class InvalidRequest(ValueError):
-    pass
+LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
 
 
 class Handlers:
-    def __init__(self, engine: MockEngine, metrics: WorkerMetrics, vocab_size: int, *,
-                 disaggregation_mode: str = "agg", instance_id: str = "",
-                 on_success: Callable[[], None] | None = None):
-        self.engine = engine
+    """What every role shares. `engines[r]` is data-parallel rank r's engine; a request's
+    dp_rank picks one (None: the least loaded)."""
+
+    def __init__(self, engines: list[MockEngine], metrics: WorkerMetrics, vocab_size: int, *,
+                 instance_id: str = "", on_success: Callable[[], None] | None = None):
+        self.engines = engines
         self.metrics = metrics
         self.on_success = on_success  # told of each completed request (the health checks)
         self.vocab_size = vocab_size
-        self.is_prefill = disaggregation_mode == "prefill"
-        self.is_decode = disaggregation_mode == "decode"
         self.instance_id = instance_id  # a prefill's remote_engine_id
-        self.max_model_len = engine.scheduler.max_model_len
+        self.max_model_len = engines[0].scheduler.max_model_len
+
+    def engine_for(self, req: GenerateRequest) -> MockEngine:
+        """The engine of the request's dp_rank; without one, the rank with the fewest unfinished
+        sequences (then the fewest blocks in use), as vLLM's DP coordinator balances."""
+        if req.dp_rank is not None:
+            if not 0 <= req.dp_rank < len(self.engines):
+                raise InvalidRequest(f"dp_rank {req.dp_rank} out of range: this worker has data-parallel ranks "
+                                     f"0..{len(self.engines) - 1}")
+            return self.engines[req.dp_rank]
+        if len(self.engines) == 1:
+            return self.engines[0]
+        return min(self.engines, key=lambda e: (e.scheduler.num_unfinished, e.scheduler.pool.num_in_use))
 
     def sequences(self, req: GenerateRequest) -> list[Sequence]:
         """The request's choices as scheduler sequences, after vLLM's input checks."""
         prompt = req.token_ids
+        if req.lora_name is not None:
+            raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
         if not prompt:
             raise InvalidRequest("token_ids is empty")
         if len(prompt) >= self.max_model_len:
@@ -66,12 +78,8 @@ class Handlers:
             raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
         if not 0 <= min_tokens <= max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}")
-        if self.is_prefill:
-            # One choice, one token: the decode worker that gets the KV generates the answer.
-            if n != 1:
-                raise InvalidRequest(f"a prefill worker serves n=1 only, got n={n}")
-            max_tokens, min_tokens = 1, min(min_tokens, 1)
-        pull = self.is_decode and wants_remote_prefill(req.kv_transfer_params)
+        n, max_tokens, min_tokens = self._role_limits(n, max_tokens, min_tokens)
+        pull = self._pulls_kv(req)
         seed = prompt_seed(prompt)
         stop_ids = frozenset(stop.stop_token_ids or ())
         # Unique per attempt, so a retried request id never collides inside the engine.
@@ -83,14 +91,23 @@ class Handlers:
                          kv_to_pull=pull)
                 for i in range(n)]
 
+    def _role_limits(self, n: int, max_tokens: int, min_tokens: int) -> tuple[int, int, int]:
+        return n, max_tokens, min_tokens
+
+    def _pulls_kv(self, req: GenerateRequest) -> bool:
+        return False
+
+    def _finished(self, chunk: GenerateOutput, out: SeqOutput) -> None:
+        """The role's additions to a choice's last chunk."""
+
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[GenerateOutput]:
         try:
+            engine = self.engine_for(req)
             seqs = self.sequences(req)
-        except InvalidRequest as exc:
+        except InvalidRequest:
             self.metrics.error("invalid_request")
-            yield GenerateOutput(token_ids=[], finish_reason=f"error: invalid request: {exc}")
-            return
-        outputs = self.engine.submit(seqs)
+            raise  # the caller gets it as a typed error (HTTP 400 at the frontend)
+        outputs = engine.submit(seqs)
         unfinished = len(seqs)
         self.metrics.inflight.inc()
         try:
@@ -108,10 +125,10 @@ class Handlers:
             if unfinished:
                 # Caller cancelled or went away: free the simulated KV blocks now.
                 self.metrics.cancellations.inc()
-                self.engine.abort(seqs)
+                engine.abort(seqs)
 
     async def clear_kv_blocks(self, req: ClearKvBlocksRequest, ctx) -> AsyncIterator[StatusReply]:
-        if self.engine.scheduler.pool.reset():
+        if all([engine.scheduler.pool.reset() for engine in self.engines]):
             yield StatusReply(status="success", message="KV cache cleared")
         else:
             yield StatusReply(status="error", message="prefix cache not reset (requests still running)")
@@ -138,7 +155,35 @@ class Handlers:
                 chunk.finish_reason, chunk.stop_reason = out.finish_reason, out.stop_reason
                 chunk.usage = Usage(prompt_tokens=len(req.token_ids), completion_tokens=out.seq.num_output_tokens,
                                     cached_tokens=max(out.seq.num_cached_tokens, 0))
-                if self.is_prefill:
-                    chunk.kv_transfer_params = prefill_params(self.instance_id, out.seq.seq_id, out.block_ids,
-                                                              out.seq.num_prompt_tokens)
+                self._finished(chunk, out)
         return list(chunks.values())
+
+
+class AggregatedHandlers(Handlers):
+    """Whole requests: prompt and answer."""
+
+
+class PrefillHandlers(Handlers):
+    """Computes the prompt and one token, and hands the prompt's KV over (kv_transfer_params on
+    the last chunk) to the decode worker that generates the answer."""
+
+    def _role_limits(self, n: int, max_tokens: int, min_tokens: int) -> tuple[int, int, int]:
+        if n != 1:
+            raise InvalidRequest(f"a prefill worker serves n=1 only, got n={n}")
+        return 1, 1, min(min_tokens, 1)
+
+    def _finished(self, chunk: GenerateOutput, out: SeqOutput) -> None:
+        chunk.kv_transfer_params = prefill_params(self.instance_id, out.seq.seq_id, out.block_ids,
+                                                  out.seq.num_prompt_tokens)
+
+
+class DecodeHandlers(Handlers):
+    """Given a prefill worker's kv_transfer_params, pulls the prompt's KV instead of computing
+    it; without them, prefills locally."""
+
+    def _pulls_kv(self, req: GenerateRequest) -> bool:
+        return wants_remote_prefill(req.kv_transfer_params)
+
+
+HANDLERS_OF_ROLE: dict[str, type[Handlers]] = {
+    "agg": AggregatedHandlers, "prefill": PrefillHandlers, "decode": DecodeHandlers}

@@ -17,15 +17,16 @@ _running = Gauge("turbine_mocker_running_sequences", "sequences in the running b
 
 
 class EngineGauges:
-    def __init__(self, labels: dict[str, str], scheduler: Scheduler):
+    def __init__(self, labels: dict[str, str], schedulers: list[Scheduler]):
+        """One series per worker: the sums over its data-parallel ranks' schedulers."""
         values = [labels[name] for name in LABELS]
-        self._scheduler = scheduler
+        self._schedulers = schedulers
         self._in_use, self._cached = _blocks_in_use.labels(*values), _blocks_cached.labels(*values)
         self._waiting, self._running = _waiting.labels(*values), _running.labels(*values)
 
     def refresh(self) -> None:
-        sched = self._scheduler
-        self._in_use.set(sched.pool.num_in_use)
-        self._cached.set(len(sched.pool.evictable))
-        self._waiting.set(len(sched.waiting) + len(sched.pulling))
-        self._running.set(len(sched.running))
+        scheds = self._schedulers
+        self._in_use.set(sum(s.pool.num_in_use for s in scheds))
+        self._cached.set(sum(len(s.pool.evictable) for s in scheds))
+        self._waiting.set(sum(len(s.waiting) + len(s.pulling) for s in scheds))
+        self._running.set(sum(len(s.running) for s in scheds))

@@ -91,6 +91,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pulling)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.pulling)
+
     def add(self, seq: Sequence) -> None:
         seq.answer_len = self.sampler.answer_len(seq.choice)
         self._extend_hashes(seq)

@@ -1,10 +1,11 @@
 """The mocker process: N simulated workers, each registered and served exactly like one
 vLLM worker (its own instance id, request-plane server, discovery records and model card),
-sharing one discovery lease and one status server.
+sharing one discovery lease and one status server. The worker host (turbine/worker/host.py)
+runs the process; this module builds the simulated engines.
 
-Lifecycle as the vLLM worker's: serve, register, ready. SIGTERM/SIGINT: unregister every
-worker first, let in-flight requests finish within the grace period, exit 0. A simulated
-engine that crashes (a bug) takes the process down the same way, exiting non-zero.
+With --data-parallel-size N each worker runs N engines (ranks), each with its own block pool,
+scheduler, KV events (dp_rank = its rank) and load reports; a request's dp_rank picks one.
+A simulated engine that crashes (a bug) takes the process down as a dead vLLM engine does.
 """
 
 from __future__ import annotations
@@ -13,217 +14,181 @@ import asyncio
 import logging
 import uuid
 
-from turbine.mocker.args import MockerConfig
+import uvloop
+
+from turbine.logging_setup import setup_logging
+from turbine.mocker.args import MockerConfig, parse_mocker_args
 from turbine.mocker.engine import MockEngine
-from turbine.mocker.handlers import Handlers
+from turbine.mocker.handlers import HANDLERS_OF_ROLE
 from turbine.mocker.kv_cache import BlockPool
 from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
-from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
+from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
 from turbine.runtime.kv_publisher import KvEventPublisher
-from turbine.runtime.kv_replay import serve_kv_replay
-from turbine.runtime.load_publisher import LoadMetricsPublisher
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
 from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.events import InstanceEvents
+from turbine.worker.host import Instance, WorkerHost, run_host
 
 log = logging.getLogger("turbine.mocker")
 
-EXIT_ENGINE_DEAD = 3
-EXIT_BAD_CONFIG = 2  # as argparse: a flag names something unusable (e.g. --nats-server)
 CANARY_TIMEOUT_S = 10.0
 
 
 class SimulatedWorker:
-    """One simulated worker: engine, handlers and request-plane server of one instance."""
+    """One simulated worker: its engines (one per data-parallel rank), handlers and
+    request-plane server of one instance."""
 
-    def __init__(self, cfg: MockerConfig, sampler: TokenSampler, health: Health,
-                 plane: WorkerEventPlane | None = None):
+    def __init__(self, cfg: MockerConfig, sampler: TokenSampler, health: Health, plane: WorkerEventPlane):
         self.instance_id = uuid.uuid4().hex[:16]
         labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
                   "worker_id": self.instance_id}
-        # With prefix caching on, the pool's events go out on the event plane for KV routers,
-        # and the engine's load metrics with them (as the vLLM worker does). A decode worker
-        # publishes no KV events (its cache holds what prefill workers computed; routers want
-        # those), but keeps the publisher for its load metrics, and answers replays with an
-        # empty cache.
-        self.kv_events = None
-        if cfg.enable_prefix_caching:
-            self.kv_events = KvEventPublisher(self.instance_id, cfg.host, buffer_size=cfg.kv_events_buffer,
-                                              events_plane=plane.publisher(self.instance_id) if plane else None)
-        self.load = LoadMetricsPublisher(self.kv_events.events_plane, self.instance_id) if self.kv_events else None
-        pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                         on_event=None if cfg.is_decode else self._pool_events(cfg.kv_events_drop_after))
-        scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
-                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
-        self.engine = MockEngine(scheduler, cfg.timing, cfg.speedup_ratio,
-                                 on_step=self._publish_load if self.load else None, kv_transfer=cfg.kv_transfer)
-        if self.load is not None:
-            self._publish_load(scheduler)  # the idle state, re-sent until it changes (keepalive)
+        # Load reports go out whatever the role or prefix caching. KV events: with prefix caching
+        # on, the pools' events go out for KV routers. A decode worker publishes none (its cache
+        # holds what prefill workers computed; routers want those) but keeps the publishers, so
+        # that routers follow its address (for its load) and get an empty cache on replay.
+        self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=cfg.data_parallel_size,
+                                     kv_events=cfg.enable_prefix_caching or cfg.is_decode,
+                                     kv_events_buffer=cfg.kv_events_buffer)
+        self.engines = []
+        for rank in range(cfg.data_parallel_size):
+            on_event = None
+            if self.events.kv and cfg.enable_prefix_caching and not cfg.is_decode:
+                on_event = _pool_events(self.events.kv[rank], cfg.kv_events_drop_after)
+            pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                             on_event=on_event)
+            scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
+            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio,
+                                           on_step=self._load_reporter(rank), kv_transfer=cfg.kv_transfer))
+            self._publish_load(rank, scheduler)  # the idle state, re-sent until it changes (keepalive)
         self.metrics = WorkerMetrics(labels)
         self.metrics.total_kv_blocks.set(cfg.num_gpu_blocks)
-        self.gauges = EngineGauges(labels, scheduler)
-        self.handlers = Handlers(self.engine, self.metrics, cfg.model_info.vocab_size,
-                                 disaggregation_mode=cfg.disaggregation_mode, instance_id=self.instance_id,
-                                 on_success=health.succeeded)
+        self.gauges = EngineGauges(labels, [e.scheduler for e in self.engines])
+        self.handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
+            self.engines, self.metrics, cfg.model_info.vocab_size, instance_id=self.instance_id,
+            on_success=health.succeeded)
         self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
-        if self.kv_events is not None:
-            serve_kv_replay(self.server, [self.kv_events])  # routers that missed events recover here
+        self.events.serve_replay(self.server)
         self.card = cfg.model_card(
             self.instance_id, engine="mocker", tokenizer_path=cfg.tokenizer_path,
             context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            kv_events_address=self.kv_events.address if self.kv_events else None)
+            data_parallel_size=cfg.data_parallel_size, **self.events.card_fields())
 
-    def _pool_events(self, drop_after: int | None):
-        """Where the block pool's events go. `drop_after` (the --kv-events-drop-after test hook)
-        publishes that many and silently drops the rest, to exercise routers' warnings."""
-        if self.kv_events is None:
-            return None
-        publish = self.kv_events.publish
-        if drop_after is None:
-            return lambda event: publish([event])
-        left = drop_after
+    def _load_reporter(self, rank: int):
+        return lambda scheduler: self._publish_load(rank, scheduler)
 
-        def publish_then_drop(event) -> None:
-            nonlocal left
-            if left > 0:
-                left -= 1
-                publish([event])
-
-        return publish_then_drop
-
-    def _publish_load(self, sched: Scheduler) -> None:
+    def _publish_load(self, rank: int, sched: Scheduler) -> None:
         # Requests pulling their KV count as waiting, as in vLLM (they sit in its waiting queue).
-        self.load.update(0, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
-                         num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling))
+        self.events.load.update(rank, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
+                                num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling))
 
     def refresh_gauges(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.engine_unfinished.set(len(sched.waiting) + len(sched.running) + len(sched.pulling))
+        self.metrics.engine_unfinished.set(sum(e.scheduler.num_unfinished for e in self.engines))
         self.gauges.refresh()
 
     async def canary(self) -> str | None:
-        """Generate one token on this worker's engine (not counted as a served request)."""
-        req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
-                              stop=StopConditions(max_tokens=1))
-        seqs = self.handlers.sequences(req)
-        outputs = self.engine.submit(seqs)
-        try:
-            async with asyncio.timeout(CANARY_TIMEOUT_S):
-                while all(out.finish_reason is None for out in await outputs.take()):
-                    pass
-        except TimeoutError:
-            self.engine.abort(seqs)
-            return f"worker {self.instance_id}: canary did not finish in {CANARY_TIMEOUT_S:.0f}s"
+        """Generate one token on each of this worker's engines (not counted as served requests)."""
+        for rank, engine in enumerate(self.engines):
+            req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
+                                  stop=StopConditions(max_tokens=1), dp_rank=rank)
+            seqs = self.handlers.sequences(req)
+            outputs = engine.submit(seqs)
+            try:
+                async with asyncio.timeout(CANARY_TIMEOUT_S):
+                    while all(out.finish_reason is None for out in await outputs.take()):
+                        pass
+            except TimeoutError:
+                engine.abort(seqs)
+                return f"worker {self.instance_id} rank {rank}: canary did not finish in {CANARY_TIMEOUT_S:.0f}s"
         return None
 
+    def close(self) -> None:
+        self.events.close()
 
-class Mocker:
+
+def _pool_events(publisher: KvEventPublisher, drop_after: int | None):
+    """Where a block pool's events go. `drop_after` (the --kv-events-drop-after test hook)
+    publishes that many and silently drops the rest, to exercise routers' warnings."""
+    publish = publisher.publish
+    if drop_after is None:
+        return lambda event: publish([event])
+    left = drop_after
+
+    def publish_then_drop(event) -> None:
+        nonlocal left
+        if left > 0:
+            left -= 1
+            publish([event])
+
+    return publish_then_drop
+
+
+class SimulatedEngines:
+    """The mocker as an engine kind for the worker host: every simulated worker's engines."""
+
     def __init__(self, cfg: MockerConfig):
         self.cfg = cfg
-        self.stopping = asyncio.Event()
-        self.exit_code = 0
+        self.workers: list[SimulatedWorker] = []
+        self._tasks: list[asyncio.Task] = []
+        self._gc_pacing: asyncio.Task | None = None
 
-    async def run(self) -> int:
-        from turbine.config import make_registry
-        from turbine.runtime.lifecycle import drain_and_stop, stop_on_signals
-        from turbine.runtime.registration import advertised_address, register, unregister
-        from turbine.runtime.status_server import make_app, serve_status
-
-        cfg = self.cfg
-        stop_on_signals(self.stopping)
-        health = Health()
-        info = cfg.model_info
+    async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
+        cfg, info = self.cfg, self.cfg.model_info
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
                                info.word_token_ids)
-        plane = None
-        if cfg.enable_prefix_caching:  # one event plane for all the workers here (nats: one connection)
-            plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
-        workers = [SimulatedWorker(cfg, sampler, health, plane) for _ in range(cfg.num_workers)]
+        # One event plane for all the workers here (nats: one connection).
+        self.workers = [SimulatedWorker(cfg, sampler, health, plane) for _ in range(cfg.num_workers)]
+        self._tasks = [asyncio.create_task(e.run()) for w in self.workers for e in w.engines]
+        return [Instance(w.server, w.card) for w in self.workers]
 
-        status_server = None
-        if cfg.system_port is not None:
-            def refresh_gauges():
-                for w in workers:
-                    w.refresh_gauges()
-            status_server = await serve_status(make_app(health, refresh_gauges), cfg.system_host, cfg.system_port)
-            log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
+    async def canary(self) -> str | None:
+        for reason in await asyncio.gather(*(w.canary() for w in self.workers)):
+            if reason:
+                return reason
+        return None
 
-        engines = [asyncio.create_task(w.engine.run()) for w in workers]
-        for task in engines:
-            task.add_done_callback(self._engine_stopped)
-        servers = [w.server for w in workers]
-        for server in servers:
-            await server.start()
+    def failure(self) -> str | None:
+        return None  # a crashed simulated engine ends the process (died)
 
-        registry = make_registry(cfg.discovery)
-        await registry.backend.start()
-        gc_pacing = None
-        try:
-            records = []
-            for w in workers:
-                records += await register(registry, w.card, advertised_address(w.server.address))
-            health.set_ready(lambda: _first_failure([w.canary() for w in workers]))
-            log.info("%d simulated worker(s) serving %r", len(workers), cfg.served_model_name)
-            # The collector's automatic passes would stall every simulated worker's step at
-            # once, several times a second, and find nothing (gc_pacing.py).
-            if cfg.gc_interval > 0:
-                gc_pacing = pace_garbage_collection(cfg.gc_interval)
-            else:
-                freeze_start_up_heap()
-            await self.stopping.wait()
-            health.set_not_ready()
-            # Unregister first so no new traffic arrives, then let in-flight requests finish.
-            await unregister(registry, records)
-            await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0)
-        finally:
-            if gc_pacing is not None:
-                gc_pacing.cancel()
-            for task in engines:
-                task.remove_done_callback(self._engine_stopped)
-                task.cancel()
-            for w in workers:
-                if w.load is not None:
-                    w.load.close()
-            await registry.backend.close()
-            if status_server is not None:
-                status_server.should_exit = True
-            if plane is not None:
-                await plane.close()
-        return self.exit_code
+    async def died(self) -> str:
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        task = done.pop()
+        return f"a simulated engine stopped: {task.exception()!r}"
 
-    def _engine_stopped(self, task: asyncio.Task) -> None:
-        if not task.cancelled():
-            log.error("a simulated engine stopped: %r; unregistering and exiting", task.exception())
-            self.exit_code = EXIT_ENGINE_DEAD
-            self.stopping.set()
+    def refresh_gauges(self) -> None:
+        for w in self.workers:
+            w.refresh_gauges()
 
+    def serving(self) -> None:
+        log.info("%d simulated worker(s) serving %r", len(self.workers), self.cfg.served_model_name)
+        # The collector's automatic passes would stall every simulated worker's step at
+        # once, several times a second, and find nothing (gc_pacing.py).
+        if self.cfg.gc_interval > 0:
+            self._gc_pacing = pace_garbage_collection(self.cfg.gc_interval)
+        else:
+            freeze_start_up_heap()
 
-async def _first_failure(canaries) -> str | None:
-    for reason in await asyncio.gather(*canaries):
-        if reason:
-            return reason
-    return None
+    async def close(self) -> None:
+        if self._gc_pacing is not None:
+            self._gc_pacing.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for w in self.workers:
+            w.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvloop
-
-    from turbine.logging_setup import setup_logging
-    from turbine.mocker.args import parse_mocker_args
-
     setup_logging()
     cfg = parse_mocker_args(argv)
+    host = WorkerHost(cfg, SimulatedEngines(cfg))
     # uvloop: the event loop is most of the work of 100+ simulated workers.
-    try:
-        return uvloop.run(Mocker(cfg).run())
-    except EventPlaneError as exc:
-        log.error("%s", exc)
-        return EXIT_BAD_CONFIG
+    return run_host(host.run, runner=uvloop.run)

@@ -5,12 +5,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from turbine.worker_config import ServingConfig, add_serving_args, serving_config_from_args
+from turbine.config import check
+from turbine.worker.config import ServingConfig, add_serving_args, checked, serving_fields_from_args
+
+KV_EVENTS_CONFIG_REFUSED = (
+    "--kv-events-config is not supported: Turbine relays the engine's KV events to its KV routers "
+    "itself (over --event-plane), and a KV events config of your own would replace that relay and "
+    "leave the routers blind; drop the flag")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerConfig(ServingConfig):
     engine_args: object  # vllm AsyncEngineArgs (typed loosely so this module imports without vLLM)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self, getattr(self.engine_args, "kv_events_config", None) is None, "engine_args",
+              KV_EVENTS_CONFIG_REFUSED)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return getattr(self.engine_args, "data_parallel_size", None) or 1
 
 
 def build_parser():
@@ -41,7 +56,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         if len(served) > 1:
             parser.error("--served-model-name: Turbine workers serve exactly one name")
         served = served[0] if served else None
-    serving = serving_config_from_args(args, parser, served)
+    serving = checked(ServingConfig, parser, **serving_fields_from_args(args, parser, served))
     # The engine loads what --model resolved to, under the one served name.
     args.model = serving.model_path
     args.served_model_name = serving.served_model_name
@@ -61,7 +76,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     engine_args.skip_tokenizer_init = False
     engine_args.disable_log_stats = False
 
-    return WorkerConfig(**vars(serving), engine_args=engine_args)
+    return checked(WorkerConfig, parser, **vars(serving), engine_args=engine_args)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:

@@ -1,4 +1,9 @@
-"""Request-plane handlers of the vLLM worker: `generate` and `clear_kv_blocks`."""
+"""Request-plane handlers of the vLLM worker: `generate` and `clear_kv_blocks`, one class per
+disaggregation role (aggregated, prefill, decode), chosen once at start (HANDLERS_OF_ROLE).
+
+Failures are typed errors (turbine.runtime.errors): a bad request raises InvalidRequest, a dead
+engine ENGINE_FAILURE, an abort that the caller did not ask for CANCELLED. A stream that ends
+normally ends with finish_reason "stop" or "length"."""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ from collections.abc import AsyncIterator, Callable
 
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from turbine.protocol import errors as codes
 from turbine.protocol.generate import (
     ClearKvBlocksRequest,
     GenerateOutput,
@@ -18,28 +25,20 @@ from turbine.protocol.generate import (
     TopLogprob,
     Usage,
 )
+from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.runtime.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
 
-# vLLM finish reasons → ours. "abort" means the request was cancelled.
-_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
-
-
-class InvalidRequest(ValueError):
-    pass
-
+LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
 
 # What a prefill worker asks of its KV connector: keep the prompt's KV for a decode worker to pull.
 _REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def build_sampling_params(req: GenerateRequest, defaults: dict, max_model_len: int, *,
-                          role: str = "agg") -> SamplingParams:
-    """Start from the model's generation_config defaults, then apply what the request set.
-    A prefill worker computes the prompt and one token, and keeps the KV for a decode worker;
-    a decode worker given a prefill worker's parameters pulls the KV instead of computing it."""
+def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int) -> dict:
+    """SamplingParams' arguments: the model's generation_config defaults, then what the request set."""
     if not req.token_ids:
         raise InvalidRequest("token_ids is empty")
     if len(req.token_ids) >= max_model_len:
@@ -62,17 +61,19 @@ def build_sampling_params(req: GenerateRequest, defaults: dict, max_model_len: i
         kwargs["logprobs"] = req.output.logprobs
     kwargs["detokenize"] = False
     kwargs["output_kind"] = RequestOutputKind.DELTA
-    if role == "prefill":
-        if kwargs.get("n", 1) != 1:
-            raise InvalidRequest("a prefill worker computes one sequence: n must be 1")
-        kwargs["max_tokens"] = kwargs["min_tokens"] = 1
-        kwargs["extra_args"] = {"kv_transfer_params": dict(_REMOTE_DECODE)}
-    elif role == "decode" and req.kv_transfer_params is not None:
-        kwargs["extra_args"] = {"kv_transfer_params": checked_kv_transfer_params(req.kv_transfer_params)}
+    return kwargs
+
+
+def sampling_params(kwargs: dict) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(str(exc)) from exc
+
+
+def build_sampling_params(req: GenerateRequest, defaults: dict, max_model_len: int) -> SamplingParams:
+    """An aggregated worker's SamplingParams for the request."""
+    return sampling_params(sampling_kwargs(req, defaults, max_model_len))
 
 
 def checked_kv_transfer_params(params: dict) -> dict:
@@ -104,14 +105,16 @@ def _int_or_ints(value) -> bool:
 
 
 class Handlers:
+    """What every role shares; the role classes below add their part."""
+
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
-                 *, role: str = "agg", kv_transfer_timeout: float = 30.0,
-                 on_success: Callable[[], None] | None = None):
+                 *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
+                 data_parallel_size: int = 1):
         self.engine = engine
         self.metrics = metrics
         self.on_success = on_success  # told of each completed request (the health checks)
-        self.role = role
         self.kv_transfer_timeout = kv_transfer_timeout
+        self.data_parallel_size = data_parallel_size
         # vLLM flushes its own AllBlocksCleared event only at its next step; an idle worker
         # would leave KV routers believing in the old cache, so we announce it at once.
         self.on_cleared = on_cleared
@@ -119,22 +122,43 @@ class Handlers:
         self.max_model_len = cfg.model_config.max_model_len
         self.sampling_defaults = cfg.model_config.get_diff_sampling_param()
 
+    def sampling_params(self, req: GenerateRequest) -> SamplingParams:
+        """The request checked and turned into the engine's SamplingParams (InvalidRequest if bad)."""
+        if req.lora_name is not None:
+            raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
+        if req.dp_rank is not None and not 0 <= req.dp_rank < self.data_parallel_size:
+            raise InvalidRequest(f"dp_rank {req.dp_rank} out of range: this worker has data-parallel ranks "
+                                 f"0..{self.data_parallel_size - 1}")
+        return sampling_params(self._role_kwargs(req, sampling_kwargs(req, self.sampling_defaults,
+                                                                       self.max_model_len)))
+
+    def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
+        return kwargs
+
+    def _engine_generate(self, req: GenerateRequest, params: SamplingParams, engine_id: str):
+        return self.engine.generate({"prompt_token_ids": req.token_ids}, params, engine_id,
+                                    data_parallel_rank=req.dp_rank)
+
+    async def _outputs(self, req: GenerateRequest, params: SamplingParams, engine_id: str):
+        """The engine's outputs for the request, and the engine-side id they run under."""
+        return self._engine_generate(req, params, engine_id), engine_id
+
+    def _finished(self, chunk: GenerateOutput, out) -> None:
+        """The role's additions to a choice's last chunk."""
+
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[GenerateOutput]:
         try:
-            params = build_sampling_params(req, self.sampling_defaults, self.max_model_len, role=self.role)
-        except InvalidRequest as exc:
+            params = self.sampling_params(req)
+        except InvalidRequest:
             self.metrics.error("invalid_request")
-            yield GenerateOutput(token_ids=[], finish_reason=f"error: invalid request: {exc}")
-            return
+            raise  # the caller gets it as a typed error (HTTP 400 at the frontend)
         # Unique per attempt, so a retried request id never collides inside the engine.
         engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         completion_tokens = [0] * params.n
         finished = False
         self.metrics.inflight.inc()
         try:
-            outputs = self.engine.generate({"prompt_token_ids": req.token_ids}, params, engine_id)
-            if params.extra_args and self.role == "decode":
-                outputs, engine_id = await self._pulled_or_local(req, params, outputs, engine_id)
+            outputs, engine_id = await self._outputs(req, params, engine_id)
             async for out in outputs:
                 for comp in out.outputs:
                     completion_tokens[comp.index] += len(comp.token_ids)
@@ -143,7 +167,10 @@ class Handlers:
                         chunk.log_probs, chunk.top_logprobs = _logprobs(comp.token_ids, comp.logprobs,
                                                                         params.logprobs or 0)
                     if comp.finish_reason is not None:
-                        chunk.finish_reason = _FINISH.get(comp.finish_reason, comp.finish_reason)
+                        if comp.finish_reason == "abort":  # not ours: we abort only in `finally` below
+                            self.metrics.error("aborted")
+                            raise RequestFailed("the engine aborted the request", code=codes.CANCELLED)
+                        chunk.finish_reason = comp.finish_reason
                         if isinstance(comp.stop_reason, int):
                             chunk.stop_reason = comp.stop_reason
                         chunk.usage = Usage(
@@ -151,39 +178,27 @@ class Handlers:
                             completion_tokens=completion_tokens[comp.index],
                             cached_tokens=out.num_cached_tokens or 0,
                         )
-                        if self.role == "prefill":
-                            chunk.kv_transfer_params = out.kv_transfer_params
+                        self._finished(chunk, out)
                     yield chunk
                 finished = out.finished
             self.metrics.request_done("success")
             if self.on_success is not None:
                 self.on_success()
+        except (EngineDeadError, EngineGenerateError) as exc:
+            self.metrics.error("engine_failure")
+            raise RequestFailed(f"the engine failed: {type(exc).__name__}: {exc}",
+                                code=codes.ENGINE_FAILURE) from exc
+        except RequestFailed:
+            raise
         except ValueError as exc:  # vLLM's input validation
             self.metrics.error("invalid_request")
-            yield GenerateOutput(token_ids=[], finish_reason=f"error: invalid request: {exc}")
+            raise InvalidRequest(str(exc)) from exc
         finally:
             self.metrics.inflight.dec()
             if not finished:
                 # Caller cancelled or went away: free the engine's KV blocks now.
                 self.metrics.cancellations.inc()
                 await self.engine.abort(engine_id)
-
-    async def _pulled_or_local(self, req: GenerateRequest, params: SamplingParams, outputs, engine_id: str):
-        """Waits for the first output of a request whose KV comes from a prefill worker. If the
-        KV does not arrive within --kv-transfer-timeout (prefill worker hung or gone), the
-        request is aborted and computed here from scratch: slower, never stuck."""
-        try:
-            first = await asyncio.wait_for(anext(outputs), self.kv_transfer_timeout)
-        except TimeoutError:
-            log.warning("request %s: no KV from the prefill worker within %.1f s; prefilling locally",
-                        req.request_id, self.kv_transfer_timeout)
-            self.metrics.error("kv_transfer_timeout")
-            await outputs.aclose()
-            await self.engine.abort(engine_id)
-            params.extra_args = None
-            engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
-            return self.engine.generate({"prompt_token_ids": req.token_ids}, params, engine_id), engine_id
-        return _prepend(first, outputs), engine_id
 
     async def clear_kv_blocks(self, req: ClearKvBlocksRequest, ctx) -> AsyncIterator[StatusReply]:
         try:
@@ -197,6 +212,58 @@ class Handlers:
             yield StatusReply(status="success", message="KV cache cleared")
         else:
             yield StatusReply(status="error", message="prefix cache not reset (requests still running)")
+
+
+class AggregatedHandlers(Handlers):
+    """Whole requests: prompt and answer."""
+
+
+class PrefillHandlers(Handlers):
+    """Computes the prompt and one token, and keeps the KV for a decode worker to pull (its
+    location goes out on the last chunk)."""
+
+    def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
+        if kwargs.get("n", 1) != 1:
+            raise InvalidRequest("a prefill worker computes one sequence: n must be 1")
+        kwargs["max_tokens"] = kwargs["min_tokens"] = 1
+        kwargs["extra_args"] = {"kv_transfer_params": dict(_REMOTE_DECODE)}
+        return kwargs
+
+    def _finished(self, chunk: GenerateOutput, out) -> None:
+        chunk.kv_transfer_params = out.kv_transfer_params
+
+
+class DecodeHandlers(Handlers):
+    """Given a prefill worker's kv_transfer_params, pulls the prompt's KV instead of computing it."""
+
+    def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
+        if req.kv_transfer_params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": checked_kv_transfer_params(req.kv_transfer_params)}
+        return kwargs
+
+    async def _outputs(self, req: GenerateRequest, params: SamplingParams, engine_id: str):
+        """Waits for the first output of a request whose KV comes from a prefill worker. If the
+        KV does not arrive within --kv-transfer-timeout (prefill worker hung or gone), the
+        request is aborted and computed here from scratch: slower, never stuck."""
+        outputs = self._engine_generate(req, params, engine_id)
+        if not params.extra_args:
+            return outputs, engine_id
+        try:
+            first = await asyncio.wait_for(anext(outputs), self.kv_transfer_timeout)
+        except TimeoutError:
+            log.warning("request %s: no KV from the prefill worker within %.1f s; prefilling locally",
+                        req.request_id, self.kv_transfer_timeout)
+            self.metrics.error("kv_transfer_timeout")
+            await outputs.aclose()
+            await self.engine.abort(engine_id)
+            params.extra_args = None
+            engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+            return self._engine_generate(req, params, engine_id), engine_id
+        return _prepend(first, outputs), engine_id
+
+
+HANDLERS_OF_ROLE: dict[str, type[Handlers]] = {
+    "agg": AggregatedHandlers, "prefill": PrefillHandlers, "decode": DecodeHandlers}
 
 
 async def _prepend(first, rest):

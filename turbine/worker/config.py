@@ -1,44 +1,90 @@
 """Flags and settings that every worker-kind process shares (the vLLM worker, the mocker):
-where it registers, where it listens, and what its model card tells the frontend."""
+where it registers, where it listens, and what its model card tells the frontend.
+
+ServingConfig checks itself when built (so a config made in code is checked like one made
+from flags); `serving_config_from_args` only reads the flags."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, add_discovery_args, discovery_config_from_args
-from turbine.protocol.discovery import DISAGGREGATION_MODES, ModelCard
+from turbine.config import (
+    DEFAULT_NAMESPACE,
+    DiscoveryConfig,
+    add_discovery_args,
+    check,
+    config_errors_to,
+    discovery_config_from_args,
+    flag,
+)
+from turbine.model.prepare import DEFAULT_MODEL, resolve
+from turbine.protocol.discovery import ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
 from turbine.runtime.kv_publisher import DEFAULT_REPLAY_BUFFER
 
 ENDPOINT_TYPES = ("chat", "completions")
+# "agg" serves whole requests; "prefill" computes prompts' KV for decode workers to pull;
+# "decode" generates from KV that a prefill worker computed.
+DisaggregationMode = Literal["agg", "prefill", "decode"]
+DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
+EventPlaneKind = Literal["zmq", "nats"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServingConfig:
-    namespace: str
-    component: str
-    endpoint: str
+    namespace: str = flag("--namespace", default=DEFAULT_NAMESPACE)
+    component: str = flag("--component", default="backend")
+    endpoint: str = flag("--endpoint", default="generate")
     served_model_name: str
     model_path: str  # what --model resolved to: a local folder or a hub id
     discovery: DiscoveryConfig
-    host: str  # request-plane bind address
-    port: int
-    system_host: str
-    system_port: int | None
-    endpoint_types: tuple[str, ...]
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    custom_jinja_template: str | None
-    migration_limit: int
-    graceful_shutdown_timeout: float
-    event_plane: str  # "zmq" | "nats": how KV events and load metrics reach routers
-    nats_server: str  # with --event-plane nats
-    kv_events_buffer: int  # recent KV event batches kept for routers that missed some
-    disaggregation_mode: str  # "agg" | "prefill" | "decode"
-    kv_transfer_timeout: float  # decode: seconds to wait for a prefill worker's KV, then prefill here
+    host: str = flag("--host", default="127.0.0.1")  # request-plane bind address
+    port: int = flag("--port", default=0)
+    system_host: str = flag("--system-host", default="127.0.0.1")
+    system_port: int | None = flag("--system-port", default=None)
+    endpoint_types: tuple[str, ...] = flag("--endpoint-types", default=ENDPOINT_TYPES)
+    tool_call_parser: str | None = flag("--dyn-tool-call-parser", default=None)
+    reasoning_parser: str | None = flag("--dyn-reasoning-parser", default=None)
+    custom_jinja_template: str | None = flag("--custom-jinja-template", default=None)
+    migration_limit: int = flag("--migration-limit", default=0)
+    graceful_shutdown_timeout: float = flag("--graceful-shutdown-timeout", default=30.0)
+    # How load reports and KV events reach routers.
+    event_plane: EventPlaneKind = flag("--event-plane", default="zmq")
+    nats_server: str = flag("--nats-server", default=DEFAULT_NATS_SERVER)  # with --event-plane nats
+    # Recent KV event batches kept for routers that missed some.
+    kv_events_buffer: int = flag("--kv-events-buffer", default=DEFAULT_REPLAY_BUFFER)
+    disaggregation_mode: DisaggregationMode = flag("--disaggregation-mode", default="agg")
+    # Decode: seconds to wait for a prefill worker's KV, then prefill here.
+    kv_transfer_timeout: float = flag("--kv-transfer-timeout", default=30.0)
+
+    def __post_init__(self):
+        for name in ("namespace", "component", "endpoint"):
+            value = getattr(self, name)
+            check(self, bool(value) and "/" not in value and value.replace("-", "").replace("_", "").isalnum(),
+                  name, f"{value!r}: use letters, digits, '-' and '_' only")
+        check(self, bool(self.endpoint_types) and set(self.endpoint_types) <= set(ENDPOINT_TYPES),
+              "endpoint_types", f"{','.join(self.endpoint_types)!r}: choose from {', '.join(ENDPOINT_TYPES)}")
+        check(self, self.custom_jinja_template is None or os.path.isfile(self.custom_jinja_template),
+              "custom_jinja_template", f"{self.custom_jinja_template!r}: no such file")
+        for name in ("port", "system_port"):
+            port = getattr(self, name)
+            check(self, port is None or 0 <= port <= 65535, name, f"{port}: must be between 0 and 65535")
+        check(self, self.migration_limit >= 0, "migration_limit", "must be >= 0")
+        check(self, self.graceful_shutdown_timeout >= 0, "graceful_shutdown_timeout", "must be >= 0")
+        check(self, self.event_plane in EVENT_PLANES, "event_plane",
+              f"{self.event_plane!r}: choose from {', '.join(EVENT_PLANES)}")
+        try:
+            parse_server(self.nats_server)
+        except ValueError as exc:
+            check(self, False, "nats_server", str(exc))
+        check(self, self.kv_events_buffer >= 0, "kv_events_buffer", "must be >= 0")
+        check(self, self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
+              f"{self.disaggregation_mode!r}: choose from {', '.join(DISAGGREGATION_MODES)}")
+        check(self, self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0")
 
     @property
     def is_prefill(self) -> bool:
@@ -50,7 +96,8 @@ class ServingConfig:
 
     def model_card(self, instance_id: str, *, engine: str, tokenizer_path: str, context_length: int,
                    kv_block_size: int, total_kv_blocks: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, kv_events_address: str | None = None) -> ModelCard:
+                   max_num_batched_tokens: int, kv_events_address: str | None = None,
+                   load_metrics_address: str | None = None, data_parallel_size: int = 1) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself."""
         return ModelCard(
             name=self.served_model_name, namespace=self.namespace, component=self.component,
@@ -60,7 +107,8 @@ class ServingConfig:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             endpoint_types=list(self.endpoint_types), tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser, migration_limit=self.migration_limit,
-            kv_events_address=kv_events_address, disaggregation_mode=self.disaggregation_mode,
+            kv_events_address=kv_events_address, load_metrics_address=load_metrics_address,
+            disaggregation_mode=self.disaggregation_mode, data_parallel_size=data_parallel_size,
         )
 
 
@@ -110,12 +158,10 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
 
 
 def disaggregation_mode_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """--disaggregation-mode and its two aliases; flags that disagree are an error naming them."""
+    """--disaggregation-mode and its two aliases; flags that disagree are an error naming them
+    (the value itself is checked by ServingConfig)."""
     said = {}
     if args.disaggregation_mode is not None:
-        if args.disaggregation_mode not in DISAGGREGATION_MODES:
-            parser.error(f"--disaggregation-mode {args.disaggregation_mode!r}: choose from "
-                         f"{', '.join(DISAGGREGATION_MODES)}")
         said[f"--disaggregation-mode {args.disaggregation_mode}"] = args.disaggregation_mode
     if args.is_prefill_worker:
         said["--is-prefill-worker"] = "prefill"
@@ -132,14 +178,16 @@ def _opt_int(value: str | None) -> int | None:
 
 def serving_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
                              served_model_name: str | None) -> ServingConfig:
-    """Validate the flags of `add_serving_args` and resolve `args.model`; a bad flag exits with
-    a message naming it. No --model means the embedded default model (prepared on first use),
+    """Read the flags of `add_serving_args` and resolve `args.model`; a bad flag exits with a
+    message naming it. No --model means the embedded default model (prepared on first use),
     served under its short name."""
-    from turbine.model.prepare import DEFAULT_MODEL, resolve
+    return checked(ServingConfig, parser, **serving_fields_from_args(args, parser, served_model_name))
 
+
+def serving_fields_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                             served_model_name: str | None) -> dict:
+    """The ServingConfig fields the flags give, for a subclass's constructor (checked there)."""
     mode = disaggregation_mode_from_args(args, parser)
-    if args.kv_transfer_timeout <= 0:
-        parser.error("--kv-transfer-timeout must be > 0")
     default_component = "prefill" if mode == "prefill" else "backend"
     namespace, component, endpoint = args.namespace, args.component or default_component, args.endpoint
     if "." in endpoint or endpoint.startswith("dyn://"):
@@ -147,34 +195,15 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
         if len(parts) != 3 or not all(parts):
             parser.error(f"--endpoint {args.endpoint!r}: expected NAME or namespace.component.endpoint")
         namespace, component, endpoint = parts
-    for flag, value in (("--namespace", namespace), ("--component", component), ("--endpoint", endpoint)):
-        if not value or "/" in value or not value.replace("-", "").replace("_", "").isalnum():
-            parser.error(f"{flag} {value!r}: use letters, digits, '-' and '_' only")
-
     types = tuple(t.strip() for t in args.endpoint_types.split(",") if t.strip())
-    bad = [t for t in types if t not in ENDPOINT_TYPES]
-    if bad or not types:
-        parser.error(f"--endpoint-types {args.endpoint_types!r}: choose from {', '.join(ENDPOINT_TYPES)}")
     template = args.custom_jinja_template
     if template:
         template = os.path.abspath(os.path.expanduser(template))
-        if not os.path.isfile(template):
-            parser.error(f"--custom-jinja-template {args.custom_jinja_template!r}: no such file")
-    for flag, port in (("--port", args.port), ("--system-port", args.system_port)):
-        if port is not None and not 0 <= port <= 65535:
-            parser.error(f"{flag} {port}: must be between 0 and 65535")
-    if args.migration_limit < 0:
-        parser.error("--migration-limit must be >= 0")
-    if args.graceful_shutdown_timeout < 0:
-        parser.error("--graceful-shutdown-timeout must be >= 0")
-    if args.event_plane not in EVENT_PLANES:
-        parser.error(f"--event-plane {args.event_plane!r}: choose from {', '.join(EVENT_PLANES)}")
+    nats_server = args.nats_server
     try:
         nats_server = parse_server(args.nats_server)
-    except ValueError as exc:
-        parser.error(f"--nats-server {exc}")
-    if args.kv_events_buffer < 0:
-        parser.error("--kv-events-buffer must be >= 0")
+    except ValueError:
+        pass  # ServingConfig names the flag
 
     embedded = args.model is None or args.model == DEFAULT_MODEL
     try:
@@ -182,8 +211,7 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
     except ValueError as exc:
         parser.error(f"--model: {exc}")
     served_model_name = served_model_name or (DEFAULT_MODEL if embedded else model_path)
-
-    return ServingConfig(
+    return dict(
         namespace=namespace, component=component, endpoint=endpoint,
         served_model_name=served_model_name, model_path=model_path,
         discovery=discovery_config_from_args(args, parser),
@@ -194,3 +222,9 @@ def serving_config_from_args(args: argparse.Namespace, parser: argparse.Argument
         event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
     )
+
+
+def checked(cls, parser: argparse.ArgumentParser, **fields):
+    """`cls(**fields)`, a ConfigError exiting through the parser with its message."""
+    with config_errors_to(parser):
+        return cls(**fields)

@@ -1,0 +1,1 @@
+"""The process around a worker's engine (vLLM or simulated): see README.md."""
