@@ -28,6 +28,7 @@ from tests.integration.procs import (
     wait_until,
     worker_ready,
 )
+from turbine.config import DiscoveryConfig, make_registry
 from turbine.protocol.generate import (
     ClearKvBlocksRequest,
     GenerateOutput,
@@ -36,6 +37,9 @@ from turbine.protocol.generate import (
     StatusReply,
     StopConditions,
 )
+from turbine.router.config import KvRouterConfig
+from turbine.router.indexer import WorkerKey
+from turbine.router.model_router import ModelKvRouter
 from turbine.runtime.errors import RemoteError
 from turbine.runtime.request_plane import RequestPlaneClient
 from turbine.serve import split_cpu_cores
@@ -240,6 +244,30 @@ def test_bad_kv_transfer_params_are_refused_not_fatal(pd):
             asyncio.run(generate(bad))
         assert info.value.code == "invalid_request" and info.value.message.startswith("kv_transfer_params")
     assert pd["decode"].alive()
+
+
+def test_the_decode_workers_load_reaches_a_router(pd):
+    # Decode workers relay no KV events; their load reports still go out, to the address in the card.
+    async def reported():
+        registry = make_registry(DiscoveryConfig(backend="file", file_dir=str(pd["root"] / "discovery")))
+        await registry.backend.start()
+        try:
+            [card] = [c for c in await registry.list_models() if c.disaggregation_mode == "decode"]
+        finally:
+            await registry.backend.close()
+        assert card.load_metrics_address and card.data_parallel_size == 1
+        router = ModelKvRouter(card.name, KvRouterConfig(), card.kv_block_size)
+        try:
+            router.instances_changed({card.instance_id: card})
+            async with asyncio.timeout(15):  # re-sent every 5 s even when idle
+                while router.kv.loads.reported(WorkerKey(card.instance_id)) is None:
+                    await asyncio.sleep(0.1)
+            return router.kv.loads.reported(WorkerKey(card.instance_id))
+        finally:
+            router.close()
+
+    report = asyncio.run(reported())
+    assert report.kv_total_blocks > 0
 
 
 def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 
 from turbine.protocol.kv_events import KvReplayChunk, KvReplayRequest
+from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.kv_publisher import KvEventPublisher
 from turbine.runtime.registration import KV_EVENTS_REPLAY
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -17,8 +18,8 @@ class KvEventsReplay:
 
     async def handle(self, req: KvReplayRequest, ctx) -> AsyncIterator[KvReplayChunk]:
         publisher = self.publishers.get(req.dp_rank)
-        if publisher is None:  # the request plane turns this into an error reply
-            raise ValueError(f"no KV event publisher for dp rank {req.dp_rank} "
+        if publisher is None:  # the router gets it as a typed error
+            raise InvalidRequest(f"no KV event publisher for dp rank {req.dp_rank} "
                              f"(ranks: {', '.join(map(str, sorted(self.publishers)))})")
         for chunk in publisher.replay(req.after_event_id):  # built at once, before the first yield
             yield chunk

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from vllm import SamplingParams
+
 CANARY_TIMEOUT_S = 10.0
 
 
 async def engine_canary(engine) -> str | None:
     """None when the engine generated a token, else the reason it did not."""
-    from vllm import SamplingParams
-
     request_id = f"canary-{uuid.uuid4().hex[:8]}"
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     try:

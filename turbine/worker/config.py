@@ -2,7 +2,7 @@
 where it registers, where it listens, and what its model card tells the frontend.
 
 ServingConfig checks itself when built (so a config made in code is checked like one made
-from flags); `serving_config_from_args` only reads the flags."""
+from flags); `serving_fields_from_args` only reads the flags."""
 
 from __future__ import annotations
 
@@ -176,17 +176,11 @@ def _opt_int(value: str | None) -> int | None:
     return int(value) if value else None
 
 
-def serving_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                             served_model_name: str | None) -> ServingConfig:
-    """Read the flags of `add_serving_args` and resolve `args.model`; a bad flag exits with a
-    message naming it. No --model means the embedded default model (prepared on first use),
-    served under its short name."""
-    return checked(ServingConfig, parser, **serving_fields_from_args(args, parser, served_model_name))
-
-
 def serving_fields_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
                              served_model_name: str | None) -> dict:
-    """The ServingConfig fields the flags give, for a subclass's constructor (checked there)."""
+    """The ServingConfig fields the flags give (and `args.model` resolved), for the constructor of
+    ServingConfig or a subclass, which checks them; a flag that cannot be read exits naming it.
+    No --model means the embedded default model (prepared on first use), served under its short name."""
     mode = disaggregation_mode_from_args(args, parser)
     default_component = "prefill" if mode == "prefill" else "backend"
     namespace, component, endpoint = args.namespace, args.component or default_component, args.endpoint
