@@ -3,9 +3,12 @@ turned into one typed WorkerConfig."""
 
 from __future__ import annotations
 
+import logging
+import platform
 from dataclasses import dataclass
 
 from turbine.config import check
+from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
 from turbine.worker.config import ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 KV_EVENTS_CONFIG_REFUSED = (
@@ -84,8 +87,6 @@ def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:
     (vLLM's choice). vLLM picks bfloat16 on every CPU; emulated on AVX2 it made prefill about
     6x slower than float32 (SmolLM2-135M on an AVX2-only AMD EPYC: 1000 prompt tokens in
     27 s vs 5 s), while decode steps took the same time."""
-    import platform
-
     if cpuinfo is None:
         from vllm.platforms import current_platform
 
@@ -99,8 +100,6 @@ def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
     if flags is None or {"avx512_bf16", "amx_bf16"} & set(flags):
         return None
-    import logging
-
     logging.getLogger("turbine.vllm").info("this CPU has no native bfloat16 (AVX512-BF16/AMX): --dtype float32 "
                                            "(give --dtype to choose)")
     return "float32"
@@ -110,8 +109,6 @@ def _configure_connector(args, parser, serving: ServingConfig) -> None:
     """--connector (or vLLM's own --kv-transfer-config) → args.kv_transfer_config."""
     from vllm.config import KVTransferConfig
     from vllm.platforms import current_platform
-
-    from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
 
     explicit = args.kv_transfer_config is not None
     if explicit and args.connector is not None:
