@@ -187,3 +187,60 @@ def test_multibyte_stop_strings(tokenizer, text, stop, chunks):
     pieces, detok = stream(tokenizer, ids, chunks, stop=[stop])
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == expected and detok.stop_reason == reason
+
+
+# --- the incremental decoder ------------------------------------------------------------
+
+def test_decode_stream_does_the_per_token_work(tokenizer, monkeypatch):
+    # One step of tokenizers' DecodeStream per push; no Python decode until the end.
+    ids = tokenizer.encode("Streaming 文字 and emoji 🎉 over tokens.", add_special_tokens=False)
+    calls = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **k: calls.append(a) or decode(*a, **k))
+    detok = IncrementalDetokenizer(tokenizer, [100, 200, 300], [])
+    calls.clear()  # (the prompt context is checked once)
+    pieces = [detok.push([i]) for i in ids]
+    assert calls == []
+    pieces.append(detok.flush())
+    assert "".join(pieces) == decode(ids)
+
+
+@pytest.mark.parametrize("chunks", [(1,), (2,), (3, 1)])
+def test_falls_back_to_python_window_when_the_stream_refuses(tokenizer, monkeypatch, chunks):
+    # A decoder whose text does not only grow makes DecodeStream raise; the rest of the
+    # stream is decoded by the Python window, from where the stream had got to.
+    text = "Hello 👋🌍 世界 — café, with a stop somewhere here"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    real = tokenizer.decode_stream
+
+    def flaky(context, skip):
+        step, n = real(context, skip), 0
+
+        def wrapped(token_ids):
+            nonlocal n
+            n += 1
+            if n == 4:
+                raise Exception("Invalid prefix encountered")  # noqa: TRY002 - what tokenizers raises
+            return step(token_ids)
+        return wrapped
+
+    monkeypatch.setattr(tokenizer, "decode_stream", flaky)
+    pieces, _ = stream(tokenizer, ids, chunks, prompt_ids=tokenizer.encode_chat([{"role": "user", "content": "hi"}]))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    pieces, detok = stream(tokenizer, ids, chunks, stop=["somewhere"])
+    assert "".join(pieces) == "Hello 👋🌍 世界 — café, with a stop " and detok.stop_reason == "somewhere"
+
+
+def test_prompt_ending_inside_a_character_is_not_repeated(tokenizer):
+    prompt = tokenizer.encode("say 🫠", add_special_tokens=False)[:-1]  # cut inside the emoji
+    assert tokenizer.decode(prompt[-5:]).endswith("\ufffd")
+    ids = tokenizer.encode(" fine", add_special_tokens=False)
+    pieces, _ = stream(tokenizer, ids, prompt_ids=prompt)
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_incomplete_character_at_the_end_is_flushed(tokenizer):
+    ids = tokenizer.encode("ok 🫠", add_special_tokens=False)[:-1]
+    pieces, _ = stream(tokenizer, ids)
+    assert pieces[-1].endswith("\ufffd") and "".join(pieces) == tokenizer.decode(ids)

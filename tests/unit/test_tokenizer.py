@@ -145,6 +145,35 @@ def test_encode_decode_match_transformers(tokenizer, hf, text, add_special_token
         assert tokenizer.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_off_loop_short_inline_long_in_a_thread(tokenizer, add_special_tokens, monkeypatch):
+    import threading
+
+    from turbine.frontend import tokenizer as module
+
+    short = "hello world 🧑‍🚀 " * 10
+    long = "a long prompt 日本語 " * (module.INLINE_ENCODE_CHARS // 10)
+    assert len(short) <= module.INLINE_ENCODE_CHARS < len(long)
+    threads = []
+    real = tokenizer._tokenizer
+
+    class Spy:
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if name in ("encode", "encode_batch"):
+                def called(*args, **kwargs):
+                    threads.append((name, threading.current_thread() is threading.main_thread()))
+                    return attr(*args, **kwargs)
+                return called
+            return attr
+
+    monkeypatch.setattr(tokenizer, "_tokenizer", Spy())
+    for text in (short, long):
+        got = asyncio.run(tokenizer.encode_off_loop(text, add_special_tokens=add_special_tokens))
+        assert got == real.encode(text, add_special_tokens=add_special_tokens).ids
+    assert threads == [("encode", True), ("encode_batch", False)]
+
+
 def test_token_metadata(tokenizer, hf):
     assert tokenizer.eos_token_ids == [2]
     assert tokenizer.bos_token_id == 1

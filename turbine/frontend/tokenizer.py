@@ -19,11 +19,19 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # The named special tokens transformers exposes to templates as variables (`bos_token`, ...).
 _SPECIAL_TOKEN_KEYS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )
+
+
+# Prompts up to this many characters are encoded on the event loop's thread. Handing one to a
+# worker thread cost 30-100 % more CPU than encoding it (a 133-token chat prompt: 181-188 us
+# encoded in place, 240-360 us through the executor; benchmarks/frontend_cpu_micro.py), while
+# 2,048 characters (~500 tokens) hold the loop for well under a millisecond.
+INLINE_ENCODE_CHARS = 2048
 
 
 class TextTokenizer:
@@ -84,7 +92,10 @@ class TextTokenizer:
     async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`encode` in a worker thread, so that a long prompt does not stall the event loop
         (and the tokens of every other stream). `encode_batch` releases the GIL where
-        `encode` does not, so the thread really runs beside the loop."""
+        `encode` does not, so the thread really runs beside the loop. A short prompt is
+        encoded right here: the trip to the thread costs more CPU than encoding it."""
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         batch = await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self._tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens))
         return batch[0].ids
@@ -133,6 +144,15 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True):
+        """The `tokenizers` library's own incremental decoder, primed with `context_ids` (text
+        already seen, never returned), and the function that feeds it: `step(ids)` returns the
+        new complete text, or None while a character still awaits its next bytes (or nothing
+        visible came). One call into Rust per step. `step` raises when the decoded text stops
+        extending what it returned before (a decoder that rewrites earlier text)."""
+        stream = DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tokenizer)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The raw vocabulary entry (e.g. byte-level "Ġhello"), None for an unknown id."""
