@@ -72,8 +72,7 @@ def start_turbine_stack(a, run_dir: Path, tag: str, system: str = "turbine") -> 
     start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
                                  "--speedup-ratio", "0", "--system-port", str(free_port()), *a.turbine_mocker_args.split()],
                   env=system_env(a, system))
-    st.wait_ready(lambda: st.models_ready(SERVED, True), a.startup_timeout)
-    st.sanity_check(SERVED)
+    _ready_or_stop(st, lambda: st.models_ready(SERVED, True), a.startup_timeout)
     return st
 
 
@@ -94,9 +93,19 @@ def start_dynamo_stack(a, run_dir: Path, tag: str) -> Stack:
     st.spawn("frontend", [py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(st.port)], env)
     st.spawn("worker", [py, "-m", "dynamo.mocker", "--model-path", a.model, "--model-name", SERVED,
                         "--speedup-ratio", str(a.dynamo_speedup), *a.dynamo_mocker_args.split()], env)
-    st.wait_ready(lambda: st.models_ready(SERVED, False), a.startup_timeout)
-    st.sanity_check(SERVED)
+    _ready_or_stop(st, lambda: st.models_ready(SERVED, False), a.startup_timeout)
     return st
+
+
+def _ready_or_stop(st: Stack, ready, timeout: float) -> None:
+    """Wait for readiness and one sanity request; a stack that fails is stopped here (the caller
+    never gets it, so it could not stop the processes that did start)."""
+    try:
+        st.wait_ready(ready, timeout)
+        st.sanity_check(SERVED)
+    except BaseException:
+        st.stop()
+        raise
 
 
 def requests_for(a, c: int) -> int:
