@@ -90,18 +90,19 @@ class Dispatch:
         start = time.monotonic()
         first = await self._open()
         router, request_id = self.model.router, self.request.request_id
-        first_token_at = last_token_at = None
+        last_token_at = None
+        # Per-token gaps, observed when the request ends: a histogram takes a lock per observation.
+        gaps: list[float] = []
         chunk = first
         try:
             while True:
                 if chunk.token_ids:
                     now = time.monotonic()
-                    if first_token_at is None:
-                        first_token_at = now
+                    if last_token_at is None:
                         self.metrics.ttft.observe(now - start)
                         router.first_token(request_id)
-                    elif last_token_at is not None:
-                        self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
+                    else:
+                        gaps.append((now - last_token_at) / len(chunk.token_ids))
                     last_token_at = now
                 yield chunk
                 try:
@@ -115,6 +116,9 @@ class Dispatch:
         finally:
             router.finished(request_id)
             await self._stream.aclose()
+            observe = self.metrics.itl.observe
+            for gap in gaps:
+                observe(gap)
 
     # -- opening the stream -----------------------------------------------------------
     async def _open(self) -> GenerateOutput:

@@ -5,7 +5,7 @@ the chat template, tokenization and the context-length limits happen here; new i
 
 from __future__ import annotations
 
-import uuid
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,7 +81,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
     if req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
         raise RequestError("stop_token_ids: token id outside the vocabulary", param="stop_token_ids")
     request = GenerateRequest(
-        request_id=uuid.uuid4().hex,
+        request_id=os.urandom(16).hex(),  # as random as uuid4, without the UUID object
         model=model.name,
         token_ids=token_ids,
         sampling=SamplingOptions(
