@@ -9,12 +9,9 @@ import pytest
 
 from tests.integration.procs import base_env, start_mocker, wait_until, worker_ready
 from turbine.config import DiscoveryConfig, make_registry
-from turbine.protocol.load_metrics import LoadMetrics
 from turbine.router.config import KvRouterConfig
 from turbine.router.indexer import WorkerKey
 from turbine.router.model_router import ModelKvRouter
-from turbine.runtime.codec import decode
-from turbine.runtime.event_plane import LOAD_METRICS_TOPIC, EventSubscriber
 
 FLEET = {  # served model name -> mocker flags
     "decode-no-cache": ["--disaggregation-mode", "decode", "--no-enable-prefix-caching"],
@@ -76,15 +73,7 @@ async def test_each_data_parallel_ranks_load_reaches_the_router(fleet):
 
 async def test_a_worker_without_prefix_caching_publishes_load_but_no_kv_events(fleet):
     card = await card_of(fleet, "agg-no-cache")
-    # No KV events (routers warn that it publishes none), but its load is on the event plane.
+    # No KV events (routers warn that it publishes none), but its load reaches the router.
     assert card.kv_events_address is None and card.load_metrics_address
-    sub = EventSubscriber(topics=(LOAD_METRICS_TOPIC,))
-    try:
-        sub.connect(card.load_metrics_address)
-        await sub.subscribed(card.load_metrics_address)
-        async with asyncio.timeout(15):
-            topic, payload = await sub.recv()
-        report = decode(payload, LoadMetrics)
-        assert (topic, report.instance_id, report.kv_total_blocks) == (LOAD_METRICS_TOPIC, card.instance_id, 16384)
-    finally:
-        sub.close()
+    [report] = await reported_by_router(card)
+    assert (report.instance_id, report.kv_total_blocks) == (card.instance_id, 16384)

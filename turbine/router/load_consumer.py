@@ -1,8 +1,8 @@
 """Feeds a KV router's load tracker with its workers' own load reports (LoadMetrics).
 
 Reports come from the router's event-plane subscriber (router/event_subscriber.py), shared with
-the KV events consumer: this consumer follows every worker whose model card names an event-plane
-address and handles the load-metrics topic. A worker without an event plane sends no reports;
+the KV events consumer: this consumer follows every worker's load-metrics address (its model
+card's) and handles the load-metrics topic. A worker whose card names none sends no reports;
 the router then counts that worker's requests itself.
 """
 
@@ -42,15 +42,18 @@ class LoadMetricsConsumer:
             self.loads.forget_instance(instance_id)  # the reports of every rank it had
         self._unfollowable &= cards.keys()
         for instance_id, card in cards.items():
-            if card.kv_events_address is not None and instance_id not in self._address_of:
+            # Every worker publishes load (load_metrics_address); older cards only name the
+            # KV-events address, on which the same publisher sends it.
+            address = card.load_metrics_address or card.kv_events_address
+            if address is not None and instance_id not in self._address_of:
                 try:
-                    self._sub.follow(card.kv_events_address)
+                    self._sub.follow(address)
                 except ValueError as exc:  # e.g. a scheme we do not know
                     if instance_id not in self._unfollowable:
                         self._unfollowable.add(instance_id)
                         log.warning("worker %s: %s; its load reports are not followed", instance_id, exc)
                     continue
-                self._address_of[instance_id] = card.kv_events_address
+                self._address_of[instance_id] = address
 
     def handle(self, payload: bytes) -> None:
         """One message of the load-metrics topic, as received."""
