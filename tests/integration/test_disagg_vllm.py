@@ -194,7 +194,7 @@ def test_client_cancel_during_prefill_or_transfer_leaves_no_blocks_pinned(pd, ca
 def test_decode_without_reachable_kv_prefills_locally(pd):
     """KV parameters that point at a peer that never answers: the decode worker gives up on
     the transfer (vLLM's handshake times out; our --kv-transfer-timeout is the backstop, see
-    tests/unit/test_vllm_disagg_handlers.py) and computes the prompt itself: same answer."""
+    tests/unit/vllm/test_vllm_disagg_handlers.py) and computes the prompt itself: same answer."""
     black_hole = socket.socket()
     black_hole.bind(("127.0.0.1", 0))
     black_hole.listen()  # accepts connections, never says a word

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.unit.test_dispatch import instance, served
+from tests.unit.frontend.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
 from turbine.protocol import errors as codes
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage

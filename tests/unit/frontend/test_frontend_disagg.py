@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from tests.unit.test_dispatch import Run, closed_port_address
+from tests.unit.frontend.test_dispatch import Run, closed_port_address
 from turbine.frontend.decode_cache import DecodeCaches
 from turbine.frontend.disagg import DisaggConfig, wants_remote_prefill
 from turbine.frontend.metrics import FrontendMetrics

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from tests.unit.test_dispatch import instance, served
+from tests.unit.frontend.test_dispatch import instance, served
 from turbine.frontend.deltas import Delta, TokenLogprob, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError
 from turbine.frontend.format import ChatFormat, CompletionFormat, SseChunks
