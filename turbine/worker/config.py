@@ -74,6 +74,13 @@ class ServingConfig:
             port = getattr(self, name)
             check(self, port is None or 0 <= port <= 65535, name, f"{port}: must be between 0 and 65535")
         check(self, self.migration_limit >= 0, "migration_limit", "must be >= 0")
+        # Not built yet: refused, not accepted and ignored (a card field nobody reads).
+        check(self, self.tool_call_parser is None, "tool_call_parser",
+              "tool-call parsing is not supported yet; leave the flag out")
+        check(self, self.reasoning_parser is None, "reasoning_parser",
+              "reasoning parsing is not supported yet; leave the flag out")
+        check(self, self.migration_limit == 0, "migration_limit",
+              "request migration is not supported yet; only 0 is accepted")
         check(self, self.graceful_shutdown_timeout >= 0, "graceful_shutdown_timeout", "must be >= 0")
         check(self, self.event_plane in EVENT_PLANES, "event_plane",
               f"{self.event_plane!r}: choose from {', '.join(EVENT_PLANES)}")

@@ -10,6 +10,10 @@ from turbine.vllm.args import parse_worker_args
     (["--custom-jinja-template", "/no/such/file.jinja"], "--custom-jinja-template"),
     (["--system-port", "70000"], "--system-port"),
     (["--migration-limit", "-1"], "--migration-limit"),
+    # Not built yet: refused rather than accepted and ignored.
+    (["--migration-limit", "2"], "--migration-limit"),
+    (["--dyn-tool-call-parser", "hermes"], "--dyn-tool-call-parser"),
+    (["--dyn-reasoning-parser", "deepseek_r1"], "--dyn-reasoning-parser"),
     (["--endpoint", "a.b"], "--endpoint"),
     (["--namespace", "bad/ns"], "--namespace"),
     (["--discovery-backend", "zookeeper"], "--discovery-backend"),
