@@ -197,7 +197,7 @@ async def find_instance(args) -> tuple[ModelCard, InstanceRecord]:
     finally:
         await registry.backend.close()
     for card in cards:
-        record = records.get(f"{card.namespace}/{card.component}/{card.endpoint}/{card.instance_id}")
+        record = records.get(card.path)
         if record is not None:
             return card, record
     raise LookupError(f"no live worker serves the model {args.model!r}")

@@ -23,7 +23,7 @@ from turbine.protocol.generate import (
     Usage,
 )
 from turbine.runtime.errors import InvalidRequest
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 
 MAX_N = 16  # choices per request; the frontend allows no more
 MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default limit

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import Gauge
 
 from turbine.mocker.scheduler import Scheduler
-from turbine.runtime.worker_metrics import LABELS
+from turbine.worker.worker_metrics import LABELS
 
 _blocks_in_use = Gauge("turbine_mocker_kv_blocks_in_use", "KV blocks held by running sequences", LABELS)
 _blocks_cached = Gauge("turbine_mocker_kv_blocks_cached",

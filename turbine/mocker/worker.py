@@ -27,11 +27,11 @@ from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
-from turbine.runtime.kv_publisher import KvEventPublisher
+from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
 

@@ -60,7 +60,7 @@ class RouterService:
         for card in sorted(cards, key=lambda c: c.instance_id):
             if card.namespace != self.cfg.namespace:
                 continue
-            rec = by_path.get(f"{card.namespace}/{card.component}/{card.endpoint}/{card.instance_id}")
+            rec = by_path.get(card.path)
             if rec is None:
                 continue  # the card outlived its instance record (or arrived first)
             key = (card.name, card.component)

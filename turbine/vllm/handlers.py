@@ -26,7 +26,7 @@ from turbine.protocol.generate import (
     Usage,
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
 

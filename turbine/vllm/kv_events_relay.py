@@ -21,7 +21,7 @@ import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
 from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
-from turbine.runtime.kv_publisher import KvEventPublisher
+from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from turbine.runtime.load_publisher import LoadMetricsPublisher
+from turbine.worker.load_publisher import LoadMetricsPublisher
 
 
 class LoadMetricsStatLogger(StatLoggerBase):

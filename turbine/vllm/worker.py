@@ -19,7 +19,7 @@ from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.registration import CLEAR_KV_BLOCKS, advertised_host
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import engine_canary
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl

@@ -24,7 +24,7 @@ from turbine.model.prepare import DEFAULT_MODEL, resolve
 from turbine.protocol.discovery import ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
-from turbine.runtime.kv_publisher import DEFAULT_REPLAY_BUFFER
+from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
 
 ENDPOINT_TYPES = ("chat", "completions")
 # "agg" serves whole requests; "prefill" computes prompts' KV for decode workers to pull;

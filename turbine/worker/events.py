@@ -5,9 +5,9 @@ has them. All of it goes out through one publisher: one address in the model car
 from __future__ import annotations
 
 from turbine.runtime.event_plane import WorkerEventPlane
-from turbine.runtime.kv_publisher import KvEventPublisher
-from turbine.runtime.kv_replay import serve_kv_replay
-from turbine.runtime.load_publisher import LoadMetricsPublisher
+from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.kv_replay import serve_kv_replay
+from turbine.worker.load_publisher import LoadMetricsPublisher
 from turbine.runtime.request_plane import RequestPlaneServer
 
 

@@ -29,7 +29,7 @@ from turbine.protocol.kv_events import BlockRemoved, BlockStored
 from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.status_server import Health
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 
 EOS = 2
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 and a partial one

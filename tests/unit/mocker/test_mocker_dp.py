@@ -21,7 +21,7 @@ from turbine.protocol.generate import GenerateRequest, StopConditions
 from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.status_server import Health
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 
 PROMPT = list(range(100, 140))
 

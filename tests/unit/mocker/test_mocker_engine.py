@@ -24,7 +24,7 @@ from turbine.protocol.generate import (
     StopConditions,
 )
 from turbine.runtime.errors import InvalidRequest
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 
 EOS = 2
 PROMPT = list(range(100, 140))

@@ -10,7 +10,7 @@ from turbine.protocol.kv_events import AllBlocksCleared, BlockStored, KvEventBat
 from turbine.router.hashing import block_hashes
 from turbine.router.indexer import KvIndexer, WorkerKey
 from turbine.router.kv_events_consumer import KvEventsConsumer
-from turbine.runtime.kv_publisher import KvEventPublisher
+from turbine.worker.kv_publisher import KvEventPublisher
 
 BS = 4
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]

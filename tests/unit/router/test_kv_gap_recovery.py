@@ -17,8 +17,8 @@ from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from turbine.router.indexer import KvIndexer, WorkerKey
 from turbine.router.kv_events_consumer import KvEventsConsumer
 from turbine.runtime.event_plane import EventPublisher
-from turbine.runtime.kv_publisher import KvEventPublisher
-from turbine.runtime.kv_replay import KvEventsReplay, serve_kv_replay
+from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.kv_replay import KvEventsReplay, serve_kv_replay
 from turbine.runtime.registration import KV_EVENTS_REPLAY
 from turbine.runtime.request_plane import RequestPlaneServer
 

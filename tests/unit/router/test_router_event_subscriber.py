@@ -12,8 +12,8 @@ from turbine.router.indexer import WorkerKey
 from turbine.router.config import KvRouterConfig
 from turbine.router.model_router import ModelKvRouter
 from turbine.runtime.event_plane import KV_EVENTS_TOPIC, LOAD_METRICS_TOPIC
-from turbine.runtime.kv_publisher import KvEventPublisher
-from turbine.runtime.load_publisher import LoadMetricsPublisher
+from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.load_publisher import LoadMetricsPublisher
 
 BS = 4
 TOKENS = list(range(100, 100 + 2 * BS))

@@ -27,8 +27,8 @@ from turbine.runtime.event_plane import (
     EventSubscriber,
     WorkerEventPlane,
 )
-from turbine.runtime.kv_publisher import KvEventPublisher
-from turbine.runtime.kv_replay import serve_kv_replay
+from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.kv_replay import serve_kv_replay
 from turbine.runtime.request_plane import RequestPlaneServer
 
 BS = 4

@@ -55,7 +55,7 @@ async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher():
 
     from turbine.protocol.kv_events import KvEventBatch
     from turbine.runtime.codec import decode
-    from turbine.runtime.kv_publisher import KvEventPublisher
+    from turbine.worker.kv_publisher import KvEventPublisher
     from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 
     plane = RecordingPlane()

@@ -10,7 +10,7 @@ import pytest
 
 from turbine.protocol.generate import GenerateRequest, SamplingOptions, StopConditions
 from turbine.runtime.errors import InvalidRequest, RequestFailed
-from turbine.runtime.worker_metrics import WorkerMetrics
+from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.handlers import HANDLERS_OF_ROLE, Handlers, build_sampling_params, checked_kv_transfer_params
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]],

@@ -10,12 +10,12 @@ import pytest
 
 from turbine.protocol.kv_events import BlockRemoved, BlockStored, KvEventBatch, KvReplayChunk, KvReplayRequest
 from turbine.router.indexer import KvIndexer, WorkerKey
-from turbine.runtime import kv_publisher
+from turbine.worker import kv_publisher
 from turbine.runtime.codec import decode
 from turbine.runtime.errors import RemoteError
-from turbine.runtime.kv_cache_state import SNAPSHOT_BATCH_TOKENS
-from turbine.runtime.kv_publisher import KvEventPublisher
-from turbine.runtime.kv_replay import serve_kv_replay
+from turbine.worker.kv_cache_state import SNAPSHOT_BATCH_TOKENS
+from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.kv_replay import serve_kv_replay
 from turbine.runtime.registration import KV_EVENTS_REPLAY
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
 

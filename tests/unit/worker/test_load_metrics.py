@@ -12,7 +12,7 @@ from turbine.router.indexer import WorkerKey
 from turbine.router.load_consumer import LoadMetricsConsumer
 from turbine.runtime.codec import decode
 from turbine.runtime.event_plane import LOAD_METRICS_TOPIC, EventPublisher, EventSubscriber
-from turbine.runtime.load_publisher import LoadMetricsPublisher
+from turbine.worker.load_publisher import LoadMetricsPublisher
 
 
 def card(instance_id: str, address: str | None) -> ModelCard:

@@ -14,7 +14,7 @@ import msgspec
 from turbine.protocol.kv_events import KvEvent, KvEventBatch, KvReplayChunk
 from turbine.runtime.codec import encode
 from turbine.runtime.event_plane import KV_EVENTS_TOPIC, EventPublisher
-from turbine.runtime.kv_cache_state import KvCacheState
+from turbine.worker.kv_cache_state import KvCacheState
 
 DEFAULT_REPLAY_BUFFER = 10_000  # batches
 REPLAY_BUFFER_MAX_BYTES = 8 << 20  # and at most this much encoded, whatever the batch count

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from turbine.protocol.kv_events import KvReplayChunk, KvReplayRequest
 from turbine.runtime.errors import InvalidRequest
-from turbine.runtime.kv_publisher import KvEventPublisher
+from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.runtime.registration import KV_EVENTS_REPLAY
 from turbine.runtime.request_plane import RequestPlaneServer
 
