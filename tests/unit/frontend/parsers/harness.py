@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
+
 from turbine.frontend.deltas import Delta
 
 Chain = Callable[[], list]  # makes one choice's parsers
@@ -88,3 +90,16 @@ def check(chain: Chain, text: str, expected: Result, finish_reason: str = "stop"
 def calls(*pairs: tuple[str, dict]) -> list[tuple[str, str]]:
     """Expected calls; their arguments text is the compact-spaced JSON every parser emits."""
     return [(name, json.dumps(args, ensure_ascii=False)) for name, args in pairs]
+
+
+def case(text: str, content: str = "", *expected_calls: tuple[str, dict], reasoning: str = "",
+         finish: str = "stop", id: str):
+    """A recorded output and what it must give; the model stopped with `finish` (a model that
+    stopped by itself after calling tools finishes with "tool_calls")."""
+    reason = "tool_calls" if expected_calls and finish == "stop" else finish
+    return pytest.param(text, Result(content, reasoning, calls(*expected_calls), reason), finish, id=id)
+
+
+def params(cases: dict[str, list]) -> list:
+    """{parser name: [case, ...]} -> parameters (name, text, expected, finish)."""
+    return [pytest.param(name, *p.values, id=f"{name}-{p.id}") for name, ps in cases.items() for p in ps]

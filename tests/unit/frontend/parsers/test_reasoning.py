@@ -5,42 +5,38 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.frontend.parsers.harness import Result, calls, check
+from tests.unit.frontend.parsers.harness import Result, calls, case, check, params
 from turbine.frontend.parsers import parser_chain, reasoning_parser
 
-DEEPSEEK_R1 = [
-    pytest.param("<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is **4**.",
-                 Result("The answer is **4**.", "\nThe user asks 2+2. That is 4.\n", finish_reason="stop"),
-                 id="tags"),
-    pytest.param("Okay, 2+2=4 (<think> tags are in the prompt).</think>The answer is 4.",
-                 Result("The answer is 4.", "Okay, 2+2=4 (<think> tags are in the prompt).", finish_reason="stop"),
-                 id="no-opening-tag"),
-    pytest.param("<think>Zürich ☀️ 晴れ 😀 </thin k></think>Antwort: ja",
-                 Result("Antwort: ja", "Zürich ☀️ 晴れ 😀 </thin k>", finish_reason="stop"), id="unicode"),
-    pytest.param("Thinking and thinking, never closed <", Result(reasoning="Thinking and thinking, never closed <",
-                                                                finish_reason="stop"), id="unterminated"),
-]
-
-QWEN3 = [
-    pytest.param("<think>\nhmm, greet back\n</think>\n\nHello! 😀", True,
-                 Result("Hello! 😀", "\nhmm, greet back\n", finish_reason="stop"), id="tags"),
-    pytest.param("Hello there, no <think> here</think>.", True,
-                 Result("Hello there, no <think> here</think>.", finish_reason="stop"), id="no-tag-is-content"),
-    pytest.param("<think>\ncut off mid-th", True, Result(reasoning="\ncut off mid-th", finish_reason="stop"),
-                 id="unterminated"),
-    pytest.param("<think>x</think>y", False, Result("<think>x</think>y", finish_reason="stop"), id="thinking-off"),
-    pytest.param("<thin", True, Result("<thin", finish_reason="stop"), id="partial-tag-only"),
-]
+CASES = {
+    "deepseek_r1": [
+        case("<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is **4**.", "The answer is **4**.",
+             reasoning="\nThe user asks 2+2. That is 4.\n", id="tags"),
+        case("Okay, 2+2=4 (<think> was in the prompt).</think>The answer is 4.", "The answer is 4.",
+             reasoning="Okay, 2+2=4 (<think> was in the prompt).", id="no-opening-tag"),
+        case("<think>Zürich ☀️ 晴れ 😀 </thin k></think>Antwort: ja", "Antwort: ja",
+             reasoning="Zürich ☀️ 晴れ 😀 </thin k>", id="unicode"),
+        case("Thinking and thinking, never closed <", reasoning="Thinking and thinking, never closed <",
+             finish="length", id="unterminated"),
+    ],
+    "qwen3": [
+        case("<think>\nhmm, greet back\n</think>\n\nHello! 😀", "Hello! 😀", reasoning="\nhmm, greet back\n", id="tags"),
+        case("Hello there, no <think> here</think>.", "Hello there, no <think> here</think>.", id="no-tag-is-content"),
+        case("<think>\ncut off mid-th", reasoning="\ncut off mid-th", finish="length", id="unterminated"),
+        case("<thin", "<thin", id="partial-tag-only"),
+    ],
+}
 
 
-@pytest.mark.parametrize("text,expected", DEEPSEEK_R1)
-def test_deepseek_r1(text, expected):
-    check(lambda: [reasoning_parser("deepseek_r1")], text, expected)
+@pytest.mark.parametrize("name,text,expected,finish", params(CASES))
+def test_recorded_outputs(name, text, expected, finish):
+    check(lambda: [reasoning_parser(name)], text, expected, finish)
 
 
-@pytest.mark.parametrize("text,enable_thinking,expected", QWEN3)
-def test_qwen3(text, enable_thinking, expected):
-    check(lambda: [reasoning_parser("qwen3", enable_thinking=enable_thinking)], text, expected)
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_thinking_off_is_all_content(name):
+    check(lambda: [reasoning_parser(name, enable_thinking=False)], "<think>x</think>y",
+          Result("<think>x</think>y", finish_reason="stop"))
 
 
 def test_reasoning_then_tool_calls_in_one_chain():
