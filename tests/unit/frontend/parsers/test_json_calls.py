@@ -41,6 +41,8 @@ CASES = {
              id="arguments-first"),
         case(f"Sure.\n<tool_call>\n{CUT_JSON}", "Sure.\n", CUT, finish="length", id="unterminated"),
         case('<tool_call>\n{"name": "search", "arguments": {"n": 1}}', "", ("search", {"n": 1}), id="no-end-tag"),
+        case('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", ("f", {"a": 1}),
+             id="arguments-as-a-json-string"),
         case('Hmm <tool_call>{"name": "get_w', 'Hmm <tool_call>{"name": "get_w', finish="length",
              id="cut-before-name"),
         case("The capital is Paris. Use <b>bold</b>, < and > freely; <tool_ and </tool_call>.",
