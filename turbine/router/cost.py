@@ -110,18 +110,12 @@ class LoadTracker:
         if waiting is not None:
             waiting.discard(request_id)
 
-    def forget_worker(self, worker: WorkerKey) -> None:
-        self._forget(lambda w: w == worker)
-
     def forget_instance(self, instance_id: str) -> None:
         """Every data-parallel rank of an instance (it left discovery)."""
-        self._forget(lambda w: w.instance_id == instance_id)
-
-    def _forget(self, gone) -> None:
         for table in (self._own, self._reports, self._awaiting_report):
-            for w in [w for w in table if gone(w)]:
+            for w in [w for w in table if w.instance_id == instance_id]:
                 del table[w]
-        self._sent = {r: s for r, s in self._sent.items() if not gone(s.worker)}
+        self._sent = {r: s for r, s in self._sent.items() if s.worker.instance_id != instance_id}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sent

@@ -71,11 +71,6 @@ def sampling_params(kwargs: dict) -> SamplingParams:
         raise InvalidRequest(str(exc)) from exc
 
 
-def build_sampling_params(req: GenerateRequest, defaults: dict, max_model_len: int) -> SamplingParams:
-    """An aggregated worker's SamplingParams for the request."""
-    return sampling_params(sampling_kwargs(req, defaults, max_model_len))
-
-
 def checked_kv_transfer_params(params: dict) -> dict:
     """The prefill worker's KV location, checked before it reaches the engine: a malformed
     one must fail this request, not the engine. Keys are the connector's; we check the types

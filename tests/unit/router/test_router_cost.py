@@ -72,9 +72,9 @@ def test_temperature_samples_in_proportion():
     assert cold[W[1]] == 0
 
 
-def test_forget_worker():
+def test_forget_instance():
     tracker = LoadTracker()
     tracker.add("r", W[0], 100, 2)
-    tracker.forget_worker(W[0])
+    tracker.forget_instance(W[0].instance_id)
     tracker.free("r")
     assert tracker.load(W[0]) == WorkerLoad()

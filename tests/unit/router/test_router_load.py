@@ -68,7 +68,7 @@ def test_forgetting_a_worker_drops_its_reports_and_requests():
     t = LoadTracker()
     t.report(W[0], report(W[0], active=9))
     t.add("r", W[0], 16, 2)
-    t.forget_worker(W[0])
+    t.forget_instance(W[0].instance_id)
     t.prefill_done("r")
     t.free("r")
     assert t.load(W[0]) == WorkerLoad() and t.reported(W[0]) is None

@@ -11,7 +11,7 @@ import pytest
 from turbine.protocol.generate import GenerateRequest, SamplingOptions, StopConditions
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.worker.worker_metrics import WorkerMetrics
-from turbine.vllm.handlers import HANDLERS_OF_ROLE, Handlers, build_sampling_params, checked_kv_transfer_params
+from turbine.vllm.handlers import HANDLERS_OF_ROLE, Handlers, checked_kv_transfer_params, sampling_kwargs, sampling_params
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]],
           "remote_engine_id": "e1", "remote_request_id": "r1", "remote_host": "10.0.0.2", "remote_port": 20001,
@@ -66,7 +66,7 @@ def test_prefill_role_asks_the_connector_to_keep_the_kv_for_decode():
     params = handlers("prefill")[0].sampling_params(req)
     assert params.max_tokens == 1
     assert params.extra_args["kv_transfer_params"]["do_remote_decode"] is True
-    agg = build_sampling_params(req, {}, 512)
+    agg = sampling_params(sampling_kwargs(req, {}, 512))
     assert agg.max_tokens == 50 and not agg.extra_args
     with pytest.raises(InvalidRequest, match="n must be 1"):
         handlers("prefill")[0].sampling_params(GenerateRequest(request_id="x", model="m", token_ids=[1],
