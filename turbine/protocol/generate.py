@@ -38,6 +38,19 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
 
 
+class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the output for the engine's structured-output backend: exactly one of
+    these is set (the frontend builds it from response_format, the guided_* fields or a forced
+    tool call)."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool | None = None  # True: any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF or Lark
+    disable_any_whitespace: bool = False
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
     model: str
@@ -54,6 +67,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The LoRA adapter to generate with (None: the base model). It salts the KV router's block
     # hashes; workers refuse it until they can load adapters.
     lora_name: str | None = None
+    # Constrained decoding (None: free text); the prefill worker of a disaggregated request gets
+    # the same constraint as its decode worker.
+    structured_outputs: StructuredOutputs | None = None
     v: int = WIRE_VERSION
 
 

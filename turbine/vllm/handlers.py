@@ -12,8 +12,10 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from turbine.protocol import errors as codes
@@ -59,6 +61,12 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int) ->
     kwargs["ignore_eos"] = stop.ignore_eos
     if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
+    if req.structured_outputs is not None:
+        fields = {k: v for k, v in msgspec.structs.asdict(req.structured_outputs).items() if v is not None}
+        try:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**fields)
+        except (ValueError, VLLMClientError) as exc:  # pydantic's and vLLM's own validation errors
+            raise InvalidRequest(f"structured outputs: {exc}") from None
     kwargs["detokenize"] = False
     kwargs["output_kind"] = RequestOutputKind.DELTA
     return kwargs
@@ -67,7 +75,7 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int) ->
 def sampling_params(kwargs: dict) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, VLLMClientError) as exc:
         raise InvalidRequest(str(exc)) from exc
 
 
