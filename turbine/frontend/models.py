@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from turbine.frontend.decode_cache import DecodeCaches
 from turbine.router.policy import Router
+from turbine.frontend.text_mode import is_text_mode
 from turbine.frontend.tokenizer import TextTokenizer
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 
@@ -18,7 +19,7 @@ log = logging.getLogger("turbine.frontend")
 class ServedModel:
     name: str
     card: ModelCard
-    tokenizer: TextTokenizer
+    tokenizer: TextTokenizer | None  # None: text mode (the worker tokenizes; see text_mode.py)
     router: Router
     instances: list[InstanceRecord] = field(default_factory=list)
     cards: dict[str, ModelCard] = field(default_factory=dict)  # instance id -> its card
@@ -64,13 +65,17 @@ class ModelTable:
                 continue
             model = models.get(card.name)
             if model is None:
-                tokenizer = await self._tokenizer(card)
-                if tokenizer is None:
+                tokenizer = None if is_text_mode(card) else await self._tokenizer(card)
+                if tokenizer is None and not is_text_mode(card):
                     continue
                 router = self._routers.get(card.name)
                 if router is None:
                     router = self._routers[card.name] = self.make_router(card)
                 model = models[card.name] = ServedModel(card.name, card, tokenizer, router)
+            elif is_text_mode(card) != is_text_mode(model.card):
+                log.warning("worker %s of model %r is in %s mode, its peers in %s mode: skipped",
+                            card.instance_id, card.name, card.model_input, model.card.model_input)
+                continue
             elif card.kv_block_size != model.card.kv_block_size or card.context_length != model.card.context_length:
                 log.warning("worker %s of model %r differs from its peers (block size %d vs %d, context %d vs %d)",
                             card.instance_id, card.name, card.kv_block_size, model.card.kv_block_size,

@@ -11,7 +11,7 @@ from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.dispatch import Dispatch
 from turbine.frontend.format import FORMATS
 from turbine.frontend.metrics import ModelMetrics
-from turbine.frontend.postprocess import Postprocess
+from turbine.frontend.postprocess import Postprocess, TextPostprocess
 from turbine.frontend.preprocess import Prepared
 
 
@@ -22,7 +22,8 @@ class Pipeline:
         self.metrics = metrics
         metrics.input_tokens.inc(len(request.token_ids))
         self.dispatch = Dispatch(model, client, request, metrics, disagg)
-        self.post = Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output)
+        self.post = (TextPostprocess(request.sampling.n) if request.text is not None else
+                     Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output))
         self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,
                                           request.output.logprobs is not None)
         self.deltas: AsyncIterator[Delta] = self.post.deltas(self.dispatch.outputs(), self.dispatch.output_ready,
@@ -39,5 +40,7 @@ class Pipeline:
     def _done(self, usage: UsageCount) -> None:
         # A prompt prefilled remotely was (partly) cached on the prefill worker.
         usage.cached_tokens = max(usage.cached_tokens, self.dispatch.remote_cached_tokens)
+        if self.prepared.request.text is not None:  # text mode: the worker counted the prompt
+            self.metrics.input_tokens.inc(usage.prompt_tokens)
         self.metrics.output_tokens.inc(usage.completion_tokens)
         self.metrics.cached_tokens.inc(usage.cached_tokens)

@@ -57,12 +57,16 @@ class Postprocess:
             delta.finish_reason = chunk.finish_reason
         if chunk.usage is not None:
             self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
-        for parser in self.chains[i]:
+        return self.parsed(delta)
+
+    def parsed(self, delta: Delta) -> Delta:
+        """The delta through its choice's parser chain; a finished choice is marked."""
+        for parser in self.chains[delta.index]:
             delta = parser.push(delta)
             if delta.finish_reason is not None:
                 delta = parser.finish(delta)
         if delta.finish_reason is not None:
-            self.finished[i] = True
+            self.finished[delta.index] = True
         return delta
 
     async def deltas(self, outputs: AsyncIterator[GenerateOutput], more_ready: Callable[[], bool],
@@ -95,3 +99,24 @@ class Postprocess:
                 yield held
         finally:
             on_done(self.usage)
+
+
+class TextPostprocess(Postprocess):
+    """Text mode (turbine.frontend.text_mode): the worker's text passes through (no detokenizer,
+    no stop strings: the engine applied them); the prompt's token count comes from the worker."""
+
+    def __init__(self, n: int, parsers: Callable[[], list[OutputParser]] = list):
+        self.chains = [parsers() for _ in range(n)]
+        self.finished = [False] * n
+        self.usage = UsageCount(prompt_tokens=0)
+
+    def apply(self, chunk: GenerateOutput) -> Delta | None:
+        i = chunk.index
+        if self.finished[i]:
+            return None
+        self.usage.completion_tokens += len(chunk.token_ids)
+        delta = Delta(i, chunk.text or "", finish_reason=chunk.finish_reason)
+        if chunk.usage is not None:
+            self.usage.prompt_tokens = chunk.usage.prompt_tokens
+            self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
+        return self.parsed(delta)

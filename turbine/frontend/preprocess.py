@@ -20,6 +20,7 @@ from turbine.frontend.openai_schemas import (
     validate_chat,
     validate_completion,
 )
+from turbine.frontend.text_mode import text_input
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
 Kind = Literal["chat", "completions"]
@@ -54,7 +55,13 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
         validate_completion(req)
     model = served_model(models, req.model, kind)
     tok = model.tokenizer
-    if kind == "chat":
+    text_in = None
+    if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
+        text_in = text_input(req, model.name)
+        token_ids, logprobs = [], None
+        max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
+            else req.max_tokens
+    elif kind == "chat":
         try:
             text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools, **(req.chat_template_kwargs or {}))
@@ -74,11 +81,12 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
         max_tokens = req.max_tokens
         logprobs = req.logprobs
         prompt_param = "prompt"
-    max_tokens = _checked_lengths(len(token_ids), max_tokens, model.card.context_length, prompt_param)
-    if req.min_tokens is not None and req.min_tokens > max_tokens:
+    if tok is not None:
+        max_tokens = _checked_lengths(len(token_ids), max_tokens, model.card.context_length, prompt_param)
+    if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise RequestError(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})",
                            param="min_tokens")
-    if req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
+    if tok is not None and req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
         raise RequestError("stop_token_ids: token id outside the vocabulary", param="stop_token_ids")
     request = GenerateRequest(
         request_id=os.urandom(16).hex(),  # as random as uuid4, without the UUID object
@@ -91,6 +99,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
         stop=StopConditions(max_tokens=max_tokens, min_tokens=req.min_tokens,
                             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
         output=OutputOptions(logprobs=logprobs),
+        text=text_in,
     )
     output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
                         skip_special_tokens=req.skip_special_tokens)

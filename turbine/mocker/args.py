@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model whose tokenizer and config to use: an embedded name, a local Hugging Face "
                         "folder or a hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="default: the model name")
+    # The vLLM worker's text mode: refused by name (the mocker has no tokenizer to render text with).
+    p.add_argument("--use-vllm-tokenizer", action="store_true", help=argparse.SUPPRESS)
     sim = p.add_argument_group("simulated engine")
     sim.add_argument("--num-workers", type=int, default=1,
                      help="independent simulated workers in this process, each its own instance")
@@ -121,6 +123,9 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
     """Read the flags (and the model's tokenizer and config); MockerConfig checks the values."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.use_vllm_tokenizer:
+        parser.error("--use-vllm-tokenizer: text mode is not supported by the mocker (it simulates a token-in, "
+                     "token-out worker)")
     try:
         timing = load_profile(args.profile) if args.profile else TimingProfile()
     except ValueError as exc:

@@ -28,6 +28,8 @@ from turbine.worker.worker_metrics import WorkerMetrics
 MAX_N = 16  # choices per request; the frontend allows no more
 MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default limit
 LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
+# The mocker has no tokenizer to render, tokenize or detokenize text with.
+TEXT_MODE_UNSUPPORTED = "text mode (--use-vllm-tokenizer) is not supported by the mocker: send token_ids"
 
 
 class Handlers:
@@ -60,6 +62,8 @@ class Handlers:
         prompt = req.token_ids
         if req.lora_name is not None:
             raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
+        if req.text is not None:
+            raise InvalidRequest(f"text: {TEXT_MODE_UNSUPPORTED}")
         if not prompt:
             raise InvalidRequest("token_ids is empty")
         if len(prompt) >= self.max_model_len:

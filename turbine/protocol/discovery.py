@@ -40,7 +40,8 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     endpoint: str
     instance_id: str
     engine: str = "vllm"  # "vllm" | "mocker"
-    # Local folder holding tokenizer.json / tokenizer_config.json (the model folder).
+    # Local folder holding tokenizer.json / tokenizer_config.json (the model folder); unused
+    # when model_input is "text".
     tokenizer_path: str
     chat_template_path: str | None = None  # --custom-jinja-template
     context_length: int
@@ -48,6 +49,9 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     total_kv_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # "tokens": the frontend tokenizes and detokenizes; "text" (--use-vllm-tokenizer): the worker
+    # takes text and returns text (GenerateRequest.text), the frontend loads no tokenizer.
+    model_input: str = "tokens"
     endpoint_types: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None

@@ -1,7 +1,8 @@
 """The token-in/token-out `generate` contract between frontend and workers.
 
 The frontend tokenizes, applies templates and handles stop strings; workers see only
-token ids and sampling options. Unknown fields are ignored (forward compatibility);
+token ids and sampling options. Text mode (`GenerateRequest.text`) is the exception: for a
+model whose card says `model_input: "text"` the worker renders, tokenizes and detokenizes. Unknown fields are ignored (forward compatibility);
 missing required fields fail decoding with a clear msgspec error.
 """
 
@@ -51,6 +52,21 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
     disable_any_whitespace: bool = False
 
 
+class TextInput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Text mode (a worker started with --use-vllm-tokenizer): the prompt as text, which the
+    worker renders and tokenizes with the engine's own tokenizer; it returns text, with stop
+    strings applied by the engine. Exactly one of `prompt` (completions) and `messages` (chat)."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
     model: str
@@ -70,6 +86,8 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Constrained decoding (None: free text); the prefill worker of a disaggregated request gets
     # the same constraint as its decode worker.
     structured_outputs: StructuredOutputs | None = None
+    # Text mode: the prompt as text (token_ids is then empty); None: token mode.
+    text: TextInput | None = None
     v: int = WIRE_VERSION
 
 
@@ -99,6 +117,8 @@ class GenerateOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     usage: Usage | None = None  # last chunk of a choice only
     # A prefill worker's last chunk: where the decode worker finds the prompt's KV.
     kv_transfer_params: dict[str, Any] | None = None
+    # Text mode: the text new since the previous chunk (stop strings already applied).
+    text: str | None = None
     v: int = WIRE_VERSION
 
 

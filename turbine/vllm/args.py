@@ -7,7 +7,7 @@ import logging
 import platform
 from dataclasses import dataclass
 
-from turbine.config import check
+from turbine.config import check, flag
 from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
 from turbine.worker.config import ServingConfig, add_serving_args, checked, serving_fields_from_args
 
@@ -20,9 +20,14 @@ KV_EVENTS_CONFIG_REFUSED = (
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(ServingConfig):
     engine_args: object  # vllm AsyncEngineArgs (typed loosely so this module imports without vLLM)
+    # Text mode: requests carry text that this worker renders and tokenizes with the engine's
+    # tokenizer, and it returns text (for models whose tokenizer the frontend cannot load).
+    use_vllm_tokenizer: bool = flag("--use-vllm-tokenizer", default=False)
 
     def __post_init__(self):
         super().__post_init__()
+        check(self, not self.use_vllm_tokenizer or self.disaggregation_mode == "agg", "use_vllm_tokenizer",
+              "text mode (--use-vllm-tokenizer) serves whole requests only: drop --disaggregation-mode")
         check(self, getattr(self.engine_args, "kv_events_config", None) is None, "engine_args",
               KV_EVENTS_CONFIG_REFUSED)
 
@@ -42,6 +47,10 @@ def build_parser():
                         help="KV connector(s) for disaggregated serving: nixl, lmcache, kvbm or none; several "
                              "(comma-separated) become vLLM's MultiConnector in that order. Required with "
                              "--disaggregation-mode prefill|decode unless --kv-transfer-config is given")
+    parser.add_argument("--use-vllm-tokenizer", action="store_true",
+                        help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
+                             "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
+                             "tokenizer the frontend cannot load). KV-aware routing falls back to load only")
     parser = AsyncEngineArgs.add_cli_args(parser)
     # No --model means the embedded default model (prepared on first use).
     parser.set_defaults(model=None)
@@ -79,7 +88,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     engine_args.skip_tokenizer_init = False
     engine_args.disable_log_stats = False
 
-    return checked(WorkerConfig, parser, **vars(serving), engine_args=engine_args)
+    return checked(WorkerConfig, parser, **vars(serving), engine_args=engine_args,
+                   use_vllm_tokenizer=args.use_vllm_tokenizer)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:

@@ -28,6 +28,7 @@ from turbine.protocol.generate import (
     Usage,
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
+from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
 from turbine.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
@@ -112,8 +113,9 @@ class Handlers:
 
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
-                 data_parallel_size: int = 1):
+                 data_parallel_size: int = 1, text_mode: bool = False):
         self.engine = engine
+        self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
         self.metrics = metrics
         self.on_success = on_success  # told of each completed request (the health checks)
         self.kv_transfer_timeout = kv_transfer_timeout
@@ -132,8 +134,19 @@ class Handlers:
         if req.dp_rank is not None and not 0 <= req.dp_rank < self.data_parallel_size:
             raise InvalidRequest(f"dp_rank {req.dp_rank} out of range: this worker has data-parallel ranks "
                                  f"0..{self.data_parallel_size - 1}")
-        return sampling_params(self._role_kwargs(req, sampling_kwargs(req, self.sampling_defaults,
-                                                                       self.max_model_len)))
+        if (req.text is not None) != self.text_mode:
+            raise InvalidRequest("this worker serves text mode (--use-vllm-tokenizer): send text, not token_ids"
+                                 if self.text_mode else "text: this worker takes token ids (no --use-vllm-tokenizer)")
+        kwargs = sampling_kwargs(req, self.sampling_defaults, self.max_model_len)
+        if req.text is not None:
+            kwargs = text_sampling_kwargs(req.text, kwargs)
+        return sampling_params(self._role_kwargs(req, kwargs))
+
+    async def _prepared(self, req: GenerateRequest) -> tuple[GenerateRequest, SamplingParams]:
+        """Text mode: the prompt rendered and tokenized here first."""
+        if req.text is not None and self.text_mode:
+            req = text_request(req, await prompt_token_ids(self.engine, req.text), self.max_model_len)
+        return req, self.sampling_params(req)
 
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         return kwargs
@@ -151,7 +164,7 @@ class Handlers:
 
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[GenerateOutput]:
         try:
-            params = self.sampling_params(req)
+            req, params = await self._prepared(req)
         except InvalidRequest:
             self.metrics.error("invalid_request")
             raise  # the caller gets it as a typed error (HTTP 400 at the frontend)
@@ -166,6 +179,8 @@ class Handlers:
                 for comp in out.outputs:
                     completion_tokens[comp.index] += len(comp.token_ids)
                     chunk = GenerateOutput(token_ids=list(comp.token_ids), index=comp.index)
+                    if req.text is not None:
+                        chunk.text = comp.text
                     if comp.logprobs:
                         chunk.log_probs, chunk.top_logprobs = _logprobs(comp.token_ids, comp.logprobs,
                                                                         params.logprobs or 0)

@@ -75,7 +75,7 @@ class VllmEngine:
         handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             engine, self.metrics, on_cleared=self.relay.cleared if self.relay else None,
             kv_transfer_timeout=cfg.kv_transfer_timeout, on_success=health.succeeded,
-            data_parallel_size=vcfg.parallel_config.data_parallel_size)
+            data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         server.register(cfg.endpoint, GenerateRequest, handlers.generate)
@@ -88,7 +88,8 @@ class VllmEngine:
             context_length=vcfg.model_config.max_model_len, kv_block_size=vcfg.cache_config.block_size,
             total_kv_blocks=vcfg.cache_config.num_gpu_blocks or 0, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            data_parallel_size=vcfg.parallel_config.data_parallel_size, **self.events.card_fields())
+            data_parallel_size=vcfg.parallel_config.data_parallel_size,
+            model_input="text" if cfg.use_vllm_tokenizer else "tokens", **self.events.card_fields())
         return [Instance(server, card)]
 
     async def canary(self) -> str | None:
