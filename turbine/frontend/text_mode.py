@@ -5,7 +5,8 @@ with the stop strings already applied by the engine. The worker checks the conte
 (InvalidRequest -> 400) and reports the prompt's token count.
 
 Routing: with no token ids the KV router sees no blocks, so it routes text-mode requests by load
-alone. The postprocess stage passes the text through (postprocess.TextPostprocess). Logprobs (which need token ids turned into text here) and token-id prompts are refused."""
+alone. The postprocess stage passes the text through (postprocess.TextPostprocess). Logprobs
+(their tokens would need turning into text here) and token-id prompts are refused by name."""
 
 from __future__ import annotations
 

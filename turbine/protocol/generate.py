@@ -2,8 +2,9 @@
 
 The frontend tokenizes, applies templates and handles stop strings; workers see only
 token ids and sampling options. Text mode (`GenerateRequest.text`) is the exception: for a
-model whose card says `model_input: "text"` the worker renders, tokenizes and detokenizes. Unknown fields are ignored (forward compatibility);
-missing required fields fail decoding with a clear msgspec error.
+model whose card says `model_input: "text"` the worker renders, tokenizes and detokenizes.
+Unknown fields are ignored (forward compatibility); missing required fields fail decoding
+with a clear msgspec error.
 """
 
 from __future__ import annotations

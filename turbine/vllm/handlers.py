@@ -113,9 +113,10 @@ class Handlers:
 
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
-                 data_parallel_size: int = 1, text_mode: bool = False):
+                 data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None):
         self.engine = engine
         self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
+        self.chat_template = chat_template  # text mode: --custom-jinja-template's text (None: the model's)
         self.metrics = metrics
         self.on_success = on_success  # told of each completed request (the health checks)
         self.kv_transfer_timeout = kv_transfer_timeout
@@ -145,7 +146,8 @@ class Handlers:
     async def _prepared(self, req: GenerateRequest) -> tuple[GenerateRequest, SamplingParams]:
         """Text mode: the prompt rendered and tokenized here first."""
         if req.text is not None and self.text_mode:
-            req = text_request(req, await prompt_token_ids(self.engine, req.text), self.max_model_len)
+            ids = await prompt_token_ids(self.engine, req.text, self.chat_template)
+            req = text_request(req, ids, self.max_model_len)
         return req, self.sampling_params(req)
 
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:

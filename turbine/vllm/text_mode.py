@@ -14,17 +14,19 @@ from turbine.runtime.errors import InvalidRequest
 TEXT_MODE_LOGPROBS = "logprobs are not supported in text mode (--use-vllm-tokenizer)"
 
 
-async def prompt_token_ids(engine, text: TextInput) -> list[int]:
+async def prompt_token_ids(engine, text: TextInput, chat_template: str | None = None) -> list[int]:
     """The prompt's token ids: chat messages rendered by the engine's renderer (vLLM's chat
-    template handling, as `vllm serve` does), or the completion prompt encoded with special tokens."""
+    template handling, as `vllm serve` does; `chat_template`: the --custom-jinja-template's text,
+    else the model's), or the completion prompt encoded with special tokens."""
     if (text.prompt is None) == (text.messages is None):
         raise InvalidRequest("text: give exactly one of prompt and messages")
     if text.prompt is not None:
         return engine.get_tokenizer().encode(text.prompt, add_special_tokens=True)
     kwargs = dict(text.chat_template_kwargs or {})
     kwargs.update(add_generation_prompt=text.add_generation_prompt, tools=text.tools, tokenize=True)
+    params = ChatParams(chat_template=chat_template, chat_template_kwargs=kwargs)
     try:
-        _, prompt = await engine.renderer.render_messages_async(text.messages, ChatParams(chat_template_kwargs=kwargs))
+        _, prompt = await engine.renderer.render_messages_async(text.messages, params)
     except (VLLMValidationError, ValueError, TypeError, KeyError) as exc:
         raise InvalidRequest(f"messages: cannot apply the chat template: {exc}") from None
     return list(prompt["prompt_token_ids"])
@@ -38,7 +40,8 @@ def text_request(req: GenerateRequest, token_ids: list[int], max_model_len: int)
     max_tokens = req.stop.max_tokens
     if max_tokens is not None and len(token_ids) < max_model_len < len(token_ids) + max_tokens:
         raise InvalidRequest(f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}, "
-                             f"{len(token_ids) + max_tokens} in all, over the model's context length of {max_model_len}")
+                             f"{len(token_ids) + max_tokens} in all, over the model's context length of "
+                             f"{max_model_len}")
     if req.stop.min_tokens is not None and max_tokens is not None and req.stop.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({req.stop.min_tokens}) is larger than max_tokens ({max_tokens})")
     return msgspec.structs.replace(req, token_ids=token_ids)

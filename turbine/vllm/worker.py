@@ -75,7 +75,8 @@ class VllmEngine:
         handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             engine, self.metrics, on_cleared=self.relay.cleared if self.relay else None,
             kv_transfer_timeout=cfg.kv_transfer_timeout, on_success=health.succeeded,
-            data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer)
+            data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer,
+            chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         server.register(cfg.endpoint, GenerateRequest, handlers.generate)
@@ -128,3 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     cfg = parse_worker_args(argv)
     return run_host(WorkerHost(cfg, VllmEngine(cfg)).run)
+
+
+def _read(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read()

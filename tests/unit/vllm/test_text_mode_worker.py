@@ -30,6 +30,7 @@ class TextEngine(Engine):
 
     async def render(self, messages, params):
         self.rendered = params.chat_template_kwargs
+        self.template = params.chat_template
         return messages, {"prompt_token_ids": [1] * len(messages[0]["content"])}
 
     async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
@@ -41,10 +42,10 @@ class TextEngine(Engine):
             yield SimpleNamespace(outputs=[comp], finished=fin is not None, num_cached_tokens=0)
 
 
-def handlers(text_mode=True):
+def handlers(text_mode=True, chat_template=None):
     engine = TextEngine()
     metrics = WorkerMetrics({"namespace": "t", "component": "c", "model": "m", "worker_id": "w"})
-    return AggregatedHandlers(engine, metrics, text_mode=text_mode), engine
+    return AggregatedHandlers(engine, metrics, text_mode=text_mode, chat_template=chat_template), engine
 
 
 async def collect(h, req):
@@ -64,7 +65,7 @@ async def test_completion_text_is_tokenized_here_and_text_streams_back():
 
 
 async def test_chat_is_rendered_by_the_engines_renderer_with_the_template_arguments():
-    h, engine = handlers()
+    h, engine = handlers(chat_template="{{ messages }}")  # --custom-jinja-template's text
     msgs = [{"role": "user", "content": "hello"}]
     req = GenerateRequest(request_id="r", model="m", token_ids=[],
                           text=TextInput(messages=msgs, tools=[{"type": "function"}], add_generation_prompt=False,
@@ -73,6 +74,7 @@ async def test_chat_is_rendered_by_the_engines_renderer_with_the_template_argume
     assert engine.prompts == [[1] * 5]
     assert engine.rendered == {"enable_thinking": True, "add_generation_prompt": False,
                                "tools": [{"type": "function"}], "tokenize": True}
+    assert engine.template == "{{ messages }}"
 
 
 @pytest.mark.parametrize("req,words", [
