@@ -98,6 +98,10 @@ class ModelTable:
             model = models.get(card.name)
             if model is None:
                 continue  # no worker to decode: nothing to hand the KV to
+            if is_text_mode(model.card):
+                log.warning("prefill worker %s of model %r: skipped (the model is served in text mode, which "
+                            "serves whole requests)", card.instance_id, card.name)
+                continue
             if card.kv_block_size != model.card.kv_block_size:
                 log.warning("prefill worker %s of model %r has KV block size %d, its decode workers %d: "
                             "skipped (the KV could not be handed over)",

@@ -125,3 +125,15 @@ async def test_kv_routing_falls_back_to_load_for_text_requests():
         assert router.select(records, req).instance.instance_id in ("a", "b")
     finally:
         router.core.close()
+
+
+async def test_a_prefill_worker_is_not_attached_to_a_text_mode_model():
+    table = ModelTable(registry=None, make_router=lambda card: RoundRobinRouter())
+    prefill = msgspec.structs.replace(text_card("p", model_input="tokens"), disaggregation_mode="prefill",
+                                      component="prefill")
+    cards = [text_card("a"), prefill]
+    recs = [instance("a", "127.0.0.1:1"), instance("p", "127.0.0.1:2")]
+    for rec, card in zip(recs, cards):
+        rec.namespace, rec.component, rec.endpoint = card.namespace, card.component, card.endpoint
+    await table._apply(recs, cards)
+    assert table.models["m"].prefill_instances == [] and table.models["m"].prefill_router is None
