@@ -9,6 +9,7 @@ import pytest
 
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
 from tests.integration.procs import instances_of, start_worker, wait_until, worker_ready
+from turbine.frontend.tokenizer import TextTokenizer
 
 TEXT_MODEL = "smollm2-text"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -80,6 +81,16 @@ def test_too_long_prompt_is_a_400_from_the_worker(client, text_worker):
         client.chat.completions.create(model=TEXT_MODEL, messages=CHAT, max_tokens=10**6)
     # the server keeps serving
     assert _chat(client, TEXT_MODEL, False)[0]
+
+
+def test_a_token_id_prompt_comes_back_as_text(client, text_worker, model_dir):
+    tokens = TextTokenizer.from_dir(model_dir).encode(PROMPT, add_special_tokens=True)
+    text_reply = client.completions.create(model=TEXT_MODEL, prompt=tokens, max_tokens=16, temperature=0)
+    token_reply = client.completions.create(model=MODEL, prompt=tokens, max_tokens=16, temperature=0)
+    assert text_reply.choices[0].text == token_reply.choices[0].text
+    assert text_reply.usage.prompt_tokens == len(tokens)
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        client.completions.create(model=TEXT_MODEL, prompt=[10**7], max_tokens=2)
 
 
 def test_logprobs_refused_by_name(client, text_worker):

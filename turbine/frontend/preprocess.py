@@ -57,8 +57,8 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
     tok = model.tokenizer
     text_in = None
     if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
-        text_in = text_input(req, model.name)
-        token_ids, logprobs = [], None
+        text_in, token_ids = text_input(req, model.name)
+        logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
             else req.max_tokens
     elif kind == "chat":

@@ -6,7 +6,7 @@ with the stop strings already applied by the engine. The worker checks the conte
 
 Routing: with no token ids the KV router sees no blocks, so it routes text-mode requests by load
 alone. The postprocess stage passes the text through (postprocess.TextPostprocess). Logprobs
-(their tokens would need turning into text here) and token-id prompts are refused by name."""
+(their tokens would need turning into text here) are refused by name."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ def refuse_in_text_mode(model_name: str, what: str, param: str | None = None) ->
                         param=param)
 
 
-def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str) -> TextInput:
-    """The request's prompt as text for the worker (RequestError for what text mode cannot do)."""
+def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str) -> tuple[TextInput, list[int]]:
+    """The request's prompt for the worker: as text, or a completion prompt's token ids as they are
+    (then TextInput has neither prompt nor messages; the output still comes back as text).
+    RequestError for what text mode cannot do."""
     if req.logprobs:
         raise refuse_in_text_mode(model_name, "logprobs", param="logprobs")
     common = dict(stop=stop_list(req.stop) or None, include_stop_str_in_output=req.include_stop_str_in_output,
@@ -39,8 +41,8 @@ def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str) 
         if not req.messages:
             raise RequestError("a chat needs at least one message", param="messages")
         return TextInput(messages=req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
-                         add_generation_prompt=req.add_generation_prompt, **common)
+                         add_generation_prompt=req.add_generation_prompt, **common), []
     prompt = prompt_of(req)
-    if not isinstance(prompt, str):
-        raise refuse_in_text_mode(model_name, "a prompt of token ids", param="prompt")
-    return TextInput(prompt=prompt, **common)
+    if isinstance(prompt, str):
+        return TextInput(prompt=prompt, **common), []
+    return TextInput(**common), prompt  # the engine checks the ids against its vocabulary

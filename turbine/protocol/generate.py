@@ -56,7 +56,8 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
 class TextInput(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Text mode (a worker started with --use-vllm-tokenizer): the prompt as text, which the
     worker renders and tokenizes with the engine's own tokenizer; it returns text, with stop
-    strings applied by the engine. Exactly one of `prompt` (completions) and `messages` (chat)."""
+    strings applied by the engine. At most one of `prompt` (completions) and `messages` (chat);
+    neither: the prompt is GenerateRequest.token_ids (a completion prompt given as token ids)."""
 
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None

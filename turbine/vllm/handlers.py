@@ -146,7 +146,7 @@ class Handlers:
     async def _prepared(self, req: GenerateRequest) -> tuple[GenerateRequest, SamplingParams]:
         """Text mode: the prompt rendered and tokenized here first."""
         if req.text is not None and self.text_mode:
-            ids = await prompt_token_ids(self.engine, req.text, self.chat_template)
+            ids = await prompt_token_ids(self.engine, req, self.chat_template)
             req = text_request(req, ids, self.max_model_len)
         return req, self.sampling_params(req)
 
@@ -210,7 +210,7 @@ class Handlers:
                                 code=codes.ENGINE_FAILURE) from exc
         except RequestFailed:
             raise
-        except ValueError as exc:  # vLLM's input validation
+        except (ValueError, VLLMClientError) as exc:  # vLLM's input validation (e.g. a token id out of vocabulary)
             self.metrics.error("invalid_request")
             raise InvalidRequest(str(exc)) from exc
         finally:

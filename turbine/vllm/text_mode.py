@@ -14,12 +14,18 @@ from turbine.runtime.errors import InvalidRequest
 TEXT_MODE_LOGPROBS = "logprobs are not supported in text mode (--use-vllm-tokenizer)"
 
 
-async def prompt_token_ids(engine, text: TextInput, chat_template: str | None = None) -> list[int]:
+async def prompt_token_ids(engine, req: GenerateRequest, chat_template: str | None = None) -> list[int]:
     """The prompt's token ids: chat messages rendered by the engine's renderer (vLLM's chat
     template handling, as `vllm serve` does; `chat_template`: the --custom-jinja-template's text,
-    else the model's), or the completion prompt encoded with special tokens."""
-    if (text.prompt is None) == (text.messages is None):
-        raise InvalidRequest("text: give exactly one of prompt and messages")
+    else the model's), the completion prompt encoded with special tokens, or else the request's
+    token ids."""
+    text = req.text
+    if text.prompt is not None and text.messages is not None:
+        raise InvalidRequest("text: give one of prompt and messages, not both")
+    if text.prompt is None and text.messages is None:
+        return req.token_ids
+    if req.token_ids:
+        raise InvalidRequest("text: token_ids and a text prompt both given")
     if text.prompt is not None:
         return engine.get_tokenizer().encode(text.prompt, add_special_tokens=True)
     kwargs = dict(text.chat_template_kwargs or {})

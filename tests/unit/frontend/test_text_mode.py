@@ -61,7 +61,6 @@ async def test_completion_prompt_text_and_unset_max_tokens_left_to_the_worker(mo
 
 
 @pytest.mark.parametrize("kind,fields,param", [
-    ("completions", dict(prompt=[1, 2, 3]), "prompt"),
     ("completions", dict(prompt="hi", logprobs=2), "logprobs"),
     ("chat", dict(messages=MESSAGES, logprobs=True), "logprobs"),
     ("chat", dict(messages=MESSAGES, max_tokens=2, min_tokens=3), "min_tokens"),
@@ -137,3 +136,8 @@ async def test_a_prefill_worker_is_not_attached_to_a_text_mode_model():
         rec.namespace, rec.component, rec.endpoint = card.namespace, card.component, card.endpoint
     await table._apply(recs, cards)
     assert table.models["m"].prefill_instances == [] and table.models["m"].prefill_router is None
+
+
+async def test_a_token_id_prompt_goes_out_as_it_is(models):
+    p = await preprocess(body(model="m", prompt=[1, 2, 3], max_tokens=4), "completions", models)
+    assert (p.request.token_ids, p.request.text, p.request.stop.max_tokens) == ([1, 2, 3], TextInput(), 4)

@@ -83,7 +83,9 @@ async def test_chat_is_rendered_by_the_engines_renderer_with_the_template_argume
                      stop=StopConditions(max_tokens=20)), "context length"),
     (GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput(prompt="a"),
                      output=OutputOptions(logprobs=1)), "logprobs"),
-    (GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput()), "exactly one"),
+    (GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput(prompt="a", messages=[])), "not both"),
+    (GenerateRequest(request_id="r", model="m", token_ids=[1], text=TextInput(prompt="a")), "both given"),
+    (GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput()), "empty"),
     (GenerateRequest(request_id="r", model="m", token_ids=[1, 2]), "text mode"),
 ])
 async def test_bad_text_requests_are_invalid(req, words):
@@ -109,3 +111,10 @@ def test_the_flag_sets_the_card_and_refuses_disaggregation(capsys):
     with pytest.raises(SystemExit):
         parse_worker_args(["--use-vllm-tokenizer", "--is-prefill-worker", "--connector", "nixl"])
     assert "--use-vllm-tokenizer" in capsys.readouterr().err
+
+
+async def test_a_token_id_prompt_goes_to_the_engine_as_it_is_and_text_comes_back():
+    h, engine = handlers()
+    outs = await collect(h, GenerateRequest(request_id="r", model="m", token_ids=[4, 5], text=TextInput()))
+    assert engine.prompts == [[4, 5]] and engine.params[0].detokenize
+    assert "".join(o.text for o in outs) == "Hello"
