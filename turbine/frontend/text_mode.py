@@ -5,7 +5,7 @@ with the stop strings already applied by the engine. The worker checks the conte
 (InvalidRequest -> 400) and reports the prompt's token count.
 
 Routing: with no token ids the KV router sees no blocks, so it routes text-mode requests by load
-alone. The postprocess stage passes the text through (postprocess.TextPostprocess). Logprobs
+alone (a completion prompt given as token ids goes out as ids and is routed on them). The postprocess stage passes the text through (postprocess.TextPostprocess). Logprobs
 (their tokens would need turning into text here) are refused by name."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str) 
     """The request's prompt for the worker: as text, or a completion prompt's token ids as they are
     (then TextInput has neither prompt nor messages; the output still comes back as text).
     RequestError for what text mode cannot do."""
-    if req.logprobs:
+    if req.logprobs is not None and req.logprobs is not False:  # completions' logprobs=0 asks for them too
         raise refuse_in_text_mode(model_name, "logprobs", param="logprobs")
     common = dict(stop=stop_list(req.stop) or None, include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens)
