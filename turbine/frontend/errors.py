@@ -41,6 +41,6 @@ def failure_of(exc: RemoteError, instance_id: str | None = None) -> RequestError
     """A worker's typed error as the frontend's: bad input is the client's (400), the rest
     keep the worker's code. No message is parsed."""
     if exc.code == codes.INVALID_REQUEST:
-        return RequestError(f"invalid request: {exc.message}")
+        return RequestError(f"invalid request: {exc.message}", param=exc.error.param)
     where = f"worker {instance_id}" if instance_id else "worker"
     return WorkerFailed(f"{where} failed ({exc.code}): {exc.message}", exc.code)

@@ -26,6 +26,7 @@ from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Kind, preprocess
+from turbine.frontend.structured import WORKER_PARAM
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
@@ -116,7 +117,7 @@ class HttpApi:
 
     # -- generation --------------------------------------------------------------------
     async def generate(self, request: Request, kind: Kind):
-        model_name = "-"
+        model_name, prepared = "-", None
         try:
             if (denied := self._auth(request)) is not None:
                 return denied
@@ -129,6 +130,9 @@ class HttpApi:
         except RequestError as exc:
             if isinstance(exc, WorkerFailed):
                 log.warning("request failed on its worker: %s", exc)
+            if exc.param == WORKER_PARAM and prepared is not None and prepared.constraint_param:
+                exc.param = prepared.constraint_param  # the engine refused the constraint: the client's field
+
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
             return JSONResponse(exc.body(), status_code=exc.status)
 

@@ -9,13 +9,14 @@ from typing import Any
 import msgspec
 
 from turbine.frontend.errors import RequestError
+from turbine.frontend.structured import ConstraintFields
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(ConstraintFields, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None

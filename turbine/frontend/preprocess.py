@@ -21,6 +21,7 @@ from turbine.frontend.openai_schemas import (
     validate_completion,
 )
 from turbine.frontend.text_mode import text_input
+from turbine.frontend.structured import constraint_of
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
 Kind = Literal["chat", "completions"]
@@ -43,6 +44,8 @@ class Prepared:
     output: OutputSpec
     stream: bool
     include_usage: bool  # streaming: a last chunk with the usage
+    # The request field its output constraint came from: a worker's error about the constraint names it.
+    constraint_param: str | None = None
 
 
 async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
@@ -53,6 +56,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
     else:
         req = decode_request(body, CompletionRequest)
         validate_completion(req)
+    constraint = constraint_of(req)
     model = served_model(models, req.model, kind)
     tok = model.tokenizer
     text_in = None
@@ -100,11 +104,13 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
                             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
         output=OutputOptions(logprobs=logprobs),
         text=text_in,
+        structured_outputs=constraint.outputs if constraint else None,
     )
     output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
                         skip_special_tokens=req.skip_special_tokens)
     return Prepared(kind, model, request, output, stream=req.stream,
-                    include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    constraint_param=constraint.param if constraint else None)
 
 
 def served_model(models: ModelTable, name: str, kind: Kind) -> ServedModel:

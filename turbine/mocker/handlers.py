@@ -64,6 +64,10 @@ class Handlers:
             raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
         if req.text is not None:
             raise InvalidRequest(f"text: {TEXT_MODE_UNSUPPORTED}")
+        if req.structured_outputs is not None:
+            # Its made-up tokens cannot follow a schema, regex or grammar.
+            raise InvalidRequest("structured_outputs: the mocker cannot constrain its output",
+                                 param="structured_outputs")
         if not prompt:
             raise InvalidRequest("token_ids is empty")
         if len(prompt) >= self.max_model_len:

@@ -33,6 +33,8 @@ class WorkerError(msgspec.Struct, omit_defaults=True, kw_only=True):
     code: str
     message: str
     retryable: bool = False
+    # The GenerateRequest field an INVALID_REQUEST is about, if one (the frontend names the client's field).
+    param: str | None = None
     v: int = WIRE_VERSION
 
     @classmethod

@@ -43,11 +43,12 @@ class RequestFailed(Exception):
 
     code = codes.INTERNAL
 
-    def __init__(self, message: str, code: str | None = None, retryable: bool | None = None) -> None:
+    def __init__(self, message: str, code: str | None = None, retryable: bool | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
-        self.error = WorkerError(code=self.code, message=message,
+        self.error = WorkerError(code=self.code, message=message, param=param,
                                  retryable=codes.RETRYABLE.get(self.code, False) if retryable is None else retryable)
 
 

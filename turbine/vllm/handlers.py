@@ -34,6 +34,7 @@ from turbine.worker.worker_metrics import WorkerMetrics
 log = logging.getLogger("turbine.vllm")
 
 LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
+STRUCTURED = "structured_outputs"  # the GenerateRequest field named in its errors
 
 # What a prefill worker asks of its KV connector: keep the prompt's KV for a decode worker to pull.
 _REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -63,11 +64,15 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int) ->
     if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
     if req.structured_outputs is not None:
+        if req.structured_outputs.disable_any_whitespace:
+            # vLLM's backends read it from the engine's config only: per request it would be ignored.
+            raise InvalidRequest("structured_outputs.disable_any_whitespace is not supported per request",
+                                 param=STRUCTURED)
         fields = {k: v for k, v in msgspec.structs.asdict(req.structured_outputs).items() if v is not None}
         try:
             kwargs["structured_outputs"] = StructuredOutputsParams(**fields)
         except (ValueError, VLLMClientError) as exc:  # pydantic's and vLLM's own validation errors
-            raise InvalidRequest(f"structured outputs: {exc}") from None
+            raise InvalidRequest(f"structured outputs: {exc}", param=STRUCTURED) from None
     kwargs["detokenize"] = False
     kwargs["output_kind"] = RequestOutputKind.DELTA
     return kwargs
@@ -190,6 +195,9 @@ class Handlers:
                         if comp.finish_reason == "abort":  # not ours: we abort only in `finally` below
                             self.metrics.error("aborted")
                             raise RequestFailed("the engine aborted the request", code=codes.CANCELLED)
+                        if comp.finish_reason == "error":  # vLLM's request-level failure (e.g. a grammar
+                            self.metrics.error("engine_failure")  # that failed to compile): not an answer
+                            raise RequestFailed("the engine failed the request", code=codes.ENGINE_FAILURE)
                         chunk.finish_reason = comp.finish_reason
                         if isinstance(comp.stop_reason, int):
                             chunk.stop_reason = comp.stop_reason
@@ -210,7 +218,14 @@ class Handlers:
                                 code=codes.ENGINE_FAILURE) from exc
         except RequestFailed:
             raise
-        except (ValueError, VLLMClientError) as exc:  # vLLM's input validation (e.g. a token id out of vocabulary)
+        except VLLMClientError as exc:
+            # vLLM checks the request when adding it, before its engine core sees it; the checks
+            # other than the constraint's we made above, so an error without a parameter is the
+            # constraint's (a schema or grammar the backend cannot compile).
+            self.metrics.error("invalid_request")
+            about_constraint = getattr(exc, "parameter", None) is None and req.structured_outputs is not None
+            raise InvalidRequest(str(exc), param=STRUCTURED if about_constraint else None) from exc
+        except ValueError as exc:  # vLLM's input validation (e.g. a token id out of vocabulary)
             self.metrics.error("invalid_request")
             raise InvalidRequest(str(exc)) from exc
         finally:

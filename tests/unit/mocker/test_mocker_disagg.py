@@ -24,7 +24,7 @@ from turbine.mocker.scheduler import FINISHED, PULLING, WAITING, Scheduler, Sequ
 from turbine.mocker.timing import TimingProfile
 from turbine.mocker.tokens import Choice, TokenSampler, prompt_seed
 from turbine.mocker.worker import SimulatedWorker
-from turbine.protocol.generate import GenerateRequest, SamplingOptions, StopConditions
+from turbine.protocol.generate import GenerateRequest, SamplingOptions, StopConditions, StructuredOutputs
 from turbine.protocol.kv_events import BlockRemoved, BlockStored
 from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.event_plane import WorkerEventPlane
@@ -368,3 +368,12 @@ def test_bad_kv_transfer_flags_name_the_flag(model_dir, capsys):
         with pytest.raises(SystemExit) as info:
             parse_mocker_args(argv)
         assert info.value.code == 2 and flag in capsys.readouterr().err
+
+
+async def test_the_mocker_refuses_structured_outputs_naming_the_field():
+    async with worker("agg") as w:
+        req = request(max_tokens=5)
+        req.structured_outputs = StructuredOutputs(regex="a+")
+        with pytest.raises(InvalidRequest, match="structured_outputs") as info:
+            await chunks(w, req)
+        assert info.value.error.param == "structured_outputs"
