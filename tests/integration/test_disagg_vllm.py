@@ -7,11 +7,14 @@ cluster's frontend from seeing these workers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import threading
 import time
 
+import jsonschema
+import openai
 import psutil
 import pytest
 from openai import OpenAI
@@ -270,6 +273,29 @@ def test_the_decode_workers_load_reaches_a_router(pd):
     assert report.kv_total_blocks > 0
 
 
+def test_structured_outputs_go_through_the_prefill_worker_too(pd):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+
+    def remote_prefills() -> float:
+        text = http_text(f"{pd['disagg'].url}/metrics")
+        return metric("\n".join(line for line in text.splitlines() if '"remote"' in line),
+                      "turbine_frontend_prefills_total")
+
+    prefills_before = remote_prefills()
+    r = client(pd["disagg"]).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert remote_prefills() == prefills_before + 1  # prefilled on the prefill worker, with the constraint
+    # The prefill worker gets the constraint too: one its backend cannot compile is refused there.
+    with pytest.raises(openai.BadRequestError) as info:
+        client(pd["disagg"]).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=5,
+            extra_body={"guided_json": {"type": "array", "uniqueItems": True}})
+    assert info.value.body["param"] == "guided_json"
+
+
 def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):
     """Last in this module: the prefill worker does not come back."""
     long_prompt = " ".join(PROMPTS) * 4
@@ -296,3 +322,4 @@ def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):
     wait_until(lambda: prefill_workers(pd["disagg"]) == 0, 30, "the frontend drops the dead prefill worker")
     r = client(pd["disagg"]).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"
+

@@ -28,4 +28,5 @@ class Frame(msgspec.Struct, omit_defaults=True, kw_only=True):
     # take the request. A peer that sends no code is read as INTERNAL.
     code: str = ""
     retryable: bool = False
+    param: str = ""  # ERROR only: the request field an invalid request is about, if one
     v: int = WIRE_VERSION

@@ -353,7 +353,7 @@ class RequestPlaneServer:
 
 def _send_error(conn: _ServerConnection, stream_id: int, error: WorkerError) -> None:
     conn.send(Frame(kind=ERROR, stream_id=stream_id, error=error.message[:_MAX_ERROR_CHARS], code=error.code,
-                    retryable=error.retryable))
+                    retryable=error.retryable, param=error.param or ""))
 
 
 # ---------------------------------------------------------------- client
@@ -488,7 +488,7 @@ class ResponseStream(Generic[T]):
         if frame.kind == END:
             raise StopAsyncIteration
         raise RemoteError(WorkerError(code=frame.code or codes.INTERNAL, message=frame.error,
-                                      retryable=frame.retryable))
+                                      retryable=frame.retryable, param=frame.param or None))
 
     async def aclose(self) -> None:
         """Abandon the stream; if it is still open, the server's handler is cancelled."""

@@ -11,8 +11,9 @@ from tests.unit.frontend.test_frontend_disagg import Workers, model_with, req, r
 from turbine.frontend.errors import RequestError, failure_of
 from turbine.frontend.openai_schemas import ChatCompletionRequest, CompletionRequest, decode_request
 from turbine.frontend.structured import constraint_of, json_schema_constraint
-from turbine.protocol.generate import StructuredOutputs
+from turbine.protocol.generate import GenerateOutput, StructuredOutputs
 from turbine.runtime.errors import InvalidRequest, RemoteError
+from turbine.runtime.request_plane import RequestPlaneClient
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
           "required": ["city", "n"], "additionalProperties": False}
@@ -122,9 +123,23 @@ def test_json_schema_constraint_is_public_for_forced_tool_calls():
     assert json_schema_constraint(params, "tools[0].function.parameters") == StructuredOutputs(json=json.dumps(params))
 
 
-def test_a_workers_refusal_of_the_constraint_names_its_field():
-    err = failure_of(RemoteError(InvalidRequest("Grammar error: Unimplemented keys", param="structured_outputs").error))
-    assert err.status == 400 and err.param == "structured_outputs"  # http maps it to Prepared.constraint_param
+async def test_a_workers_refusal_of_the_constraint_names_its_field_across_the_request_plane(tokenizer):
+    async def refuses(req, ctx):
+        raise InvalidRequest("Grammar error: Unimplemented keys", param="structured_outputs")
+        yield
+
+    w = Workers(tokenizer)
+    client = RequestPlaneClient(connect_timeout=1.0)
+    try:
+        address = await w.serve(refuses)
+        with pytest.raises(RemoteError) as info:
+            async for _ in client.stream(address, "generate", req(), GenerateOutput):
+                pass
+    finally:
+        await client.close()
+        await w.stop()
+    err = failure_of(info.value)
+    assert err.status == 400 and err.param == "structured_outputs"  # http names Prepared.constraint_param then
 
 
 async def test_the_prefill_worker_gets_the_same_constraint(tokenizer):
