@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -26,6 +26,8 @@ from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Kind, preprocess
+from turbine.frontend.responses import ResponsesRun
+from turbine.frontend.responses import prepare as prepare_response
 from turbine.frontend.structured import WORKER_PARAM
 
 if TYPE_CHECKING:
@@ -33,7 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turbine.frontend")
 
-GENERATION_ROUTES: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# The Responses API runs on the chat path (turbine/frontend/responses.py).
+GENERATION_ROUTES: dict[str, Kind | Literal["responses"]] = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
@@ -116,14 +120,21 @@ class HttpApi:
         return JSONResponse({"object": "list", "data": data})
 
     # -- generation --------------------------------------------------------------------
-    async def generate(self, request: Request, kind: Kind):
+    async def generate(self, request: Request, kind: Kind | Literal["responses"]):
         model_name, prepared = "-", None
         try:
             if (denied := self._auth(request)) is not None:
                 return denied
-            prepared = await preprocess(await self._read_body(request), kind, self.frontend.models)
-            model_name = prepared.model.name
-            run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
+            body = await self._read_body(request)
+            if kind == "responses":
+                responses_req, prepared = await prepare_response(body, self.frontend.models)
+                model_name = prepared.model.name
+                run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
+                                   self.cfg.disagg)
+            else:
+                prepared = await preprocess(body, kind, self.frontend.models)
+                model_name = prepared.model.name
+                run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
             response = await (run.stream() if prepared.stream else run.whole())
             self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
             return response

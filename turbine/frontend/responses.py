@@ -1,0 +1,512 @@
+"""`POST /v1/responses` (OpenAI's Responses API), stateless: a Responses body becomes a chat
+completions body (messages, tools, tool_choice, response_format) and runs the chat path's
+stages (preprocess -> dispatch -> postprocess); the deltas are then written as a response
+object whose `output` holds reasoning, message and function_call items, or as the semantic
+stream events (`response.created` ... `response.completed`) the official client parses.
+
+Nothing is stored: `previous_response_id` and `store: true` are refused, so a client never
+believes a later request can refer to this one. Fields this module does not act on are
+refused with a 400 naming them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+from turbine.frontend.deltas import Delta, UsageCount
+from turbine.frontend.errors import RequestError, WorkerFailed
+from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.pipeline import Pipeline
+from turbine.frontend.preprocess import Prepared, preprocess
+
+log = logging.getLogger("turbine.frontend")
+
+_json = msgspec.json.Encoder()
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+
+
+_FIELDS = frozenset(ResponsesRequest.__struct_fields__)
+_PATH = re.compile(r"at `\$\.?([^`\[]*)")
+# A chat-path parameter named in an error -> the Responses field the client sent.
+_PARAM_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                  "response_format": "text.format"}
+# Keys of input items that describe an item the client got back from us (echoed in agent
+# loops that send `response.output` back); they ask for nothing.
+_ECHOED_KEYS = {"id", "status", "type"}
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _fail(param: str, message: str) -> RequestError:
+    return RequestError(f"{param}: {message}", param=param)
+
+
+def decode_responses_request(body: bytes) -> ResponsesRequest:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    if not isinstance(raw, dict):
+        raise RequestError("the request body must be a JSON object")
+    for name in raw:
+        if name not in _FIELDS:
+            raise _fail(name, "is not supported by this server's /v1/responses")
+    try:
+        return msgspec.convert(raw, ResponsesRequest)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc))
+        param = match.group(1) if match and match.group(1) else None
+        raise RequestError(f"invalid request: {exc}", param=param) from None
+
+
+# -- Responses body -> chat body ---------------------------------------------------------
+def chat_body(req: ResponsesRequest) -> dict[str, Any]:
+    """The chat completions body that asks for what `req` asks for. Raises RequestError
+    naming the Responses field for anything this server cannot honour."""
+    if req.previous_response_id is not None:
+        raise _fail("previous_response_id", "this server keeps no responses (stateless); "
+                    "send the whole conversation in `input` instead")
+    if req.store:
+        raise _fail("store", "this server keeps no responses; send store: false or leave it out")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise _fail("reasoning", "reasoning effort and summaries are not configurable here; the model's "
+                    "reasoning (when its worker has a reasoning parser) comes back as reasoning items")
+    _check_metadata(req.metadata)
+    body: dict[str, Any] = {"model": req.model, "messages": messages_of(req.input, req.instructions),
+                            "stream": req.stream}
+    for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                        ("top_p", req.top_p), ("user", req.user)):
+        if value is not None:
+            body[name] = value
+    if req.tools:
+        body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.text is not None:
+        response_format = _response_format(req.text)
+        if response_format is not None:
+            body["response_format"] = response_format
+    return body
+
+
+def messages_of(input_: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """Chat messages for a Responses `input`. Consecutive assistant-side items (reasoning, an
+    assistant message, function calls) become one assistant message, as a chat template
+    expects a turn that thinks, says something and calls tools."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(input_, str):
+        messages.append({"role": "user", "content": input_})
+        return messages
+    if not input_:
+        raise _fail("input", "must not be empty")
+    turn: dict[str, Any] | None = None  # the assistant turn being gathered
+
+    def assistant_turn() -> dict[str, Any]:
+        nonlocal turn
+        if turn is None:
+            turn = {"role": "assistant", "content": ""}
+            messages.append(turn)
+        return turn
+
+    for i, item in enumerate(input_):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            _only_keys(item, where, {"role", "content", "phase"})
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _fail(f"{where}.role", "must be user, system, developer or assistant")
+            text = _text_of(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                assistant_turn()["content"] += text
+            else:
+                turn = None
+                # Chat templates know system, not OpenAI's newer name for it.
+                messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            _only_keys(item, where, {"call_id", "name", "arguments"})
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise _fail(f"{where}.{key}", "is required and must be a string")
+            assistant_turn().setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            _only_keys(item, where, {"call_id", "output"})
+            if not isinstance(item.get("call_id"), str):
+                raise _fail(f"{where}.call_id", "is required and must be a string")
+            turn = None
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text_of(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            _only_keys(item, where, {"summary", "content", "encrypted_content"})
+            if item.get("encrypted_content") is not None:
+                raise _fail(f"{where}.encrypted_content", "this server issues no encrypted reasoning")
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise _fail(f"{where}.content", "must be a list of reasoning_text parts")
+            for j, part in enumerate(parts):
+                if not (isinstance(part, dict) and part.get("type") == "reasoning_text"
+                        and isinstance(part.get("text"), str)):
+                    raise _fail(f"{where}.content[{j}]", "must be a reasoning_text part with a text")
+            # The chat templates that render past reasoning read it from here.
+            turn_ = assistant_turn()
+            turn_["reasoning_content"] = turn_.get("reasoning_content", "") + "".join(p["text"] for p in parts)
+        else:
+            raise _fail(f"{where}.type", f"input items of type {kind!r} are not supported; use message, "
+                        "function_call, function_call_output or reasoning")
+    return messages
+
+
+def _only_keys(item: dict[str, Any], where: str, allowed: set[str]) -> None:
+    for key in item:
+        if key not in allowed and key not in _ECHOED_KEYS:
+            raise _fail(f"{where}.{key}", "is not supported")
+
+
+def _text_of(content: Any, where: str) -> str:
+    """The text of a message's content: a string or text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail(where, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _fail(f"{where}[{j}]", f"content parts of type {kind!r} are not supported; use input_text "
+                        "or output_text")
+        for key in part:
+            # annotations/logprobs come back on output_text parts we wrote; they ask for nothing.
+            if key not in ("type", "text", "annotations", "logprobs"):
+                raise _fail(f"{where}[{j}].{key}", "is not supported")
+        if not isinstance(part.get("text"), str):
+            raise _fail(f"{where}[{j}].text", "is required and must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if tool.get("type") != "function":
+        raise _fail(f"{where}.type", f"only function tools are supported, not {tool.get('type')!r}")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise _fail(f"{where}.name", "is required and must be a non-empty string")
+    function: dict[str, Any] = {"name": tool["name"]}
+    for key in tool:
+        if key in ("description", "parameters", "strict"):
+            function[key] = tool[key]
+        elif key not in ("type", "name"):
+            raise _fail(f"{where}.{key}", "is not supported")
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _fail("tool_choice", "must be auto, none, required or {type: function, name}")
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or set(choice) - {"type", "name"}:
+        raise _fail("tool_choice", "a forced tool is {type: function, name: ...}; other kinds are not supported")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: dict[str, Any]) -> dict[str, Any] | None:
+    for key in text:
+        if key == "verbosity" and text[key] is None:
+            continue
+        if key != "format":
+            raise _fail(f"text.{key}", "is not supported")
+    fmt = text.get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        for key in fmt:
+            if key not in ("type", "name", "schema", "strict", "description"):
+                raise _fail(f"text.format.{key}", "is not supported")
+        if not isinstance(fmt.get("schema"), dict):
+            raise _fail("text.format.schema", "is required and must be a JSON schema object")
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    raise _fail("text.format.type", "must be text, json_object or json_schema")
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise _fail("metadata", f"at most {MAX_METADATA_KEYS} keys")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise _fail("metadata", f"keys are at most {MAX_METADATA_KEY} characters, "
+                        f"values at most {MAX_METADATA_VALUE}")
+
+
+async def prepare(body: bytes, models) -> tuple[ResponsesRequest, Prepared]:
+    """Decode, convert and run the chat preprocess stage; errors name the Responses field."""
+    req = decode_responses_request(body)
+    chat = chat_body(req)
+    try:
+        prepared = await preprocess(_json.encode(chat), "chat", models)
+    except RequestError as exc:
+        if exc.param in _PARAM_OF_CHAT:
+            exc.param = _PARAM_OF_CHAT[exc.param]
+        raise
+    return req, prepared
+
+
+# -- deltas -> output items and stream events ------------------------------------------------
+def _new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+class ResponseBuilder:
+    """Builds one response's output items from its deltas, and the stream events that say
+    so. The whole (non-streamed) response is built by the same code with its events unused,
+    so the two can't disagree. At most one item is open at a time: reasoning, a message, or
+    a function call (a tool-call parser emits one call whole before the next)."""
+
+    def __init__(self, req: ResponsesRequest, response_id: str, model: str, count_tokens):
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.created_at = int(time.time())
+        self.count_tokens = count_tokens  # text -> tokens, for usage's reasoning_tokens
+        self.output: list[dict[str, Any]] = []
+        self.seq = 0
+        self.open: dict[str, Any] | None = None
+        self.open_call_index: int | None = None
+        self.held_space = ""  # whitespace not yet in a message: dropped if only tool calls follow
+        self.finish_reason: str | None = None
+
+    def _event(self, type_: str, **fields) -> dict[str, Any]:
+        event = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    # -- the response object --
+    def response(self, status: str, usage: UsageCount | None = None, error: dict | None = None) -> dict[str, Any]:
+        req = self.req
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "model": self.model, "output": list(self.output),
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "truncation": "disabled", "user": req.user, "metadata": req.metadata or {},
+            "usage": self._usage(usage) if usage is not None else None,
+        }
+
+    def _usage(self, u: UsageCount) -> dict[str, Any]:
+        reasoning = "".join(c["text"] for item in self.output if item["type"] == "reasoning"
+                            for c in item["content"])
+        return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "output_tokens": u.completion_tokens,
+                # Re-encoded from the reasoning text: the workers do not count reasoning tokens apart.
+                "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
+                "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+    # -- events --
+    def start(self) -> list[dict[str, Any]]:
+        created = self.response("in_progress")
+        return [self._event("response.created", response=created),
+                self._event("response.in_progress", response=created)]
+
+    def push(self, delta: Delta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta.reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                events += self._close()
+                events += self._open({"id": _new_id("rs_"), "type": "reasoning", "summary": [],
+                                      "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"},
+                                     {"type": "reasoning_text", "text": ""})
+            events += self._append_text(delta.reasoning, "response.reasoning_text.delta")
+        if delta.text:
+            text = self.held_space + delta.text
+            if self.open is None or self.open["type"] != "message":
+                if not text.strip():
+                    self.held_space = text  # maybe only the gap before a tool call
+                    text = ""
+                else:
+                    self.held_space = ""
+                    events += self._close()
+                    events += self._open({"id": _new_id("msg_"), "type": "message", "role": "assistant",
+                                          "status": "in_progress", "content": []},
+                                         {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            if text:
+                self.held_space = ""
+                events += self._append_text(text, "response.output_text.delta", logprobs=[])
+        for call in delta.tool_calls or ():
+            if call.index != self.open_call_index:
+                events += self._close()
+                self.held_space = ""
+                self.open_call_index = call.index
+                events += self._open({"id": _new_id("fc_"), "type": "function_call", "status": "in_progress",
+                                      "call_id": call.id or _new_id("call_"), "name": call.name or "",
+                                      "arguments": ""}, None)
+            item = self.open
+            if call.name and not item["name"]:
+                item["name"] = call.name
+            if call.arguments:
+                item["arguments"] += call.arguments
+                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=len(self.output) - 1, delta=call.arguments))
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+        return events
+
+    def finish(self, usage: UsageCount) -> list[dict[str, Any]]:
+        events = []
+        if self.held_space and not self.output:  # whitespace was all the model said
+            events += self._open({"id": _new_id("msg_"), "type": "message", "role": "assistant",
+                                  "status": "in_progress", "content": []},
+                                 {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            events += self._append_text(self.held_space, "response.output_text.delta", logprobs=[])
+        events += self._close()
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        final = self.response(status, usage)
+        return events + [self._event("response." + status, response=final)]
+
+    def fail(self, exc: RequestError) -> list[dict[str, Any]]:
+        """The events that end a stream that failed after it started."""
+        code = "server_error" if isinstance(exc, WorkerFailed) or exc.status >= 500 else "invalid_prompt"
+        error = self._event("error", code=exc.code or code, message=exc.message, param=exc.param)
+        return [error, self._event("response.failed",
+                                   response=self.response("failed", error={"code": code, "message": exc.message}))]
+
+    # -- items --
+    def _open(self, item: dict[str, Any], part: dict[str, Any] | None) -> list[dict[str, Any]]:
+        self.output.append(item)
+        self.open = item
+        index = len(self.output) - 1
+        added = dict(item, content=[]) if "content" in item else dict(item)
+        events = [self._event("response.output_item.added", output_index=index, item=added)]
+        if part is not None:
+            if item["type"] == "message":
+                item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                      content_index=0, part=dict(part)))
+        return events
+
+    def _append_text(self, text: str, event_type: str, **extra) -> list[dict[str, Any]]:
+        part = self.open["content"][0]
+        part["text"] += text
+        return [self._event(event_type, item_id=self.open["id"], output_index=len(self.output) - 1,
+                            content_index=0, delta=text, **extra)]
+
+    def _close(self) -> list[dict[str, Any]]:
+        item, self.open, self.open_call_index = self.open, None, None
+        if item is None:
+            return []
+        index = len(self.output) - 1
+        item["status"] = "completed"
+        events = []
+        if item["type"] == "function_call":
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"], logprobs=[]))
+            else:
+                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"]))
+            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                      content_index=0, part=dict(part)))
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+
+
+class ResponsesRun(Pipeline):
+    """Runs one Responses request through the chat pipeline and writes it, whole or streamed."""
+
+    def __init__(self, req: ResponsesRequest, prepared: Prepared, client, metrics, disagg):
+        super().__init__(prepared, client, metrics, disagg)
+        tokenizer = prepared.model.tokenizer
+        self.builder = ResponseBuilder(req, "resp_" + prepared.request.request_id, prepared.model.name,
+                                       lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+
+    async def whole(self) -> Response:
+        builder = self.builder
+        started = time.monotonic()
+        self.metrics.inflight.inc()
+        try:
+            async for delta in self.deltas:
+                builder.push(delta)
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.duration.observe(time.monotonic() - started)
+        final = builder.finish(self.post.usage)[-1]["response"]
+        return Response(_json.encode(final), media_type="application/json")
+
+    async def stream(self) -> EventStreamResponse:
+        deltas, builder, metrics = self.deltas, self.builder, self.metrics
+        # The first output before answering, so that errors found before any output
+        # (a bad request the worker refused, no reachable worker) keep their HTTP status.
+        first = await anext(deltas, None)
+
+        async def body():
+            started = time.monotonic()
+            metrics.inflight.inc()
+            completed = False
+            try:
+                for event in builder.start():
+                    yield sse_event(event)
+                delta = first
+                while delta is not None:
+                    for event in builder.push(delta):
+                        yield sse_event(event)
+                    delta = await anext(deltas, None)
+                for event in builder.finish(self.post.usage):
+                    yield sse_event(event)
+                completed = True
+            except RequestError as exc:
+                log.warning("responses stream failed: %s", exc)
+                for event in builder.fail(exc):
+                    yield sse_event(event)
+                completed = True
+            finally:
+                metrics.inflight.dec()
+                metrics.duration.observe(time.monotonic() - started)
+                if not completed:
+                    metrics.disconnects.inc()
+                await deltas.aclose()
+
+        return EventStreamResponse(body(), more_ready=self.more_ready)
