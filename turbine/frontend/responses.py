@@ -22,6 +22,7 @@ from starlette.responses import Response
 from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.openai_schemas import ChatCompletionRequest
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Prepared, preprocess
 
@@ -50,10 +51,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
 
 _FIELDS = frozenset(ResponsesRequest.__struct_fields__)
+_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 # A chat-path parameter named in an error -> the Responses field the client sent.
 _PARAM_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                  "response_format": "text.format"}
+                  "response_format": "text.format", "tool_choice": "tool_choice"}
 # Keys of input items that describe an item the client got back from us (echoed in agent
 # loops that send `response.output` back); they ask for nothing.
 _ECHOED_KEYS = {"id", "status", "type"}
@@ -86,6 +88,16 @@ def decode_responses_request(body: bytes) -> ResponsesRequest:
 def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     """The chat completions body that asks for what `req` asks for. Raises RequestError
     naming the Responses field for anything this server cannot honour."""
+    body = converted_body(req)
+    for name in body:
+        # The chat request drops fields it does not know: never hand it one it would ignore.
+        if name not in _CHAT_FIELDS:
+            raise _fail(_PARAM_OF_CHAT.get(name, name), "is not supported by this server")
+    return body
+
+
+def converted_body(req: ResponsesRequest) -> dict[str, Any]:
+    """`req` as chat completions fields (unchecked against what the chat path takes)."""
     if req.previous_response_id is not None:
         raise _fail("previous_response_id", "this server keeps no responses (stateless); "
                     "send the whole conversation in `input` instead")

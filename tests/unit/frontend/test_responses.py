@@ -18,19 +18,24 @@ from tests.unit.frontend.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
-from turbine.frontend.responses import ResponseBuilder, chat_body, decode_responses_request, messages_of
+from turbine.frontend import responses
+from turbine.frontend.responses import ResponseBuilder, ResponsesRequest, decode_responses_request, messages_of
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import RequestFailed
 from turbine.runtime.request_plane import RequestPlaneServer
 
 
+def request(**body) -> ResponsesRequest:
+    return decode_responses_request(msgspec.json.encode({"model": "m", **body}))
+
+
 def convert(**body) -> dict:
-    return chat_body(decode_responses_request(msgspec.json.encode({"model": "m", **body})))
+    return responses.converted_body(request(**body))
 
 
 def refused(param: str, **body) -> RequestError:
     with pytest.raises(RequestError) as info:
-        convert(**body)
+        responses.chat_body(request(**body))
     assert info.value.param == param, info.value.message
     assert info.value.status == 400
     return info.value
@@ -71,6 +76,14 @@ def test_an_agent_loop_transcript_becomes_chat_messages():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
     ]
+
+
+def test_a_field_the_chat_path_would_drop_is_refused(monkeypatch):
+    monkeypatch.setattr(responses, "_CHAT_FIELDS", responses._CHAT_FIELDS - {"response_format"})
+    with pytest.raises(RequestError) as info:
+        responses.chat_body(request(input="x", text={"format": {"type": "json_object"}}))
+    assert info.value.param == "text.format"
+    assert responses.chat_body(request(input="x"))["messages"] == [{"role": "user", "content": "x"}]
 
 
 def test_tools_tool_choice_and_text_format_become_their_chat_fields():
@@ -127,8 +140,7 @@ def test_harmless_forms_of_refusable_fields_are_accepted():
 
 # -- deltas -> items and events, read back by the official client's stream state ------------
 def builder(**req) -> ResponseBuilder:
-    request = decode_responses_request(msgspec.json.encode({"model": "m", "input": "x", **req}))
-    return ResponseBuilder(request, "resp_1", "m", lambda text: len(text.split()))
+    return ResponseBuilder(request(**{"input": "x", **req}), "resp_1", "m", lambda text: len(text.split()))
 
 
 def client_final(events: list[dict], tools=()) -> tuple[object, list[str]]:
