@@ -3,7 +3,11 @@ cluster), driven by the official `openai` client: create, stream, tools, and ref
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.integration.conftest import MODEL
@@ -52,3 +56,61 @@ def test_previous_response_id_and_bad_input_are_named_400s_and_the_server_keeps_
             client.responses.create(model=MODEL, max_output_tokens=4, **kwargs)
         assert info.value.body["param"] == param
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=4).output_text
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"], "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather forecast of a city",
+           "parameters": WEATHER_PARAMS, "strict": True}
+ASK = "What will the weather be in Paris for the next 3 days?"
+
+
+def _only_call(response):
+    calls = [o for o in response.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMS)
+    return calls[0]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_forced_tool_choice_returns_a_function_call_item_whose_arguments_validate(client, tool_choice):
+    # `required` makes a list of calls: more tokens than one call's arguments
+    kwargs = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False,
+                  max_output_tokens=64, temperature=0)
+    whole = _only_call(client.responses.create(**kwargs))
+    with client.responses.stream(**kwargs) as stream:
+        arg_deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        streamed = _only_call(stream.get_final_response())
+    assert "".join(arg_deltas) == streamed.arguments == whole.arguments
+
+
+def test_an_agent_loop_sends_the_tool_result_back_and_gets_an_answer(client):
+    """The official client's loop: the response's output items go back as input, with the
+    tool's result as a function_call_output."""
+    conversation: list = [{"role": "user", "content": ASK}]
+    first = client.responses.create(model=MODEL, input=conversation, tools=[WEATHER], max_output_tokens=40,
+                                    tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    call = _only_call(first)
+    conversation += first.output
+    conversation.append({"type": "function_call_output", "call_id": call.call_id,
+                         "output": json.dumps({"forecast": ["sun", "rain", "sun"]})})
+    final = client.responses.create(model=MODEL, input=conversation, tools=[WEATHER], tool_choice="none",
+                                    max_output_tokens=30, temperature=0)
+    assert final.output_text.strip() and not [o for o in final.output if o.type == "function_call"]
+    assert final.usage.input_tokens > first.usage.input_tokens
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    country: str = pydantic.Field(max_length=16)
+
+
+def test_text_format_json_schema_is_enforced_and_parses(client):
+    """`text.format` reaches the engine's structured outputs: the official client's parse()."""
+    r = client.responses.parse(model=MODEL, input="Name a big city in Europe as JSON.", text_format=City,
+                               max_output_tokens=40, temperature=0)
+    assert isinstance(r.output_parsed, City) and r.output_parsed.name
+    loose = client.responses.create(model=MODEL, input="Name a big city in Europe.", max_output_tokens=30,
+                                    text={"format": {"type": "json_object"}}, temperature=0)
+    assert isinstance(json.loads(loose.output_text), dict)
