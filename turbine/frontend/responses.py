@@ -317,7 +317,7 @@ class ResponseBuilder:
         self.id = response_id
         self.model = model
         self.created_at = int(time.time())
-        self.count_tokens = count_tokens  # text -> tokens, for usage's reasoning_tokens
+        self.count_tokens = count_tokens  # text -> tokens, for usage's reasoning_tokens (None: unknown)
         self.output: list[dict[str, Any]] = []
         self.seq = 0
         self.open: dict[str, Any] | None = None
@@ -350,11 +350,13 @@ class ResponseBuilder:
     def _usage(self, u: UsageCount) -> dict[str, Any]:
         reasoning = "".join(c["text"] for item in self.output if item["type"] == "reasoning"
                             for c in item["content"])
-        return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                "output_tokens": u.completion_tokens,
-                # Re-encoded from the reasoning text: the workers do not count reasoning tokens apart.
-                "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
-                "total_tokens": u.prompt_tokens + u.completion_tokens}
+        usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                 "output_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens}
+        # Re-encoded from the reasoning text: the workers do not count reasoning tokens apart. In
+        # text mode the frontend has no tokenizer, and the count is left out rather than guessed.
+        if not reasoning or self.count_tokens is not None:
+            usage["output_tokens_details"] = {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0}
+        return usage
 
     # -- events --
     def start(self) -> list[dict[str, Any]]:
@@ -477,9 +479,9 @@ class ResponsesRun(Pipeline):
 
     def __init__(self, req: ResponsesRequest, prepared: Prepared, client, metrics, disagg):
         super().__init__(prepared, client, metrics, disagg)
-        tokenizer = prepared.model.tokenizer
-        self.builder = ResponseBuilder(req, "resp_" + prepared.request.request_id, prepared.model.name,
-                                       lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+        tokenizer = prepared.model.tokenizer  # None in text mode
+        count = None if tokenizer is None else lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+        self.builder = ResponseBuilder(req, "resp_" + prepared.request.request_id, prepared.model.name, count)
 
     async def whole(self) -> Response:
         builder = self.builder

@@ -208,6 +208,12 @@ def test_reasoning_then_tool_calls_become_reasoning_and_function_call_items():
     assert [d["arguments"] for d in dones] == ['{"city": "Paris"}', "{}"]
 
 
+def test_without_a_tokenizer_text_mode_leaves_the_reasoning_count_out():
+    b = ResponseBuilder(request(input="x"), "resp_1", "m", None)
+    usage = run_builder(b, [Delta(0, reasoning="hmm"), Delta(0, "ok", finish_reason="stop")])[-1]["response"]["usage"]
+    assert "output_tokens_details" not in usage and usage["output_tokens"] == 9
+
+
 def test_text_then_a_tool_call_keeps_both_in_order():
     events = run_builder(builder(), [Delta(0, "Let me check."),
                                      Delta(0, tool_calls=[ToolCallDelta(0, id="c", name="f", arguments="{}")]),
