@@ -10,6 +10,7 @@ refused with a 400 naming them."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -298,6 +299,8 @@ async def prepare(body: bytes, models) -> tuple[ResponsesRequest, Prepared]:
         if exc.param in _PARAM_OF_CHAT:
             exc.param = _PARAM_OF_CHAT[exc.param]
         raise
+    if prepared.constraint_param in _PARAM_OF_CHAT:  # a constraint the engine refuses names text.format
+        prepared = dataclasses.replace(prepared, constraint_param=_PARAM_OF_CHAT[prepared.constraint_param])
     return req, prepared
 
 
