@@ -72,3 +72,9 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     def path(self) -> str:
         """The path of the instance this card belongs to."""
         return instance_path(self.namespace, self.component, self.endpoint, self.instance_id)
+
+
+# The output parsers a card may name (tool_call_parser, reasoning_parser); the frontend's
+# parser registry (turbine/frontend/parsers) implements exactly these, a test keeps them in step.
+TOOL_CALL_PARSER_NAMES = ("harmony", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+REASONING_PARSER_NAMES = ("deepseek_r1", "harmony", "qwen3")

@@ -42,7 +42,8 @@ def build_parser():
 
     parser = FlexibleArgumentParser(prog="python -m turbine.vllm",
                                     description="Turbine vLLM worker: token-in/token-out generation.")
-    add_serving_args(parser)
+    # vLLM's own parser defines --reasoning-parser (read as Turbine's --dyn-reasoning-parser).
+    add_serving_args(parser, reasoning_parser_alias=False)
     parser.add_argument("--connector", default=None,
                         help="KV connector(s) for disaggregated serving: nixl, lmcache, kvbm or none; several "
                              "(comma-separated) become vLLM's MultiConnector in that order. Required with "
@@ -69,6 +70,10 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
             parser.error("--served-model-name: Turbine workers serve exactly one name")
         served = served[0] if served else None
     serving = checked(ServingConfig, parser, **serving_fields_from_args(args, parser, served))
+    # --reasoning-parser is the frontend's reasoning parser only; the engine does not get it. With
+    # one, vLLM enforces a structured-output constraint only after the reasoning ends (`</think>`),
+    # so a forced tool call's schema or a guided regex would no longer cover the whole output.
+    args.reasoning_parser = ""
     # The engine loads what --model resolved to, under the one served name.
     args.model = serving.model_path
     args.served_model_name = serving.served_model_name

@@ -21,7 +21,7 @@ from turbine.config import (
     flag,
 )
 from turbine.model.prepare import DEFAULT_MODEL, resolve
-from turbine.protocol.discovery import ModelCard
+from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
 from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
@@ -74,11 +74,11 @@ class ServingConfig:
             port = getattr(self, name)
             check(self, port is None or 0 <= port <= 65535, name, f"{port}: must be between 0 and 65535")
         check(self, self.migration_limit >= 0, "migration_limit", "must be >= 0")
-        # Not built yet: refused, not accepted and ignored (a card field nobody reads).
-        check(self, self.tool_call_parser is None, "tool_call_parser",
-              "tool-call parsing is not supported yet; leave the flag out")
-        check(self, self.reasoning_parser is None, "reasoning_parser",
-              "reasoning parsing is not supported yet; leave the flag out")
+        check(self, self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSER_NAMES,
+              "tool_call_parser", f"{self.tool_call_parser!r}: choose from {', '.join(TOOL_CALL_PARSER_NAMES)}")
+        check(self, self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSER_NAMES,
+              "reasoning_parser", f"{self.reasoning_parser!r}: choose from {', '.join(REASONING_PARSER_NAMES)}")
+        # Not built yet: refused, not accepted and ignored.
         check(self, self.migration_limit == 0, "migration_limit",
               "request migration is not supported yet; only 0 is accepted")
         check(self, self.graceful_shutdown_timeout >= 0, "graceful_shutdown_timeout", "must be >= 0")
@@ -121,7 +121,9 @@ class ServingConfig:
         )
 
 
-def add_serving_args(parser: argparse.ArgumentParser) -> None:
+def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bool = True) -> None:
+    """`reasoning_parser_alias`: also define vLLM's spelling --reasoning-parser (the vLLM
+    worker leaves it to vLLM's own parser, which defines it, and reads it from there)."""
     group = parser.add_argument_group("Turbine worker")
     env = os.environ.get
     group.add_argument("--namespace", default=env("TURBINE_NAMESPACE", DEFAULT_NAMESPACE))
@@ -138,8 +140,15 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
                        help="port of the status server (/health, /live, /metrics); off when unset")
     group.add_argument("--endpoint-types", default=env("TURBINE_ENDPOINT_TYPES", "chat,completions"),
                        help="comma-separated subset of: chat, completions")
-    group.add_argument("--dyn-tool-call-parser", default=env("TURBINE_TOOL_CALL_PARSER"))
-    group.add_argument("--dyn-reasoning-parser", default=env("TURBINE_REASONING_PARSER"))
+    group.add_argument("--dyn-tool-call-parser", "--tool-call-parser", dest="dyn_tool_call_parser",
+                       default=env("TURBINE_TOOL_CALL_PARSER"),
+                       help=f"how the frontend finds tool calls in this model's output: "
+                            f"{', '.join(TOOL_CALL_PARSER_NAMES)} (none: tool_choice auto is refused)")
+    group.add_argument("--dyn-reasoning-parser", dest="dyn_reasoning_parser", default=env("TURBINE_REASONING_PARSER"),
+                       help=f"how the frontend separates reasoning from the answer: {', '.join(REASONING_PARSER_NAMES)}")
+    if reasoning_parser_alias:
+        group.add_argument("--reasoning-parser", dest="reasoning_parser", default=None,
+                           help="vLLM's spelling of --dyn-reasoning-parser")
     group.add_argument("--custom-jinja-template", default=env("TURBINE_CUSTOM_JINJA_TEMPLATE"))
     group.add_argument("--migration-limit", type=int, default=int(env("TURBINE_MIGRATION_LIMIT", "0")))
     group.add_argument("--graceful-shutdown-timeout", type=float,
@@ -199,6 +208,11 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
             parser.error(f"--endpoint {args.endpoint!r}: expected NAME or namespace.component.endpoint")
         namespace, component, endpoint = parts
     types = tuple(t.strip() for t in args.endpoint_types.split(",") if t.strip())
+    reasoning = args.dyn_reasoning_parser
+    alias = getattr(args, "reasoning_parser", None) or None  # vLLM's spelling ("" is its unset)
+    if alias and reasoning and alias != reasoning:
+        parser.error(f"--dyn-reasoning-parser {reasoning} and --reasoning-parser {alias} contradict each other")
+    reasoning = reasoning or alias
     template = args.custom_jinja_template
     if template:
         template = os.path.abspath(os.path.expanduser(template))
@@ -220,7 +234,7 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         discovery=discovery_config_from_args(args, parser),
         host=args.host, port=args.port, system_host=args.system_host, system_port=args.system_port,
         endpoint_types=types, tool_call_parser=args.dyn_tool_call_parser,
-        reasoning_parser=args.dyn_reasoning_parser, custom_jinja_template=template,
+        reasoning_parser=reasoning, custom_jinja_template=template,
         migration_limit=args.migration_limit, graceful_shutdown_timeout=args.graceful_shutdown_timeout,
         event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,

@@ -12,8 +12,11 @@ from turbine.vllm.args import parse_worker_args
     (["--migration-limit", "-1"], "--migration-limit"),
     # Not built yet: refused rather than accepted and ignored.
     (["--migration-limit", "2"], "--migration-limit"),
-    (["--dyn-tool-call-parser", "hermes"], "--dyn-tool-call-parser"),
-    (["--dyn-reasoning-parser", "deepseek_r1"], "--dyn-reasoning-parser"),
+    (["--dyn-tool-call-parser", "nope"], "--dyn-tool-call-parser"),
+    (["--tool-call-parser", "deepseek_r1"], "--dyn-tool-call-parser"),
+    (["--dyn-reasoning-parser", "hermes"], "--dyn-reasoning-parser"),
+    (["--reasoning-parser", "nope"], "--dyn-reasoning-parser"),
+    (["--dyn-reasoning-parser", "qwen3", "--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
     (["--endpoint", "a.b"], "--endpoint"),
     (["--namespace", "bad/ns"], "--namespace"),
     (["--discovery-backend", "zookeeper"], "--discovery-backend"),
@@ -35,6 +38,20 @@ def test_defaults_and_dyn_style_endpoint(tmp_path):
     off = parse_worker_args(["--no-enable-prefix-caching"])
     assert off.engine_args.enable_prefix_caching is False
     assert cfg.discovery.backend == "file"
+
+
+def test_parser_flags_and_vllm_spellings():
+    """The parsers go to the model card; vLLM's --reasoning-parser is the frontend's parser only:
+    the engine does not get it (it would confine structured outputs to after `</think>`)."""
+    cfg = parse_worker_args(["--dyn-tool-call-parser", "hermes", "--dyn-reasoning-parser", "qwen3"])
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("hermes", "qwen3")
+    assert not cfg.engine_args.reasoning_parser
+    cfg = parse_worker_args(["--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1"])
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("mistral", "deepseek_r1")
+    assert not cfg.engine_args.reasoning_parser
+    card = cfg.model_card("i", engine="vllm", tokenizer_path="/t", context_length=8, kv_block_size=1,
+                          total_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1)
+    assert (card.tool_call_parser, card.reasoning_parser) == ("mistral", "deepseek_r1")
 
 
 def test_turbine_cli_serve_rejects_bad_port(capsys):

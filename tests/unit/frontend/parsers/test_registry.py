@@ -13,6 +13,7 @@ from turbine.frontend.parsers import (REASONING_PARSERS, TOOL_CALL_PARSERS, pars
                                       tool_call_parser)
 from turbine.frontend.parsers.harmony import HarmonyParser
 from turbine.frontend.parsers.json_calls import HermesParser
+from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 
 CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
 
@@ -20,6 +21,9 @@ CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
 def test_registry_names_and_unknown_names():
     assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "harmony"}
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "harmony"}
+    # the names workers accept for their model card (turbine.protocol, no frontend import)
+    assert sorted(TOOL_CALL_PARSERS) == list(TOOL_CALL_PARSER_NAMES)
+    assert sorted(REASONING_PARSERS) == list(REASONING_PARSER_NAMES)
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; known: harmony, hermes, llama3_json"):
         tool_call_parser("nope")
     with pytest.raises(ValueError, match="known: deepseek_r1, harmony, qwen3"):
