@@ -59,6 +59,8 @@ class ChatFormat(ResponseFormat):
         calls = [c for d in deltas for c in d.tool_calls or ()]
         if calls:
             message["tool_calls"] = _whole_tool_calls(calls)
+            if not message["content"]:
+                message["content"] = None  # as OpenAI answers with calls only
         return {"index": index, "message": message, "logprobs": self._all_logprobs(deltas),
                 "finish_reason": deltas[-1].finish_reason if deltas else None}
 

@@ -23,7 +23,8 @@ class Pipeline:
         metrics.input_tokens.inc(len(request.token_ids))
         self.dispatch = Dispatch(model, client, request, metrics, disagg)
         self.post = (TextPostprocess(request.sampling.n) if request.text is not None else
-                     Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output))
+                     Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output,
+                                 parsers=prepared.output.parsers))
         self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,
                                           request.output.logprobs is not None)
         self.deltas: AsyncIterator[Delta] = self.post.deltas(self.dispatch.outputs(), self.dispatch.output_ready,

@@ -1,7 +1,7 @@
 """The postprocess stage: a worker's raw outputs -> per-choice Deltas. Per choice it
 detokenizes incrementally, applies stop strings, keeps logprobs and counts usage; then each
-delta passes a chain of output parsers (the place where tool-call and reasoning parsers go;
-empty for now). Outputs that arrived together are merged into one delta per choice."""
+delta passes a chain of output parsers (reasoning and tool-call parsers; turbine/frontend/tools.py
+picks them per request). Outputs that arrived together are merged into one delta per choice."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class Postprocess:
                        for _ in range(n)]
         self.chains = [parsers() for _ in range(n)]
         self.finished = [False] * n
+        # Special tokens kept (for parsers' markers): the end-of-sequence token is still not text.
+        self.eos = set(tokenizer.eos_token_ids) if not spec.skip_special_tokens else set()
         self.usage = UsageCount(prompt_tokens=len(prompt_ids))
 
     def apply(self, chunk: GenerateOutput) -> Delta | None:
@@ -45,7 +47,10 @@ class Postprocess:
             return None
         detok = self.detoks[i]
         self.usage.completion_tokens += len(chunk.token_ids)
-        delta = Delta(i, detok.push(chunk.token_ids) if chunk.token_ids else "")
+        ids = chunk.token_ids
+        if self.eos and chunk.finish_reason == "stop" and ids and ids[-1] in self.eos:
+            ids = ids[:-1]
+        delta = Delta(i, detok.push(ids) if ids else "")
         if chunk.log_probs is not None:
             tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
             delta.logprobs = [TokenLogprob(t, lp, [(x.token_id, x.logprob) for x in top])

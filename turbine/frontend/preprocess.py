@@ -6,9 +6,11 @@ the chat template, tokenization and the context-length limits happen here; new i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
+from turbine.frontend import tools
 from turbine.frontend.errors import RequestError
 from turbine.frontend.models import ModelTable, ServedModel
 from turbine.frontend.openai_schemas import (
@@ -34,6 +36,7 @@ class OutputSpec:
     stop: list[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    parsers: Callable[[], list] = field(default=list)  # makes one choice's output-parser chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +63,22 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
     model = served_model(models, req.model, kind)
     tok = model.tokenizer
     text_in = None
+    plan = tools.OutputPlan()
     if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
+        if kind == "chat" and (req.tool_choice not in (None, "none") or (req.tools and req.tool_choice is None)):
+            raise RequestError("tool_choice: tool calls are not parsed for a text-mode model (--use-vllm-tokenizer) "
+                               "yet; send tool_choice 'none'", param="tool_choice")
         text_in, token_ids = text_input(req, model.name)
         logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
             else req.max_tokens
     elif kind == "chat":
+        plan = tools.plan(req, model.card, tok.renders_tool_calls)
+        if plan.structured_outputs is not None and constraint is not None:
+            raise RequestError(f"tool_choice {req.tool_choice!r} forces a tool call, which cannot be combined with "
+                               f"{constraint.param}: both constrain the whole output", param="tool_choice")
         try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+            text = tok.apply_chat_template(plan.messages, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools, **(req.chat_template_kwargs or {}))
         except ValueError as exc:
             raise RequestError(f"cannot apply the chat template: {exc}", param="messages") from None
@@ -104,13 +115,16 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
                             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
         output=OutputOptions(logprobs=logprobs),
         text=text_in,
-        structured_outputs=constraint.outputs if constraint else None,
+        structured_outputs=plan.structured_outputs or (constraint.outputs if constraint else None),
     )
     output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
-                        skip_special_tokens=req.skip_special_tokens)
+                        # the parsers' markers may be special tokens
+                        skip_special_tokens=req.skip_special_tokens and not plan.keep_special_tokens,
+                        parsers=plan.parsers)
     return Prepared(kind, model, request, output, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    constraint_param=constraint.param if constraint else None)
+                    constraint_param="tool_choice" if plan.structured_outputs else
+                    (constraint.param if constraint else None))
 
 
 def served_model(models: ModelTable, name: str, kind: Kind) -> ServedModel:

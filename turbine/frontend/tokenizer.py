@@ -47,6 +47,8 @@ class TextTokenizer:
         self._special_tokens = special_tokens
         # Compiled up front so a broken template fails at startup, not on the first request.
         self._templates = {name: _compile(name, src) for name, src in chat_templates.items()}
+        # Whether the template renders assistant messages' tool_calls (else they go in as text).
+        self.renders_tool_calls = any("tool_calls" in src for src in chat_templates.values())
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
 
