@@ -35,6 +35,8 @@ class MockerConfig(ServingConfig):
     kv_transfer_bandwidth: float = flag("--kv-transfer-bandwidth", default=DEFAULT_BANDWIDTH_GB_S)  # GB/s
     # Seconds between paced garbage-collector passes; 0: Python's automatic collection.
     gc_interval: float = flag("--gc-interval", default=DEFAULT_INTERVAL_S)
+    # Every answer is this text's tokens (then EOS) instead of random words; None: random words.
+    reply_text: str | None = flag("--reply-text", default=None)
     kv_events_drop_after: int | None = flag("--kv-events-drop-after", default=None)  # test hook
 
     def __post_init__(self):
@@ -47,6 +49,7 @@ class MockerConfig(ServingConfig):
         check(self, self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1, "kv_bytes_per_token",
               "must be >= 1")
         check(self, self.gc_interval >= 0, "gc_interval", "must be >= 0 (seconds; 0 = automatic collection)")
+        check(self, self.reply_text is None or bool(self.reply_text), "reply_text", "must not be empty")
         check(self, self.kv_transfer_bandwidth > 0, "kv_transfer_bandwidth", "must be > 0 (GB/s)")
         check(self, self.kv_events_drop_after is None or self.kv_events_drop_after >= 0, "kv_events_drop_after",
               "must be >= 0")
@@ -95,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--natural-output-len", type=int, default=128,
                      help="without ignore_eos, an answer ends with EOS after between half and one and a half "
                           "times this many tokens (deterministic per request); 0 = only max_tokens ends it")
+    sim.add_argument("--reply-text", default=None, metavar="TEXT",
+                     help="every answer is this text's tokens and then EOS (with ignore_eos it repeats until "
+                          "max_tokens) instead of random words, whatever the prompt: e.g. a tool call, to "
+                          "measure or test output parsers; --natural-output-len does not apply")
     sim.add_argument("--speedup-ratio", type=float, default=1.0,
                      help="simulated time runs this many times faster than real time; 0 = steps take no time")
     sim.add_argument("--profile", default=None,
@@ -145,5 +152,5 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         enable_prefix_caching=args.enable_prefix_caching, natural_output_len=args.natural_output_len,
         speedup_ratio=args.speedup_ratio, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
-        kv_events_drop_after=args.kv_events_drop_after,
+        kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
     )

@@ -11,6 +11,10 @@ ever reuse an answer). EOS comes
 only where the simulated answer ends naturally: after a length drawn, again from the
 hash, between half and one and a half times `natural_output_len` (0 = never). The
 request's stop_token_ids are never drawn before min_tokens (vLLM masks them until then).
+
+With a fixed reply (`--reply-text`, a simulator option for benchmarks and tests of output
+parsers) every answer is that text's tokens and then EOS (with ignore_eos the text repeats
+until max_tokens), whatever the prompt.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class TokenSampler:
     MIN_WORD_TOKENS = 256
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], special_token_ids: Sequence[int],
-                 natural_output_len: int, word_token_ids: Sequence[int] = ()):
+                 natural_output_len: int, word_token_ids: Sequence[int] = (), reply_token_ids: Sequence[int] = ()):
         excluded = set(special_token_ids) | set(eos_token_ids)
         words = [t for t in word_token_ids if t not in excluded and 0 <= t < vocab_size]
         self._ordinary = (words if len(words) >= self.MIN_WORD_TOKENS
@@ -59,9 +63,12 @@ class TokenSampler:
             raise ValueError("the vocabulary has no ordinary (non-special) tokens")
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.natural_output_len = natural_output_len
+        self.reply = list(reply_token_ids)
 
     def answer_len(self, choice: Choice) -> int | None:
         """How many tokens the simulated answer has, EOS included; None = it never ends."""
+        if self.reply:
+            return None if choice.ignore_eos or self.eos_token_id is None else len(self.reply) + 1
         n = self.natural_output_len
         if n <= 0 or choice.ignore_eos or self.eos_token_id is None:
             return None
@@ -73,6 +80,8 @@ class TokenSampler:
         """The token at output `position` (0-based)."""
         if answer_len is not None and position + 1 >= answer_len:
             return self.eos_token_id
+        if self.reply:
+            return self.reply[position % len(self.reply)]
         ordinary = self._ordinary
         h = _mix((choice.seed + (choice.index << 40) + position) & _MASK64)
         token = ordinary[h % len(ordinary)]

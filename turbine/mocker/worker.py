@@ -144,7 +144,7 @@ class SimulatedEngines:
     async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         cfg, info = self.cfg, self.cfg.model_info
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
-                               info.word_token_ids)
+                               info.word_token_ids, reply_token_ids(cfg))
         # One event plane for all the workers here (nats: one connection).
         self.workers = [SimulatedWorker(cfg, sampler, health, plane) for _ in range(cfg.num_workers)]
         self._tasks = [asyncio.create_task(e.run()) for w in self.workers for e in w.engines]
@@ -192,3 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     host = WorkerHost(cfg, SimulatedEngines(cfg))
     # uvloop: the event loop is most of the work of 100+ simulated workers.
     return run_host(host.run, runner=uvloop.run)
+
+
+def reply_token_ids(cfg: MockerConfig) -> list[int]:
+    """--reply-text as the model's tokens (none: random words)."""
+    if not cfg.reply_text:
+        return []
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(cfg.tokenizer_path) / "tokenizer.json"))
+    return tokenizer.encode(cfg.reply_text, add_special_tokens=False).ids
