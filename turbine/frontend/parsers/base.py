@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import secrets
 
 from partial_json_parser import Allow, loads as partial_loads
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 _STREAMABLE = Allow.STR | Allow.OBJ | Allow.ARR
 _WHOLE_STRINGS = Allow.OBJ | Allow.ARR
 _decoder = json.JSONDecoder()
+# A whole "name" string in a call object's text (before it, the call cannot start).
+_NAMED = re.compile(r'"name"\s*:\s*"(?:[^"\\]|\\.)*"')
 
 
 def new_call_id() -> str:
@@ -72,9 +75,13 @@ class ParserBase:
         self._out = Delta(0)
 
     def push(self, delta: Delta) -> Delta:
-        self._out = dataclasses.replace(delta, text="", tool_calls=list(delta.tool_calls or ()) or None)
-        if delta.text:
-            self.buf += delta.text
+        # The delta is this parser's to change (each one passes the chain once): no copy per token.
+        text, delta.text = delta.text, ""
+        if delta.tool_calls is not None:
+            delta.tool_calls = list(delta.tool_calls) or None
+        self._out = delta
+        if text:
+            self.buf += text
             while self._step(False):
                 pass
         return self._out
@@ -204,6 +211,7 @@ class JsonCall:
         self.parser, self.need_args = parser, need_args
         self.args: ArgsStream | None = None
         self._seen = 0
+        self._next_parse = 0  # text length at which the partial parse runs again
 
     @property
     def started(self) -> bool:
@@ -220,7 +228,16 @@ class JsonCall:
         self.update(raw)
         return None
 
-    def update(self, raw: str) -> None:
+    def update(self, raw: str, force: bool = False) -> None:
+        # Re-parsing the whole call on every delta is quadratic in its length and costs more than
+        # the rest of the request's path: once the call has started, parse again only when its
+        # text has grown by a quarter (at least 16 characters). The fragments still concatenate
+        # to the same text; they come in fewer, larger pieces.
+        if not force:
+            if len(raw) < self._next_parse or (self.args is None and not _NAMED.search(raw)):
+                return
+            if self.args is not None:
+                self._next_parse = len(raw) + max(16, len(raw) // 4)
         obj = partial_json(raw)
         if not isinstance(obj, dict):
             return
@@ -237,7 +254,7 @@ class JsonCall:
     def close(self, raw: str) -> bool:
         """Ends the call with all its text (complete, or cut off by the end of the output).
         False when it never became a call: nothing was placed, the caller keeps the text."""
-        self.update(raw)
+        self.update(raw, force=True)
         if self.args is None:
             return False
         obj = json_value(raw)
