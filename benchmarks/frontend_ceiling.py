@@ -26,6 +26,14 @@ baseline is given).  Ratios are the first system (normally turbine) over each ot
 --py-spy PATH: afterwards, start Turbine once more and record its frontend with py-spy during
 one extra point (not part of the measurement) and write the raw stacks plus a top-N summary.
 
+--tools: instead, the cost of tool calling. One Turbine stack (the mocker with --reply-text, so that
+every answer is the same hermes tool call, and --dyn-tool-call-parser hermes) serves two systems
+that alternate point by point (ABBA over repeats): `turbine` (requests without tools: the reply
+is plain content, no parser runs) and `turbine-tools` (the same requests with `tools`: the hermes
+parser turns every answer into a tool call, checked on every response). The load is a built-in
+async httpx generator (streaming chat, include_usage), no aiperf needed; numbers are only compared
+within one run.
+
 Paths come from flags or environment variables (AIPERF, DYNAMO_PYTHON, TURBINE_BASELINE,
 TURBINE_PEER_DIR, PY_SPY), for example:
 
@@ -241,6 +249,114 @@ def profile_turbine(a, run_dir: Path, out_dir: Path) -> dict:
         st.stop()
 
 
+# -- --tools: tool-call parsing vs plain, on one stack ---------------------------------------------
+TOOL_REPLY = ('<tool_call>{"name": "get_weather", "arguments": {"city": "San Francisco", "unit": "celsius", '
+              '"days": 3, "details": ["temperature", "wind", "humidity", "precipitation"]}}</tool_call>')
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}, "days": {"type": "integer"},
+                                     "details": {"type": "array", "items": {"type": "string"}}}}}}
+TOOL_SYSTEMS = ("turbine", "turbine-tools")
+
+
+async def _load(url: str, c: int, requests: int, tools: bool, isl_words: int) -> dict:
+    """`requests` streamed chat requests, `c` at a time; every response checked for its shape."""
+    import asyncio
+
+    import httpx
+
+    from common import sse_chunks
+
+    body = {"model": SERVED, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 256,
+            "messages": [{"role": "user", "content": " ".join(["word"] * isl_words)}]}
+    if tools:
+        body["tools"] = [WEATHER_TOOL]
+    todo = iter(range(requests))
+    tokens, bad, ttfts = [0], [], []
+
+    async def one(client, i: int) -> None:
+        b = dict(body, messages=[{"role": "user", "content": f"{i} " + body["messages"][0]["content"]}])
+        start = time.monotonic()
+        first, calls, content, finish = None, 0, "", None
+        async for chunk in sse_chunks(client, f"{url}/v1/chat/completions", b):
+            for ch in chunk.get("choices") or ():
+                d = ch.get("delta") or {}
+                if first is None and (d.get("content") or d.get("tool_calls")):
+                    first = time.monotonic() - start
+                content += d.get("content") or ""
+                calls += sum(1 for t in d.get("tool_calls") or () if t.get("id"))
+                finish = ch.get("finish_reason") or finish
+            if chunk.get("usage"):
+                tokens[0] += chunk["usage"]["completion_tokens"]
+        ttfts.append(first or 0.0)
+        ok = (calls == 1 and not content and finish == "tool_calls") if tools else (
+            calls == 0 and content == TOOL_REPLY and finish == "stop")
+        if not ok:
+            bad.append((calls, content[:80], finish))
+
+    async def worker(client) -> None:
+        for i in todo:
+            await one(client, i)
+
+    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for i in range(max(2, c)):  # warm-up
+            await one(client, -1 - i)
+        tokens[0], bad[:], ttfts[:] = 0, [], []
+        start = time.monotonic()
+        await asyncio.gather(*(worker(client) for _ in range(c)))
+        wall = time.monotonic() - start
+    ttfts.sort()
+    return {"ok": not bad, "bad_responses": bad[:5], "n_bad": len(bad), "wall_s": wall,
+            "metrics": {"output_tok_s": tokens[0] / wall, "request_per_s": requests / wall,
+                        "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2], "requests": requests}}
+
+
+def run_tools(a, parser: argparse.ArgumentParser) -> int:
+    import asyncio
+
+    a.model = a.model or default_model(a.python)
+    a.turbine_mocker_args = f"{a.turbine_mocker_args} --dyn-tool-call-parser hermes"
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-tools-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    st = Stack("turbine", run_dir, "tools")
+    start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
+                                 "--speedup-ratio", "0", "--system-port", str(free_port()), "--reply-text", TOOL_REPLY,
+                                 *a.turbine_mocker_args.split()])
+    _ready_or_stop(st, lambda: st.models_ready(SERVED, True), a.startup_timeout)
+    runs, started = [], time.time()
+    try:
+        for rep in range(a.repeats):
+            order = TOOL_SYSTEMS if (a.order == "abab" or rep % 2 == 0) else TOOL_SYSTEMS[::-1]
+            for c in a.concurrency:
+                for s in order:
+                    fe = next(p for p in st.procs if p.name.endswith("frontend"))
+                    cpu0 = proc_cpu_s(fe.popen.pid)
+                    rec = asyncio.run(_load(st.base_url, c, requests_for(a, c), s == "turbine-tools", a.isl))
+                    cpu1 = proc_cpu_s(fe.popen.pid)
+                    rec.update({"repeat": rep, "system": s, "concurrency": c, "requests": requests_for(a, c),
+                                "cpu_s": {"frontend": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None}})
+                    runs.append(rec)
+                    m = rec["metrics"]
+                    log(f"r{rep} {s} c{c}: {m['output_tok_s']:.0f} tok/s, {m['request_per_s']:.1f} req/s, "
+                        f"TTFT p50 {m['ttft_p50_ms']:.1f} ms, frontend cpu {rec['cpu_s']['frontend']}, "
+                        f"bad {rec['n_bad']}")
+    finally:
+        st.stop()
+    summary = summarize(runs, a.concurrency, list(TOOL_SYSTEMS[::-1]))
+    table = markdown(summary, runs, list(TOOL_SYSTEMS[::-1]))
+    print(table)
+    out = Path(a.out.replace("frontend_ceiling-", "frontend_ceiling_tools-"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "turbine_frontend_ceiling_tools", "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count()}, "reply": TOOL_REPLY,
+        "config": vars(a), "summary": summary, "runs": runs, "markdown": table}, indent=2, default=str) + "\n")
+    log(f"wrote {out}")
+    return 0 if all(r["ok"] for r in runs) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=180)
     p.add_argument("--point-timeout", type=float, default=300)
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--tools", action="store_true",
+                   help="measure tool-call parsing instead: turbine-tools (every answer a hermes tool call, parsed) "
+                        "vs turbine (the same answer as plain content), one mocker stack, built-in load (no aiperf); "
+                        "--isl is then the prompt's word count")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_ceiling-{today}.json"))
     return p
 
@@ -282,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if a.tools:
+        return run_tools(a, parser)
     if a.systems is None:
         a.systems = "turbine,turbine-base,dynamo" if a.turbine_baseline else "turbine,dynamo"
     systems = [s for s in a.systems.split(",") if s]

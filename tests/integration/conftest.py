@@ -30,7 +30,9 @@ def cluster(tmp_path_factory, model_dir):
     """Frontend + workers A and B sharing a private file-discovery directory."""
     root = tmp_path_factory.mktemp("cluster")
     env = base_env(str(root / "discovery"))
-    workers = [start_worker(n, env, root) for n in ("worker-a", "worker-b")]
+    # The parsers: hermes tool calls, qwen3 reasoning (output without <think> stays content).
+    parsers = ("--dyn-tool-call-parser", "hermes", "--dyn-reasoning-parser", "qwen3")
+    workers = [start_worker(n, env, root, *parsers) for n in ("worker-a", "worker-b")]
     frontend = start_frontend("frontend", env, root)
     procs = [*workers, frontend]
     try:
