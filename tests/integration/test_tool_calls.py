@@ -9,7 +9,10 @@ import json
 import jsonschema
 import pytest
 
+from openai import OpenAI
+
 from tests.integration.conftest import MODEL
+from tests.integration.procs import base_env, instances_of, start_frontend, start_mocker, wait_until, worker_ready
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -101,11 +104,11 @@ def test_forced_think_block_lands_in_reasoning_content(client, stream):
 
 
 def test_agent_loop(client):
-    """An agent's turns: the model must call a tool, gets its result back, answers."""
+    """An agent's turns: the model must call the tool, gets its result back, answers."""
     messages = [{"role": "system", "content": "You answer questions with the tools you have."}, *ASK]
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
-                                           tool_choice="required", max_tokens=64, temperature=0)
-    assert first.choices[0].finish_reason == "tool_calls"
+                                           tool_choice=NAMED, max_tokens=40, temperature=0)
+    assert first.choices[0].finish_reason == "stop"
     calls = first.choices[0].message.tool_calls
     _check_calls(calls)
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
@@ -127,3 +130,53 @@ def test_tool_choice_errors_are_400s(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**{**ARGS, **kwargs})
         assert info.value.body["param"] == param
+
+
+# -- the auto path through the real frontend, on a mocker whose every answer is a fixed text ----
+MOCKED = "tool-mocker"
+REPLY = ('<think>They want weather.</think>Checking.<tool_call>{"name": "get_weather", "arguments": '
+         '{"city": "Paris", "days": 3}}</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'
+         '</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def mocked(tmp_path_factory):
+    """No engine: a mocker (--reply-text REPLY, hermes and qwen3 parsers) and its own frontend."""
+    root = tmp_path_factory.mktemp("tool-mocker")
+    env = base_env(str(root / "discovery"))
+    mocker = start_mocker("tool-mocker", env, root, "--served-model-name", MOCKED, "--speedup-ratio", "0",
+                          "--reply-text", REPLY, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    frontend = start_frontend("tool-frontend", env, root)
+    try:
+        wait_until(lambda: worker_ready(mocker) and instances_of(frontend, MOCKED) == 1, 60, "mocker", [mocker, frontend])
+        yield OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    finally:
+        frontend.stop()
+        mocker.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_calls_and_reasoning(mocked, stream):
+    kwargs = dict(model=MOCKED, messages=ASK, tools=[WEATHER, TIME], max_tokens=200)
+    if stream:
+        with mocked.chat.completions.stream(**kwargs) as s:
+            for _ in s:
+                pass
+            r = s.get_final_completion()
+    else:
+        r = mocked.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert (choice.message.content, choice.message.reasoning_content) == ("Checking.", "They want weather.")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    one = mocked.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message.tool_calls
+    assert [c.function.name for c in one] == ["get_weather"]
+
+
+def test_tool_choice_none_leaves_calls_as_text(mocked):
+    msg = mocked.chat.completions.create(model=MOCKED, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                         max_tokens=200).choices[0].message
+    assert msg.content == REPLY.split("</think>")[1] and not msg.tool_calls
+    assert msg.reasoning_content == "They want weather."
