@@ -231,13 +231,13 @@ class JsonCall:
     def update(self, raw: str, force: bool = False) -> None:
         # Re-parsing the whole call on every delta is quadratic in its length and costs more than
         # the rest of the request's path: once the call has started, parse again only when its
-        # text has grown by a quarter (at least 16 characters). The fragments still concatenate
+        # text has doubled (plus 64 characters). The fragments still concatenate
         # to the same text; they come in fewer, larger pieces.
         if not force:
             if len(raw) < self._next_parse or (self.args is None and not _NAMED.search(raw)):
                 return
             if self.args is not None:
-                self._next_parse = len(raw) + max(16, len(raw) // 4)
+                self._next_parse = 2 * len(raw) + 64
         obj = partial_json(raw)
         if not isinstance(obj, dict):
             return
@@ -254,7 +254,8 @@ class JsonCall:
     def close(self, raw: str) -> bool:
         """Ends the call with all its text (complete, or cut off by the end of the output).
         False when it never became a call: nothing was placed, the caller keeps the text."""
-        self.update(raw, force=True)
+        if self.args is None:
+            self.update(raw, force=True)
         if self.args is None:
             return False
         obj = json_value(raw)

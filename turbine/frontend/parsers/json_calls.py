@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from turbine.frontend.deltas import Delta
 from turbine.frontend.parsers.base import JsonCall, ParserBase
 
 
@@ -16,6 +17,22 @@ class HermesParser(ParserBase):
     def __init__(self) -> None:
         super().__init__()
         self.call: JsonCall | None = None
+
+    def push(self, delta: Delta) -> Delta:
+        # Fast paths (the parser runs on every token): text that cannot touch a marker ("<" is
+        # in neither it nor the held tail) is content outside a call, or grows the call inside one.
+        text = delta.text
+        if text and "<" not in text and "<" not in self.buf[-len(self.CLOSE):]:
+            if self.call is None and not self.buf:
+                return delta
+            if self.call is not None:
+                delta.text, self._out = "", delta
+                if delta.tool_calls is not None:
+                    delta.tool_calls = list(delta.tool_calls) or None
+                self.buf += text
+                self.call.update(self.buf)
+                return delta
+        return super().push(delta)
 
     def _step(self, final: bool) -> bool:
         if self.call is None:
