@@ -252,9 +252,10 @@ def profile_turbine(a, run_dir: Path, out_dir: Path) -> dict:
 # -- --tools: tool-call parsing vs plain, on one stack ---------------------------------------------
 TOOL_REPLY = ('<tool_call>{"name": "get_weather", "arguments": {"city": "San Francisco", "unit": "celsius", '
               '"days": 3, "details": ["temperature", "wind", "humidity", "precipitation"]}}</tool_call>')
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather forecast", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}, "days": {"type": "integer"},
-                                     "details": {"type": "array", "items": {"type": "string"}}}}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}, "days": {"type": "integer"},
+        "details": {"type": "array", "items": {"type": "string"}}}}}}
 TOOL_SYSTEMS = ("turbine", "turbine-tools")
 
 

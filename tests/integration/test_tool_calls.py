@@ -150,7 +150,8 @@ def mocked(tmp_path_factory):
                           "--reply-text", REPLY, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
     frontend = start_frontend("tool-frontend", env, root)
     try:
-        wait_until(lambda: worker_ready(mocker) and instances_of(frontend, MOCKED) == 1, 60, "mocker", [mocker, frontend])
+        wait_until(lambda: worker_ready(mocker) and instances_of(frontend, MOCKED) == 1, 60, "mocker",
+                   [mocker, frontend])
         yield OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=60)
     finally:
         frontend.stop()

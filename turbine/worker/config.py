@@ -145,7 +145,8 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        help=f"how the frontend finds tool calls in this model's output: "
                             f"{', '.join(TOOL_CALL_PARSER_NAMES)} (none: tool_choice auto is refused)")
     group.add_argument("--dyn-reasoning-parser", dest="dyn_reasoning_parser", default=env("TURBINE_REASONING_PARSER"),
-                       help=f"how the frontend separates reasoning from the answer: {', '.join(REASONING_PARSER_NAMES)}")
+                       help=f"how the frontend separates reasoning from the answer: "
+                            f"{', '.join(REASONING_PARSER_NAMES)}")
     if reasoning_parser_alias:
         group.add_argument("--reasoning-parser", dest="reasoning_parser", default=None,
                            help="vLLM's spelling of --dyn-reasoning-parser")
