@@ -74,6 +74,9 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     # one, vLLM enforces a structured-output constraint only after the reasoning ends (`</think>`),
     # so a forced tool call's schema or a guided regex would no longer cover the whole output.
     args.reasoning_parser = ""
+    if args.reasoning_parser_plugin:
+        parser.error("--reasoning-parser-plugin is not supported: the frontend parses reasoning with its own "
+                     "parsers (--dyn-reasoning-parser); drop the flag")
     # The engine loads what --model resolved to, under the one served name.
     args.model = serving.model_path
     args.served_model_name = serving.served_model_name

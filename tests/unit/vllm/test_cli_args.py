@@ -17,6 +17,7 @@ from turbine.vllm.args import parse_worker_args
     (["--dyn-reasoning-parser", "hermes"], "--dyn-reasoning-parser"),
     (["--reasoning-parser", "nope"], "--dyn-reasoning-parser"),
     (["--dyn-reasoning-parser", "qwen3", "--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
+    (["--reasoning-parser-plugin", "/tmp/p.py"], "--reasoning-parser-plugin"),
     (["--endpoint", "a.b"], "--endpoint"),
     (["--namespace", "bad/ns"], "--namespace"),
     (["--discovery-backend", "zookeeper"], "--discovery-backend"),
