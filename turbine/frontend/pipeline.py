@@ -22,7 +22,7 @@ class Pipeline:
         self.metrics = metrics
         metrics.input_tokens.inc(len(request.token_ids))
         self.dispatch = Dispatch(model, client, request, metrics, disagg)
-        self.post = (TextPostprocess(request.sampling.n) if request.text is not None else
+        self.post = (TextPostprocess(request.sampling.n, prepared.output.parsers) if request.text is not None else
                      Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output,
                                  parsers=prepared.output.parsers))
         self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,

@@ -64,19 +64,17 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
     tok = model.tokenizer
     text_in = None
     plan = tools.OutputPlan()
+    if kind == "chat":  # (text mode: the worker renders tool calls with vLLM's template)
+        plan = tools.plan(req, model.card, tok.renders_tool_calls if tok is not None else True)
+    if plan.structured_outputs is not None and constraint is not None:
+        raise RequestError(f"tool_choice {req.tool_choice!r} forces a tool call, which cannot be combined with "
+                           f"{constraint.param}: both constrain the whole output", param="tool_choice")
     if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
-        if kind == "chat" and (req.tool_choice not in (None, "none") or (req.tools and req.tool_choice is None)):
-            raise RequestError("tool_choice: tool calls are not parsed for a text-mode model (--use-vllm-tokenizer) "
-                               "yet; send tool_choice 'none'", param="tool_choice")
         text_in, token_ids = text_input(req, model.name)
         logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
             else req.max_tokens
     elif kind == "chat":
-        plan = tools.plan(req, model.card, tok.renders_tool_calls)
-        if plan.structured_outputs is not None and constraint is not None:
-            raise RequestError(f"tool_choice {req.tool_choice!r} forces a tool call, which cannot be combined with "
-                               f"{constraint.param}: both constrain the whole output", param="tool_choice")
         try:
             text = tok.apply_chat_template(plan.messages, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools, **(req.chat_template_kwargs or {}))

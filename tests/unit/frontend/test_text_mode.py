@@ -41,7 +41,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 async def test_chat_goes_out_as_messages_with_their_template_arguments(models):
-    p = await preprocess(body(model="m", messages=MESSAGES, tools=TOOLS,
+    p = await preprocess(body(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none",
                               chat_template_kwargs={"enable_thinking": False},
                               add_generation_prompt=False, stop=["END"], include_stop_str_in_output=True,
                               max_completion_tokens=7, n=2), "chat", models)
