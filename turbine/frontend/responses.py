@@ -11,7 +11,6 @@ refused with a 400 naming them."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 import re
@@ -61,9 +60,6 @@ _PARAM_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_toke
 # Keys of input items that describe an item the client got back from us (echoed in agent
 # loops that send `response.output` back); they ask for nothing.
 _ECHOED_KEYS = {"id", "status", "type"}
-# Until the chat path parses tool calls (turbine/frontend/tools.py, issue #14), function tools
-# would come back as plain text: they are refused. Drop this check once tools.py has landed.
-_TOOL_CALLS_PARSED = importlib.util.find_spec("turbine.frontend.tools") is not None
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
@@ -94,8 +90,6 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     """The chat completions body that asks for what `req` asks for. Raises RequestError
     naming the Responses field for anything this server cannot honour."""
     body = converted_body(req)
-    if not _TOOL_CALLS_PARSED and (req.tools or req.tool_choice not in (None, "auto", "none")):
-        raise _fail("tools" if req.tools else "tool_choice", "tool calls are not parsed by this server yet")
     for name in body:
         # The chat request drops fields it does not know: never hand it one it would ignore.
         if name not in _CHAT_FIELDS:

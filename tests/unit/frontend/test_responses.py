@@ -86,17 +86,6 @@ def test_a_field_the_chat_path_would_drop_is_refused(monkeypatch):
     assert responses.chat_body(request(input="x"))["messages"] == [{"role": "user", "content": "x"}]
 
 
-def test_tools_are_refused_until_the_chat_path_parses_tool_calls(monkeypatch):
-    tool = {"type": "function", "name": "f", "parameters": {}}
-    monkeypatch.setattr(responses, "_TOOL_CALLS_PARSED", False)
-    for body, param in [({"tools": [tool]}, "tools"), ({"tool_choice": "required"}, "tool_choice")]:
-        with pytest.raises(RequestError) as info:
-            responses.chat_body(request(input="x", **body))
-        assert info.value.param == param
-    monkeypatch.setattr(responses, "_TOOL_CALLS_PARSED", True)
-    assert responses.chat_body(request(input="x", tools=[tool], tool_choice="auto"))["tool_choice"] == "auto"
-
-
 def test_tools_tool_choice_and_text_format_become_their_chat_fields():
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     chat = convert(input="x", tools=[{"type": "function", "name": "weather", "description": "d",
