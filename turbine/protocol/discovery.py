@@ -66,6 +66,8 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     disaggregation_mode: str = "agg"
     # Engines (data-parallel ranks) behind this instance; a request's dp_rank picks one.
     data_parallel_size: int = 1
+    # Whether it takes GenerateRequest.prompt_embeds (the vLLM worker's --enable-prompt-embeds).
+    accepts_prompt_embeds: bool = False
     v: int = WIRE_VERSION
 
     @property

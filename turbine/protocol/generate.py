@@ -90,6 +90,10 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: StructuredOutputs | None = None
     # Text mode: the prompt as text (token_ids is then empty); None: token mode.
     text: TextInput | None = None
+    # A prompt given as embeddings instead of tokens (token_ids is then empty): the bytes of a
+    # torch.save'd 2-D tensor (sequence x hidden size), as the client sent them. Only workers whose
+    # card says `accepts_prompt_embeds` take it; they load it with torch's weights-only loader.
+    prompt_embeds: bytes | None = None
     v: int = WIRE_VERSION
 
 

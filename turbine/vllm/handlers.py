@@ -29,6 +29,7 @@ from turbine.protocol.generate import (
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
+from turbine.vllm.prompt_embeds import load_prompt_embeds
 from turbine.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
@@ -41,12 +42,15 @@ _REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int) -> dict:
-    """SamplingParams' arguments: the model's generation_config defaults, then what the request set."""
-    if not req.token_ids:
-        raise InvalidRequest("token_ids is empty")
-    if len(req.token_ids) >= max_model_len:
-        raise InvalidRequest(f"prompt has {len(req.token_ids)} tokens; the context length is {max_model_len}")
+def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int, prompt_len: int | None = None) -> dict:
+    """SamplingParams' arguments: the model's generation_config defaults, then what the request set.
+    `prompt_len`: the prompt's length when it is not `req.token_ids` (prompt embeddings)."""
+    if prompt_len is None:
+        if not req.token_ids:
+            raise InvalidRequest("token_ids is empty")
+        prompt_len = len(req.token_ids)
+    if prompt_len >= max_model_len:
+        raise InvalidRequest(f"prompt has {prompt_len} tokens; the context length is {max_model_len}")
     kwargs = dict(defaults)
     s = req.sampling
     for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -55,7 +59,10 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int) ->
         if value is not None:
             kwargs[name] = value
     stop = req.stop
-    kwargs["max_tokens"] = stop.max_tokens if stop.max_tokens is not None else max_model_len - len(req.token_ids)
+    if stop.max_tokens is not None and prompt_len + stop.max_tokens > max_model_len:
+        raise InvalidRequest(f"max_tokens: the prompt has {prompt_len} tokens and max_tokens is {stop.max_tokens}, "
+                             f"over the context length of {max_model_len}")
+    kwargs["max_tokens"] = stop.max_tokens if stop.max_tokens is not None else max_model_len - prompt_len
     if stop.min_tokens is not None:
         kwargs["min_tokens"] = stop.min_tokens
     if stop.stop_token_ids:
@@ -132,8 +139,9 @@ class Handlers:
         cfg = engine.vllm_config
         self.max_model_len = cfg.model_config.max_model_len
         self.sampling_defaults = cfg.model_config.get_diff_sampling_param()
+        self.model_config = cfg.model_config
 
-    def sampling_params(self, req: GenerateRequest) -> SamplingParams:
+    def sampling_params(self, req: GenerateRequest, prompt_len: int | None = None) -> SamplingParams:
         """The request checked and turned into the engine's SamplingParams (InvalidRequest if bad)."""
         if req.lora_name is not None:
             raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
@@ -143,45 +151,63 @@ class Handlers:
         if (req.text is not None) != self.text_mode:
             raise InvalidRequest("this worker serves text mode (--use-vllm-tokenizer): send text, not token_ids"
                                  if self.text_mode else "text: this worker takes token ids (no --use-vllm-tokenizer)")
-        kwargs = sampling_kwargs(req, self.sampling_defaults, self.max_model_len)
+        kwargs = sampling_kwargs(req, self.sampling_defaults, self.max_model_len, prompt_len)
         if req.text is not None:
             kwargs = text_sampling_kwargs(req.text, kwargs)
         return sampling_params(self._role_kwargs(req, kwargs))
 
-    async def _prepared(self, req: GenerateRequest) -> tuple[GenerateRequest, SamplingParams]:
-        """Text mode: the prompt rendered and tokenized here first."""
+    async def _prepared(self, req: GenerateRequest) -> tuple[GenerateRequest, dict, SamplingParams]:
+        """The request, the engine's prompt and its sampling parameters. Text mode: the prompt is
+        rendered and tokenized here first; prompt embeddings: loaded and checked."""
         if req.text is not None and self.text_mode:
             ids = await prompt_token_ids(self.engine, req, self.chat_template)
             req = text_request(req, ids, self.max_model_len)
-        return req, self.sampling_params(req)
+        prompt = await self.engine_prompt(req)
+        embeds = prompt.get("prompt_embeds")
+        return req, prompt, self.sampling_params(req, None if embeds is None else len(embeds))
+
+    async def engine_prompt(self, req: GenerateRequest) -> dict:
+        """The engine's prompt: the token ids, or the prompt embeddings loaded and checked."""
+        if req.prompt_embeds is None:
+            return {"prompt_token_ids": req.token_ids}
+        if not self.model_config.enable_prompt_embeds:
+            raise InvalidRequest("prompt_embeds: this worker does not take prompt embeddings "
+                                 "(start it with --enable-prompt-embeds)")
+        if req.token_ids:
+            raise InvalidRequest("prompt_embeds: give either token_ids or prompt_embeds, not both")
+        # torch.load of megabytes: off the event loop, which serves every other request.
+        embeds = await asyncio.to_thread(
+            load_prompt_embeds, req.prompt_embeds, hidden_size=self.model_config.get_hidden_size(),
+            dtype=self.model_config.dtype, max_model_len=self.max_model_len)
+        return {"prompt_embeds": embeds}
 
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         return kwargs
 
-    def _engine_generate(self, req: GenerateRequest, params: SamplingParams, engine_id: str):
-        return self.engine.generate({"prompt_token_ids": req.token_ids}, params, engine_id,
-                                    data_parallel_rank=req.dp_rank)
+    def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
+        return self.engine.generate(prompt, params, engine_id, data_parallel_rank=req.dp_rank)
 
-    async def _outputs(self, req: GenerateRequest, params: SamplingParams, engine_id: str):
+    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
         """The engine's outputs for the request, and the engine-side id they run under."""
-        return self._engine_generate(req, params, engine_id), engine_id
+        return self._engine_generate(req, prompt, params, engine_id), engine_id
 
     def _finished(self, chunk: GenerateOutput, out) -> None:
         """The role's additions to a choice's last chunk."""
 
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[GenerateOutput]:
         try:
-            req, params = await self._prepared(req)
+            req, prompt, params = await self._prepared(req)
         except InvalidRequest:
             self.metrics.error("invalid_request")
             raise  # the caller gets it as a typed error (HTTP 400 at the frontend)
         # Unique per attempt, so a retried request id never collides inside the engine.
         engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         completion_tokens = [0] * params.n
+        prompt_len = len(prompt["prompt_embeds"]) if "prompt_embeds" in prompt else len(req.token_ids)
         finished = False
         self.metrics.inflight.inc()
         try:
-            outputs, engine_id = await self._outputs(req, params, engine_id)
+            outputs, engine_id = await self._outputs(req, prompt, params, engine_id)
             async for out in outputs:
                 for comp in out.outputs:
                     completion_tokens[comp.index] += len(comp.token_ids)
@@ -202,7 +228,7 @@ class Handlers:
                         if isinstance(comp.stop_reason, int):
                             chunk.stop_reason = comp.stop_reason
                         chunk.usage = Usage(
-                            prompt_tokens=len(req.token_ids),
+                            prompt_tokens=prompt_len,
                             completion_tokens=completion_tokens[comp.index],
                             cached_tokens=out.num_cached_tokens or 0,
                         )
@@ -258,6 +284,8 @@ class PrefillHandlers(Handlers):
     location goes out on the last chunk)."""
 
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
+        if req.prompt_embeds is not None:  # the frontend prefills those where they are decoded
+            raise InvalidRequest("prompt_embeds: a prefill worker does not take prompt embeddings")
         if kwargs.get("n", 1) != 1:
             raise InvalidRequest("a prefill worker computes one sequence: n must be 1")
         kwargs["max_tokens"] = kwargs["min_tokens"] = 1
@@ -276,11 +304,11 @@ class DecodeHandlers(Handlers):
             kwargs["extra_args"] = {"kv_transfer_params": checked_kv_transfer_params(req.kv_transfer_params)}
         return kwargs
 
-    async def _outputs(self, req: GenerateRequest, params: SamplingParams, engine_id: str):
+    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
         """Waits for the first output of a request whose KV comes from a prefill worker. If the
         KV does not arrive within --kv-transfer-timeout (prefill worker hung or gone), the
         request is aborted and computed here from scratch: slower, never stuck."""
-        outputs = self._engine_generate(req, params, engine_id)
+        outputs = self._engine_generate(req, prompt, params, engine_id)
         if not params.extra_args:
             return outputs, engine_id
         try:
@@ -293,7 +321,7 @@ class DecodeHandlers(Handlers):
             await self.engine.abort(engine_id)
             params.extra_args = None
             engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
-            return self._engine_generate(req, params, engine_id), engine_id
+            return self._engine_generate(req, prompt, params, engine_id), engine_id
         return _prepend(first, outputs), engine_id
 
 

@@ -90,7 +90,8 @@ class VllmEngine:
             total_kv_blocks=vcfg.cache_config.num_gpu_blocks or 0, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             data_parallel_size=vcfg.parallel_config.data_parallel_size,
-            model_input="text" if cfg.use_vllm_tokenizer else "tokens", **self.events.card_fields())
+            model_input="text" if cfg.use_vllm_tokenizer else "tokens",
+            accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds, **self.events.card_fields())
         return [Instance(server, card)]
 
     async def canary(self) -> str | None:

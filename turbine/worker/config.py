@@ -105,7 +105,7 @@ class ServingConfig:
                    kv_block_size: int, total_kv_blocks: int, max_num_seqs: int,
                    max_num_batched_tokens: int, kv_events_address: str | None = None,
                    load_metrics_address: str | None = None, data_parallel_size: int = 1,
-                   model_input: str = "tokens") -> ModelCard:
+                   model_input: str = "tokens", accepts_prompt_embeds: bool = False) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself."""
         return ModelCard(
             name=self.served_model_name, namespace=self.namespace, component=self.component,
@@ -118,6 +118,7 @@ class ServingConfig:
             kv_events_address=kv_events_address, load_metrics_address=load_metrics_address,
             disaggregation_mode=self.disaggregation_mode, data_parallel_size=data_parallel_size,
             model_input=model_input,
+            accepts_prompt_embeds=accepts_prompt_embeds,
         )
 
 
