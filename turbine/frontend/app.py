@@ -13,6 +13,7 @@ from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.models import ModelTable
+from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
 from turbine.runtime.request_plane import RequestPlaneClient
 
@@ -27,6 +28,8 @@ class FrontendConfig:
     namespace: str | None = flag("--namespace", default=None)  # serve models of this namespace only; None = all
     api_key: str | None = flag("--api-key", default=None)
     max_request_bytes: int = flag("--max-request-bytes", default=8 << 20)
+    # Decoded size of a /v1/completions prompt_embeds tensor file (it also counts in the body).
+    max_prompt_embeds_bytes: int = flag("--max-prompt-embeds-bytes", default=DEFAULT_MAX_PROMPT_EMBEDS_BYTES)
     discovery: DiscoveryConfig = DiscoveryConfig()
     disagg: DisaggConfig = DisaggConfig()
 
@@ -34,6 +37,8 @@ class FrontendConfig:
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
         check(self, self.max_request_bytes >= MIN_REQUEST_BYTES, "max_request_bytes",
               f"must be at least {MIN_REQUEST_BYTES}")
+        check(self, 1 <= self.max_prompt_embeds_bytes <= MAX_PROMPT_EMBEDS_BYTES, "max_prompt_embeds_bytes",
+              f"must be between 1 and {MAX_PROMPT_EMBEDS_BYTES} (a request-plane frame holds 32 MiB)")
         check(self, self.api_key is None or bool(self.api_key.strip()), "api_key", "is empty")
 
 

@@ -8,6 +8,7 @@ import os
 from turbine.config import add_discovery_args, config_errors_to, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
+from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.config import add_kv_router_args
 from turbine.router.policy import router_config_from_args, router_modes
 
@@ -26,6 +27,9 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    help="require 'Authorization: Bearer KEY' on /v1/* (env TURBINE_API_KEY)")
     g.add_argument("--max-request-bytes", type=int, default=int(env("TURBINE_MAX_REQUEST_BYTES", str(8 << 20))),
                    help="larger request bodies get HTTP 413")
+    g.add_argument("--max-prompt-embeds-bytes", type=int,
+                   default=int(env("TURBINE_MAX_PROMPT_EMBEDS_BYTES", str(DEFAULT_MAX_PROMPT_EMBEDS_BYTES))),
+                   help="largest /v1/completions prompt_embeds tensor file (decoded bytes); larger get HTTP 400")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
@@ -43,6 +47,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
         return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
                               namespace=args.namespace, api_key=args.api_key,
                               max_request_bytes=args.max_request_bytes,
+                              max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                               discovery=discovery_config_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
                                                   prefill_timeout_s=args.prefill_timeout))

@@ -132,7 +132,7 @@ class HttpApi:
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
                                    self.cfg.disagg)
             else:
-                prepared = await preprocess(body, kind, self.frontend.models)
+                prepared = await preprocess(body, kind, self.frontend.models, self.cfg.max_prompt_embeds_bytes)
                 model_name = prepared.model.name
                 run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
             response = await (run.stream() if prepared.stream else run.whole())

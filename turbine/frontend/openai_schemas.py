@@ -49,11 +49,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_embeds: Any = None  # refused: a completions-only field
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # str | list[int] | a batch of one (list[str] / list[list[int]]); checked in validate_completion
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None  # may be left out (or "") when prompt_embeds is given
+    # base64 of a torch.save'd (sequence x hidden) tensor; checked in turbine/frontend/prompt_embeds.py
+    prompt_embeds: Any = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -127,6 +130,8 @@ def validate_chat(req: ChatCompletionRequest) -> None:
         _check(0 <= req.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be between 0 and {MAX_TOP_LOGPROBS}")
         _check(req.logprobs, "top_logprobs", "requires logprobs to be true")
+    _check(req.prompt_embeds is None, "prompt_embeds", "chat completions do not take prompt embeddings; "
+           "send them to /v1/completions")
 
 
 def validate_completion(req: CompletionRequest) -> None:
@@ -137,12 +142,16 @@ def validate_completion(req: CompletionRequest) -> None:
         _check(0 <= req.logprobs <= MAX_TOP_LOGPROBS, "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
     _check(not req.echo, "echo", "is not supported")
     _check(req.suffix is None, "suffix", "is not supported")
-    prompt_of(req)
+    if req.prompt_embeds is None:
+        prompt_of(req)
+    else:
+        _check(not req.prompt, "prompt", "give either prompt or prompt_embeds, not both (prompt may be \"\")")
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
     """The single prompt of a completion request: text or token ids."""
     prompt = req.prompt
+    _check(prompt is not None, "prompt", "is required")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         _check(len(prompt) == 1, "prompt", "batched prompts are not supported; send one prompt per request")
         prompt = prompt[0]

@@ -39,6 +39,8 @@ class Postprocess:
         # Special tokens kept (for parsers' markers): the end-of-sequence token is still not text.
         self.eos = set(tokenizer.eos_token_ids) if not spec.skip_special_tokens else set()
         self.usage = UsageCount(prompt_tokens=len(prompt_ids))
+        # No prompt ids (prompt embeddings): the worker reports the prompt's length.
+        self._prompt_from_worker = not prompt_ids
 
     def apply(self, chunk: GenerateOutput) -> Delta | None:
         """The delta of one output chunk (None once its choice has finished)."""
@@ -61,6 +63,8 @@ class Postprocess:
             delta.text += detok.flush()
             delta.finish_reason = chunk.finish_reason
         if chunk.usage is not None:
+            if self._prompt_from_worker:
+                self.usage.prompt_tokens = chunk.usage.prompt_tokens
             self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
         return self.parsed(delta)
 

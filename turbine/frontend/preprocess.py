@@ -22,6 +22,7 @@ from turbine.frontend.openai_schemas import (
     validate_chat,
     validate_completion,
 )
+from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, prompt_embeds_payload
 from turbine.frontend.text_mode import text_input
 from turbine.frontend.structured import constraint_of
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
@@ -51,7 +52,8 @@ class Prepared:
     constraint_param: str | None = None
 
 
-async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
+async def preprocess(body: bytes, kind: Kind, models: ModelTable,
+                     max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES) -> Prepared:
     """Raises RequestError (naming the parameter) for anything the request gets wrong."""
     if kind == "chat":
         req = decode_request(body, ChatCompletionRequest)
@@ -69,7 +71,11 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
     if plan.structured_outputs is not None and constraint is not None:
         raise RequestError(f"tool_choice {req.tool_choice!r} forces a tool call, which cannot be combined with "
                            f"{constraint.param}: both constrain the whole output", param="tool_choice")
+    embeds: bytes | None = None  # a prompt given as embeddings (completions only)
     if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
+        if kind == "completions" and req.prompt_embeds is not None:
+            raise RequestError(f"prompt_embeds: the model {model.name!r} takes text (its workers run "
+                               "--use-vllm-tokenizer), not prompt embeddings", param="prompt_embeds")
         text_in, token_ids = text_input(req, model.name)
         logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
@@ -85,6 +91,13 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_param = "messages"
+    elif req.prompt_embeds is not None:
+        # The worker knows the sequence length (and checks it); the prompt has no token ids.
+        embeds = prompt_embeds_payload(req.prompt_embeds, model, max_prompt_embeds_bytes)
+        token_ids = []
+        max_tokens = req.max_tokens
+        logprobs = req.logprobs
+        prompt_param = "prompt_embeds"
     else:
         prompt = prompt_of(req)
         token_ids = await tok.encode_off_loop(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
@@ -94,8 +107,11 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
         max_tokens = req.max_tokens
         logprobs = req.logprobs
         prompt_param = "prompt"
-    if tok is not None:
+    if tok is not None and embeds is None:
         max_tokens = _checked_lengths(len(token_ids), max_tokens, model.card.context_length, prompt_param)
+    elif embeds is not None and max_tokens is not None and max_tokens >= model.card.context_length:
+        raise RequestError(f"max_tokens ({max_tokens}) leaves no room for the prompt in the model's context length "
+                           f"of {model.card.context_length}", param="max_tokens")
     if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise RequestError(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})",
                            param="min_tokens")
@@ -114,6 +130,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable) -> Prepared:
         output=OutputOptions(logprobs=logprobs),
         text=text_in,
         structured_outputs=plan.structured_outputs or (constraint.outputs if constraint else None),
+        prompt_embeds=embeds,
     )
     output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
                         # the parsers' markers may be special tokens
