@@ -68,6 +68,8 @@ class Handlers:
             # Its made-up tokens cannot follow a schema, regex or grammar.
             raise InvalidRequest("structured_outputs: the mocker cannot constrain its output",
                                  param="structured_outputs")
+        if req.prompt_embeds is not None:  # its card says so too (accepts_prompt_embeds is false)
+            raise InvalidRequest("prompt_embeds: the mocker does not take prompt embeddings")
         if not prompt:
             raise InvalidRequest("token_ids is empty")
         if len(prompt) >= self.max_model_len:

@@ -25,6 +25,18 @@ def test_events_mode_routes_to_the_worker_holding_the_prefix():
     router.finished("r1")
 
 
+def test_a_prompt_without_token_ids_is_routed_on_load_alone():
+    """Prompt embeddings come with no token ids: nothing to hash, so the choice is load-only
+    (no crash, no overlap with an empty prompt's 'blocks'), and nothing is learned from it."""
+    router = KvRouter(KvRouterConfig(use_kv_events=False), BS, rng=random.Random(0))
+    busy = router.decide("busy", SYSTEM * 4, [W[0]])  # a long request in flight on a
+    assert busy.worker == W[0]
+    d = router.decide("embeds", [], W)
+    assert d.worker != W[0] and d.overlap_blocks == 0 and d.prompt_blocks == 0
+    router.finished("embeds")
+    assert router.decide("embeds-2", [], W).worker != W[0]
+
+
 def test_approximate_mode_learns_from_its_own_decisions():
     router = KvRouter(KvRouterConfig(use_kv_events=False), BS, rng=random.Random(0))
     first = router.decide("r1", SYSTEM + [1, 2, 3], W)
