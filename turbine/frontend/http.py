@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbine.frontend.deltas import Delta
+from turbine.frontend.embeddings import embeddings
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
@@ -58,6 +59,7 @@ class HttpApi:
         and Starlette's middleware would wrap every one of those writes twice."""
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -145,6 +147,16 @@ class HttpApi:
                 exc.param = prepared.constraint_param  # the engine refused the constraint: the client's field
 
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def embeddings(self, request: Request):
+        """Models served by pooling workers (turbine/frontend/embeddings.py)."""
+        try:
+            if (denied := self._auth(request)) is not None:
+                return denied
+            body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client)
+            return Response(body, media_type="application/json")
+        except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
 
     def _auth(self, request: Request) -> JSONResponse | None:

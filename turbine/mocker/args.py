@@ -12,7 +12,7 @@ from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import TimingProfile, load_profile
 from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
-from turbine.worker.config import ServingConfig, add_serving_args, checked, serving_fields_from_args
+from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,8 @@ class MockerConfig(ServingConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check(self, EMBEDDINGS not in self.endpoint_types, "endpoint_types",
+              "the mocker simulates generation only; it serves no embeddings")
         for name in ("num_workers", "data_parallel_size", "num_gpu_blocks", "block_size", "max_num_seqs",
                      "max_num_batched_tokens"):
             check(self, getattr(self, name) >= 1, name, "must be >= 1")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from turbine.config import check, flag
 from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
-from turbine.worker.config import ServingConfig, add_serving_args, checked, serving_fields_from_args
+from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 KV_EVENTS_CONFIG_REFUSED = (
     "--kv-events-config is not supported: Turbine relays the engine's KV events to its KV routers "
@@ -30,6 +30,11 @@ class WorkerConfig(ServingConfig):
               "text mode (--use-vllm-tokenizer) serves whole requests only: drop --disaggregation-mode")
         check(self, getattr(self.engine_args, "kv_events_config", None) is None, "engine_args",
               KV_EVENTS_CONFIG_REFUSED)
+        pooling = getattr(self.engine_args, "runner", None) == "pooling"
+        check(self, pooling == (EMBEDDINGS in self.endpoint_types), "endpoint_types",
+              "a pooling worker (--runner pooling) serves embeddings only, and only it does")
+        check(self, not pooling or self.disaggregation_mode == "agg", "disaggregation_mode",
+              "a pooling worker (--runner pooling) is not disaggregated")
 
     @property
     def data_parallel_size(self) -> int:
@@ -69,7 +74,10 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         if len(served) > 1:
             parser.error("--served-model-name: Turbine workers serve exactly one name")
         served = served[0] if served else None
-    serving = checked(ServingConfig, parser, **serving_fields_from_args(args, parser, served))
+    fields = serving_fields_from_args(args, parser, served)
+    if args.runner == "pooling":  # it serves /v1/embeddings (its card says so), not chat or completions
+        fields["endpoint_types"] = (EMBEDDINGS,)
+    serving = checked(ServingConfig, parser, **fields)
     # --reasoning-parser is the frontend's reasoning parser only; the engine does not get it. With
     # one, vLLM enforces a structured-output constraint only after the reasoning ends (`</think>`),
     # so a forced tool call's schema or a guided regex would no longer cover the whole output.

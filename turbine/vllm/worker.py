@@ -14,6 +14,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from turbine.logging_setup import setup_logging
 from turbine.model.prepare import tokenizer_folder
+from turbine.protocol.embed import EMBED_ENDPOINT, EmbedRequest
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.registration import CLEAR_KV_BLOCKS, advertised_host
@@ -22,10 +23,12 @@ from turbine.runtime.status_server import Health
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import engine_canary
+from turbine.vllm.embed import EmbedHandlers, pooling_canary
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 from turbine.vllm.load_metrics import stat_logger_factory
+from turbine.worker.config import EMBEDDINGS
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
 
@@ -47,6 +50,7 @@ class VllmEngine:
         self.relay: VllmKvEventsRelay | None = None
         self._relay_task: asyncio.Task | None = None
         self._server: RequestPlaneServer | None = None
+        self.pooling = False
 
     async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         cfg = self.cfg
@@ -79,7 +83,13 @@ class VllmEngine:
             chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
-        server.register(cfg.endpoint, GenerateRequest, handlers.generate)
+        # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
+        self.pooling = vcfg.model_config.runner_type == "pooling"
+        if self.pooling:
+            embed = EmbedHandlers(engine, self.metrics, on_success=health.succeeded)
+            server.register(EMBED_ENDPOINT, EmbedRequest, embed.embed)
+        else:
+            server.register(cfg.endpoint, GenerateRequest, handlers.generate)
         server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, handlers.clear_kv_blocks)
         self.events.serve_replay(server)
         self._server = server
@@ -91,11 +101,12 @@ class VllmEngine:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             data_parallel_size=vcfg.parallel_config.data_parallel_size,
             model_input="text" if cfg.use_vllm_tokenizer else "tokens",
-            accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds, **self.events.card_fields())
+            accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
+            endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
         return [Instance(server, card)]
 
     async def canary(self) -> str | None:
-        return await engine_canary(self.engine)
+        return await (pooling_canary(self.engine) if self.pooling else engine_canary(self.engine))
 
     def failure(self) -> str | None:
         return "engine is dead" if self.engine.errored else None

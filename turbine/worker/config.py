@@ -27,6 +27,8 @@ from turbine.runtime.event_plane_nats import parse_server
 from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
 
 ENDPOINT_TYPES = ("chat", "completions")
+# What a pooling worker serves (the vLLM worker with --runner pooling): /v1/embeddings only.
+EMBEDDINGS = "embeddings"
 # "agg" serves whole requests; "prefill" computes prompts' KV for decode workers to pull;
 # "decode" generates from KV that a prefill worker computed.
 DisaggregationMode = Literal["agg", "prefill", "decode"]
@@ -66,8 +68,10 @@ class ServingConfig:
             value = getattr(self, name)
             check(self, bool(value) and "/" not in value and value.replace("-", "").replace("_", "").isalnum(),
                   name, f"{value!r}: use letters, digits, '-' and '_' only")
-        check(self, bool(self.endpoint_types) and set(self.endpoint_types) <= set(ENDPOINT_TYPES),
+        check(self, bool(self.endpoint_types) and set(self.endpoint_types) <= {*ENDPOINT_TYPES, EMBEDDINGS},
               "endpoint_types", f"{','.join(self.endpoint_types)!r}: choose from {', '.join(ENDPOINT_TYPES)}")
+        check(self, EMBEDDINGS not in self.endpoint_types or tuple(self.endpoint_types) == (EMBEDDINGS,),
+              "endpoint_types", f"{EMBEDDINGS!r} is served alone, by a pooling worker (--runner pooling)")
         check(self, self.custom_jinja_template is None or os.path.isfile(self.custom_jinja_template),
               "custom_jinja_template", f"{self.custom_jinja_template!r}: no such file")
         for name in ("port", "system_port"):
@@ -105,15 +109,17 @@ class ServingConfig:
                    kv_block_size: int, total_kv_blocks: int, max_num_seqs: int,
                    max_num_batched_tokens: int, kv_events_address: str | None = None,
                    load_metrics_address: str | None = None, data_parallel_size: int = 1,
-                   model_input: str = "tokens", accepts_prompt_embeds: bool = False) -> ModelCard:
-        """The card of one instance: our settings plus what the engine reports about itself."""
+                   model_input: str = "tokens", accepts_prompt_embeds: bool = False,
+                   endpoint_types: list[str] | None = None) -> ModelCard:
+        """The card of one instance: our settings plus what the engine reports about itself
+        (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
             name=self.served_model_name, namespace=self.namespace, component=self.component,
             endpoint=self.endpoint, instance_id=instance_id, engine=engine,
             tokenizer_path=tokenizer_path, chat_template_path=self.custom_jinja_template,
             context_length=context_length, kv_block_size=kv_block_size, total_kv_blocks=total_kv_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            endpoint_types=list(self.endpoint_types), tool_call_parser=self.tool_call_parser,
+            endpoint_types=endpoint_types or list(self.endpoint_types), tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser, migration_limit=self.migration_limit,
             kv_events_address=kv_events_address, load_metrics_address=load_metrics_address,
             disaggregation_mode=self.disaggregation_mode, data_parallel_size=data_parallel_size,

@@ -19,6 +19,7 @@ def test_defaults_come_from_the_embedded_model(model_dir):
 
 
 @pytest.mark.parametrize("argv,flag", [
+    (["--endpoint-types", "embeddings"], "--endpoint-types"),  # the mocker does not embed
     (["--num-workers", "0"], "--num-workers"),
     (["--block-size", "0"], "--block-size"),
     (["--speedup-ratio", "-1"], "--speedup-ratio"),

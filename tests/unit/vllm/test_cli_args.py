@@ -167,3 +167,14 @@ def test_worker_configs_built_in_code_check_themselves():
                       ({"component": "a/b"}, "--component"), ({"kv_transfer_timeout": 0}, "--kv-transfer-timeout")):
         with pytest.raises(ConfigError, match=flag):
             ServingConfig(**ok, **bad)
+
+
+def test_a_pooling_worker_serves_embeddings_only(capsys):
+    cfg = parse_worker_args(["--runner", "pooling", "--convert", "embed"])
+    assert cfg.endpoint_types == ("embeddings",)
+    assert parse_worker_args([]).endpoint_types == ("chat", "completions")
+    for argv, words in ((["--endpoint-types", "embeddings"], "serves embeddings only"),
+                        (["--runner", "pooling", "--is-prefill-worker", "--connector", "nixl"], "not disaggregated")):
+        with pytest.raises(SystemExit):
+            parse_worker_args(argv)
+        assert words in capsys.readouterr().err
