@@ -38,6 +38,11 @@ def translate(event) -> KvEvent | None:
     token ids as a list; they are packed here, once (OverflowError / TypeError if they are not
     u32 token ids)."""
     if isinstance(event, vllm_events.BlockStored):
+        if any(event.extra_keys or ()):
+            # Blocks keyed by more than their tokens (prompt embeddings, whose token ids are
+            # placeholders; media; a cache salt): a router hashing token ids would take them for
+            # another prompt. Not relayed; blocks stored under them then have an unknown parent.
+            return None
         return BlockStored(block_hashes=[engine_hash(h) for h in event.block_hashes],
                            parent_hash=None if event.parent_block_hash is None
                            else engine_hash(event.parent_block_hash),

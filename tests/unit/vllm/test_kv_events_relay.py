@@ -31,6 +31,17 @@ def test_stored_blocks_are_relayed_with_packed_tokens_the_router_hashes_like_a_p
     assert index.find_matches(block_hashes(TOKENS + [1, 2, 3, 4], BS)) == {WorkerKey("w"): 3}
 
 
+def test_blocks_keyed_by_more_than_tokens_are_not_relayed():
+    """A prompt-embeddings request's blocks carry placeholder token ids and the embeddings' digest
+    as extra keys: relayed as tokens they would read as a prompt of zeros."""
+    embeds = vllm_stored([1, 2], None, [0] * 8)
+    embeds.extra_keys = [(b"digest-1",), (b"digest-2",)]
+    assert translate(embeds) is None
+    plain = vllm_stored([1], None, TOKENS[:4])
+    plain.extra_keys = [None]
+    assert isinstance(translate(plain), BlockStored)
+
+
 def test_removals_and_clears_are_relayed():
     assert translate(vllm_events.BlockRemoved(block_hashes=[5, b"\x02"], medium="GPU")) == BlockRemoved(
         block_hashes=[5, engine_hash(b"\x02")])
