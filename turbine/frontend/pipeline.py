@@ -41,7 +41,8 @@ class Pipeline:
     def _done(self, usage: UsageCount) -> None:
         # A prompt prefilled remotely was (partly) cached on the prefill worker.
         usage.cached_tokens = max(usage.cached_tokens, self.dispatch.remote_cached_tokens)
-        if self.prepared.request.text is not None:  # text mode: the worker counted the prompt
+        request = self.prepared.request
+        if request.text is not None or request.prompt_embeds is not None:  # the worker counted the prompt
             self.metrics.input_tokens.inc(usage.prompt_tokens)
         self.metrics.output_tokens.inc(usage.completion_tokens)
         self.metrics.cached_tokens.inc(usage.cached_tokens)
