@@ -93,7 +93,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable,
         prompt_param = "messages"
     elif req.prompt_embeds is not None:
         # The worker knows the sequence length (and checks it); the prompt has no token ids.
-        embeds = prompt_embeds_payload(req.prompt_embeds, model, max_prompt_embeds_bytes)
+        embeds = await prompt_embeds_payload(req.prompt_embeds, model, max_prompt_embeds_bytes)
         token_ids = []
         max_tokens = req.max_tokens
         logprobs = req.logprobs

@@ -7,9 +7,11 @@ prompt_embeds when wrong)."""
 
 from __future__ import annotations
 
-import base64
+import asyncio
 import binascii
 from typing import Any
+
+import pybase64
 
 from turbine.frontend.errors import RequestError
 from turbine.frontend.models import ServedModel
@@ -20,7 +22,11 @@ DEFAULT_MAX_PROMPT_EMBEDS_BYTES = 4 << 20
 MAX_PROMPT_EMBEDS_BYTES = 24 << 20
 
 
-def prompt_embeds_payload(value: Any, model: ServedModel, max_bytes: int) -> bytes:
+# Larger payloads are decoded off the event loop, which serves every other request meanwhile.
+_DECODE_IN_THREAD_CHARS = 256 << 10
+
+
+async def prompt_embeds_payload(value: Any, model: ServedModel, max_bytes: int) -> bytes:
     """The tensor file's bytes, or a RequestError naming prompt_embeds."""
     if isinstance(value, list):
         raise RequestError(f"{PARAM}: a list (a batch of prompts) is not supported; send one base64 tensor "
@@ -36,7 +42,10 @@ def prompt_embeds_payload(value: Any, model: ServedModel, max_bytes: int) -> byt
         raise RequestError(f"{PARAM}: the payload is over the limit of {max_bytes} bytes "
                            "(--max-prompt-embeds-bytes)", param=PARAM)
     try:
-        payload = base64.b64decode(value, validate=True)
+        if len(value) > _DECODE_IN_THREAD_CHARS:
+            payload = await asyncio.to_thread(pybase64.b64decode, value, validate=True)
+        else:
+            payload = pybase64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise RequestError(f"{PARAM}: not valid base64: {exc}", param=PARAM) from None
     if not payload:
