@@ -83,7 +83,8 @@ def test_the_prompt_length_comes_from_the_worker_when_there_are_no_prompt_ids(to
     assert delta.finish_reason == "length" and post.usage.prompt_tokens == 6
     # With prompt ids the frontend's own count stands.
     post = Postprocess(tokenizer, [1, 2], 1, spec)
-    post.apply(GenerateOutput(token_ids=[5], finish_reason="length", usage=Usage(prompt_tokens=99, completion_tokens=1)))
+    post.apply(GenerateOutput(token_ids=[5], finish_reason="length",
+                              usage=Usage(prompt_tokens=99, completion_tokens=1)))
     assert post.usage.prompt_tokens == 2
 
 
