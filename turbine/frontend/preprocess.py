@@ -74,8 +74,8 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable,
     embeds: bytes | None = None  # a prompt given as embeddings (completions only)
     if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
         if kind == "completions" and req.prompt_embeds is not None:
-            raise RequestError(f"prompt_embeds: the model {model.name!r} takes text (its workers run "
-                               "--use-vllm-tokenizer), not prompt embeddings", param="prompt_embeds")
+            raise RequestError(f"prompt_embeds: the model {model.name!r} is served in text mode "
+                               "(--use-vllm-tokenizer) and takes no prompt embeddings", param="prompt_embeds")
         text_in, token_ids = text_input(req, model.name)
         logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \

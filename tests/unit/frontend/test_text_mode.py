@@ -63,6 +63,7 @@ async def test_completion_prompt_text_and_unset_max_tokens_left_to_the_worker(mo
 @pytest.mark.parametrize("kind,fields,param", [
     ("completions", dict(prompt="hi", logprobs=2), "logprobs"),
     ("completions", dict(prompt="hi", logprobs=0), "logprobs"),
+    ("completions", dict(prompt="", prompt_embeds="UEsDBA=="), "prompt_embeds"),
     ("chat", dict(messages=MESSAGES, logprobs=True), "logprobs"),
     ("chat", dict(messages=MESSAGES, max_tokens=2, min_tokens=3), "min_tokens"),
 ])
