@@ -32,6 +32,8 @@ class FrontendConfig:
     max_prompt_embeds_bytes: int = flag("--max-prompt-embeds-bytes", default=DEFAULT_MAX_PROMPT_EMBEDS_BYTES)
     discovery: DiscoveryConfig = DiscoveryConfig()
     disagg: DisaggConfig = DisaggConfig()
+    # Unknown request fields are dropped (a warning per field name) instead of answered with a 400.
+    ignore_unknown_fields: bool = flag("--ignore-unknown-fields", default=False)
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")

@@ -30,6 +30,10 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--max-prompt-embeds-bytes", type=int,
                    default=int(env("TURBINE_MAX_PROMPT_EMBEDS_BYTES", str(DEFAULT_MAX_PROMPT_EMBEDS_BYTES))),
                    help="largest /v1/completions prompt_embeds tensor file (decoded bytes); larger get HTTP 400")
+    g.add_argument("--ignore-unknown-fields", action="store_true",
+                   default=env("TURBINE_IGNORE_UNKNOWN_FIELDS", "") not in ("", "0", "false"),
+                   help="drop request fields this server does not implement (a warning per field name) "
+                        "instead of answering 400 (env TURBINE_IGNORE_UNKNOWN_FIELDS=1)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
@@ -48,6 +52,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               namespace=args.namespace, api_key=args.api_key,
                               max_request_bytes=args.max_request_bytes,
                               max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
+                              ignore_unknown_fields=args.ignore_unknown_fields,
                               discovery=discovery_config_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
                                                   prefill_timeout_s=args.prefill_timeout))

@@ -18,11 +18,13 @@ class ResponseFormat:
     chunk_object: str  # of a streamed chunk
     id_prefix: str
 
-    def __init__(self, tokenizer: TextTokenizer, model: str, request_id: str, with_logprobs: bool):
+    def __init__(self, tokenizer: TextTokenizer, model: str, request_id: str, with_logprobs: bool,
+                 echo: str | None = None):
         self.tokenizer = tokenizer
         self.model = model
         self.id = self.id_prefix + request_id
         self.with_logprobs = with_logprobs
+        self.echo = echo  # completions: the prompt text written before each choice's output
 
     # -- whole response ----------------------------------------------------------------
     def response(self, choices: list[dict], usage: UsageCount) -> bytes:
@@ -97,8 +99,13 @@ class CompletionFormat(ResponseFormat):
 
     def choice(self, index: int, deltas: list[Delta]) -> dict:
         lp = self.logprobs([e for d in deltas for e in d.logprobs]) if self.with_logprobs else None
-        return {"index": index, "text": "".join(d.text for d in deltas), "logprobs": lp,
+        return {"index": index, "text": (self.echo or "") + "".join(d.text for d in deltas), "logprobs": lp,
                 "finish_reason": deltas[-1].finish_reason if deltas else None}
+
+    def opening(self, n: int) -> list[list[dict]]:
+        if not self.echo:
+            return []
+        return [[{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None} for i in range(n)]]
 
     def chunk_choice(self, delta: Delta) -> dict:
         return {"index": delta.index, "text": delta.text,
@@ -120,6 +127,8 @@ class SseChunks:
     encoded once per response, not once per token."""
 
     def __init__(self, fmt: ResponseFormat, include_usage: bool):
+        """With `include_usage` every chunk has a `usage` key (null but on the last one, or the
+        usage so far when the caller passes it: continuous usage stats)."""
         head = _json.encode({"id": fmt.id, "object": fmt.chunk_object, "created": int(time.time()),
                              "model": fmt.model})
         self._prefix = b"data: " + head[:-1] + b',"choices":'

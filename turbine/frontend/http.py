@@ -20,16 +20,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.embeddings import embeddings
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
 from turbine.frontend.pipeline import Pipeline
-from turbine.frontend.preprocess import Kind, preprocess
+from turbine.frontend.preprocess import Kind, preprocess_all
 from turbine.frontend.responses import ResponsesRun
 from turbine.frontend.responses import prepare as prepare_response
 from turbine.frontend.structured import WORKER_PARAM
+from turbine.frontend.utility_routes import UtilityRoutes
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
@@ -63,6 +65,7 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            *UtilityRoutes(self.frontend, self._auth).routes(),
         ]
         others = Starlette(routes=routes, lifespan=self.frontend.lifespan,
                            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
@@ -117,8 +120,10 @@ class HttpApi:
     async def list_models(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "turbine"}
-                for name in sorted(self.frontend.models.models)]
+        table = self.frontend.models
+        data = [{"id": name, "object": "model", "created": table.first_seen.get(name, 0), "owned_by": "turbine",
+                 "root": m.card.tokenizer_path, "parent": None, "max_model_len": m.card.context_length}
+                for name, m in sorted(table.models.items())]
         return JSONResponse({"object": "list", "data": data})
 
     # -- generation --------------------------------------------------------------------
@@ -134,9 +139,18 @@ class HttpApi:
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
                                    self.cfg.disagg)
             else:
-                prepared = await preprocess(body, kind, self.frontend.models, self.cfg.max_prompt_embeds_bytes)
+                batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
+                                             self.cfg.max_prompt_embeds_bytes)
+                prepared = batch[0]
                 model_name = prepared.model.name
-                run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
+                if prepared.user is not None and log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s (%s, %s) for user %r", prepared.request.request_id, kind, model_name,
+                              prepared.user)
+                if len(batch) > 1:  # a batch of completion prompts: each its own pipeline
+                    run = BatchRun([_Run(p, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
+                                    for p in batch])
+                else:
+                    run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
             response = await (run.stream() if prepared.stream else run.whole())
             self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
             return response
@@ -145,7 +159,6 @@ class HttpApi:
                 log.warning("request failed on its worker: %s", exc)
             if exc.param == WORKER_PARAM and prepared is not None and prepared.constraint_param:
                 exc.param = prepared.constraint_param  # the engine refused the constraint: the client's field
-
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
             return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -188,6 +201,10 @@ class _Run(Pipeline):
     """Writes a pipeline's output as a whole JSON response or an SSE stream."""
 
     async def whole(self) -> Response:
+        return Response(self.fmt.response(await self.choices(), self.post.usage), media_type="application/json")
+
+    async def choices(self) -> list[dict]:
+        """The finished choices, whole."""
         n = self.prepared.request.sampling.n
         per_choice: list[list[Delta]] = [[] for _ in range(n)]
         started = time.monotonic()
@@ -198,8 +215,7 @@ class _Run(Pipeline):
         finally:
             self.metrics.inflight.dec()
             self.metrics.duration.observe(time.monotonic() - started)
-        body = self.fmt.response([self.fmt.choice(i, per_choice[i]) for i in range(n)], self.post.usage)
-        return Response(body, media_type="application/json")
+        return [self.fmt.choice(i, per_choice[i]) for i in range(n)]
 
     async def stream(self) -> EventStreamResponse:
         deltas, fmt, metrics, post = self.deltas, self.fmt, self.metrics, self.post
@@ -207,6 +223,7 @@ class _Run(Pipeline):
         # (or no reachable worker) still become a proper HTTP status.
         first = await anext(deltas, None)
         sse = SseChunks(fmt, self.prepared.include_usage)
+        usage = post.usage if self.prepared.continuous_usage else None
 
         async def body():
             started = time.monotonic()
@@ -214,11 +231,11 @@ class _Run(Pipeline):
             completed = False
             try:
                 for choices in fmt.opening(self.prepared.request.sampling.n):
-                    yield sse.chunk(choices)
+                    yield sse.chunk(choices, usage)
                 delta = first
                 while delta is not None:
                     if delta.text or delta.finish_reason or delta.logprobs or delta.reasoning or delta.tool_calls:
-                        yield sse.chunk([fmt.chunk_choice(delta)])
+                        yield sse.chunk([fmt.chunk_choice(delta)], usage)
                     delta = await anext(deltas, None)
                 if self.prepared.include_usage:
                     yield sse.chunk([], post.usage)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from turbine.frontend.decode_cache import DecodeCaches
@@ -39,6 +40,7 @@ class ModelTable:
         self.make_router = make_router
         self.namespace = namespace
         self.models: dict[str, ServedModel] = {}
+        self.first_seen: dict[str, int] = {}  # model -> when this frontend first saw it (Unix seconds): `created`
         self._tokenizers: dict[tuple[str, str | None], TextTokenizer] = {}
         self._routers: dict[str | tuple[str, str], Router] = {}
         self._decode_caches: dict[str, DecodeCaches] = {}  # model -> its decode workers' prompts
@@ -72,6 +74,7 @@ class ModelTable:
                 if router is None:
                     router = self._routers[card.name] = self.make_router(card)
                 model = models[card.name] = ServedModel(card.name, card, tokenizer, router)
+                self.first_seen.setdefault(card.name, int(time.time()))
             elif is_text_mode(card) != is_text_mode(model.card):
                 log.warning("worker %s of model %r is in %s mode, its peers in %s mode: skipped",
                             card.instance_id, card.name, card.model_input, model.card.model_input)

@@ -3,6 +3,7 @@ deep inside the engine — done here so bad input gets a 400 naming the paramete
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -11,12 +12,17 @@ import msgspec
 from turbine.frontend.errors import RequestError
 from turbine.frontend.structured import ConstraintFields
 
+log = logging.getLogger("turbine.frontend")
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+
+# forbid_unknown_fields: a field we do not implement is a 400 naming it, never silently dropped
+# (the frontend's --ignore-unknown-fields drops them instead, with a warning per field name).
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (needs include_usage)
 
 
-class _SamplingFields(ConstraintFields, kw_only=True):
+class _SamplingFields(ConstraintFields, kw_only=True, forbid_unknown_fields=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -34,7 +40,8 @@ class _SamplingFields(ConstraintFields, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     n: int = 1
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    user: str | None = None  # the end user's id: written in the frontend's per-request debug log
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -66,10 +73,23 @@ _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
-def decode_request(body: bytes, kind: type[msgspec.Struct]):
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
+_warned_unknown: set[str] = set()
+
+
+def decode_request(body: bytes, kind: type[msgspec.Struct], ignore_unknown_fields: bool = False):
+    """The request struct. An unknown field is a 400 naming it, or (`ignore_unknown_fields`)
+    dropped with one warning per field name; decoding stays strict and fast for known bodies."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
+        unknown = _UNKNOWN.search(str(exc))
+        if unknown:
+            name = f"{unknown.group(2)}.{unknown.group(1)}" if unknown.group(2) else unknown.group(1)
+            if ignore_unknown_fields:
+                return _decode_dropping_unknown(body, kind)
+            raise RequestError(f"unknown or unsupported field: {name!r} (this server does not implement it)",
+                               param=name) from None
         match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
         param = match.group(1) if match and match.group(1) else None
         raise RequestError(f"invalid request: {exc}", param=param) from None
@@ -77,7 +97,41 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]):
         raise RequestError(f"malformed JSON body: {exc}") from None
 
 
+def _decode_dropping_unknown(body: bytes, kind: type[msgspec.Struct]):
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    if not isinstance(raw, dict):
+        raise RequestError("the request body must be a JSON object")
+    _drop_unknown(raw, msgspec.inspect.type_info(kind), "")
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
+        param = match.group(1) if match and match.group(1) else None
+        raise RequestError(f"invalid request: {exc}", param=param) from None
+
+
+def _drop_unknown(raw: dict, info: msgspec.inspect.StructType, prefix: str) -> None:
+    fields = {f.encode_name: f for f in info.fields}
+    for key in list(raw):
+        field = fields.get(key)
+        if field is None:
+            del raw[key]
+            name = prefix + str(key)
+            if name not in _warned_unknown:  # once per field name, not once per request
+                _warned_unknown.add(name)
+                log.warning("ignoring the unknown request field %r (--ignore-unknown-fields)", name)
+            continue
+        types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+        for t in types:
+            if isinstance(t, msgspec.inspect.StructType) and isinstance(raw[key], dict):
+                _drop_unknown(raw[key], t, f"{prefix}{key}.")
+
+
 MAX_N = 16
+LOGIT_BIAS_LIMIT = 100.0
 MAX_TOP_LOGPROBS = 20
 
 
@@ -112,6 +166,24 @@ def validate_sampling(req: _SamplingFields) -> None:
         _check(bool(req.stop), "stop", "stop string must not be empty")
     if req.stop_token_ids is not None:
         _check(all(t >= 0 for t in req.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+    if req.stream_options is not None:
+        _check(req.stream, "stream_options", "is only allowed when stream is true")
+        _check(req.stream_options.include_usage or not req.stream_options.continuous_usage_stats,
+               "stream_options.continuous_usage_stats", "requires stream_options.include_usage to be true")
+
+
+def logit_bias_of(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) as token ids, checked against the vocabulary."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        _check(key.isdigit() and int(key) < vocab_size, "logit_bias",
+               f"{key!r} is not a token id of the model (0..{vocab_size - 1})")
+        _check(-LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT, "logit_bias",
+               f"the bias of token {key} must be between -100 and 100")
+        out[int(key)] = float(value)
+    return out
 
 
 def validate_chat(req: ChatCompletionRequest) -> None:
@@ -140,26 +212,39 @@ def validate_completion(req: CompletionRequest) -> None:
         _check(req.max_tokens >= 1, "max_tokens", "must be >= 1")
     if req.logprobs is not None:
         _check(0 <= req.logprobs <= MAX_TOP_LOGPROBS, "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
-    _check(not req.echo, "echo", "is not supported")
-    _check(req.suffix is None, "suffix", "is not supported")
+    _check(not (req.echo and req.logprobs is not None), "echo",
+           "echo together with logprobs is not supported (the prompt's logprobs are not computed)")
+    # None of the models served here has fill-in-the-middle tokens (SmolLM2 has none).
+    _check(req.suffix is None, "suffix", "is not supported: no fill-in-the-middle template for this model")
     if req.prompt_embeds is None:
-        prompt_of(req)
+        prompts_of(req)
     else:
         _check(not req.prompt, "prompt", "give either prompt or prompt_embeds, not both (prompt may be \"\")")
+        _check(not req.echo, "echo", "cannot echo a prompt given as embeddings")
 
 
-def prompt_of(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completion request: text or token ids."""
+MAX_BATCH_PROMPTS = 64
+
+
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, each text or token ids: one, or a batch (a list of
+    strings or of token-id lists)."""
     prompt = req.prompt
     _check(prompt is not None, "prompt", "is required")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        _check(len(prompt) == 1, "prompt", "batched prompts are not supported; send one prompt per request")
-        prompt = prompt[0]
-    _check(len(prompt) > 0, "prompt", "must not be empty")
-    if isinstance(prompt, list):
-        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt), "prompt",
-               "must be a string or a list of non-negative token ids")
-    return prompt
+        _check(len(prompt) <= MAX_BATCH_PROMPTS, "prompt", f"a batch holds at most {MAX_BATCH_PROMPTS} prompts")
+        _check(len(prompt) * req.n <= MAX_BATCH_PROMPTS, "n",
+               f"prompts x n must be at most {MAX_BATCH_PROMPTS}")
+        prompts = list(prompt)
+    else:
+        prompts = [prompt]
+    for p in prompts:
+        _check(isinstance(p, type(prompts[0])), "prompt", "a batch is a list of strings or of token-id lists")
+        _check(len(p) > 0, "prompt", "must not be empty")
+        if isinstance(p, list):
+            _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p), "prompt",
+                   "must be a string or a list of non-negative token ids")
+    return prompts
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -26,7 +26,7 @@ class Pipeline:
                      Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output,
                                  parsers=prepared.output.parsers))
         self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,
-                                          request.output.logprobs is not None)
+                                          request.output.logprobs is not None, prepared.echo)
         self.deltas: AsyncIterator[Delta] = self.post.deltas(self.dispatch.outputs(), self.dispatch.output_ready,
                                                              self._done)
 

@@ -17,14 +17,15 @@ from turbine.frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
-    prompt_of,
+    logit_bias_of,
+    prompts_of,
     stop_list,
     validate_chat,
     validate_completion,
 )
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, prompt_embeds_payload
 from turbine.frontend.text_mode import text_input
-from turbine.frontend.structured import constraint_of
+from turbine.frontend.structured import Constraint, constraint_of
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
 Kind = Literal["chat", "completions"]
@@ -50,19 +51,40 @@ class Prepared:
     include_usage: bool  # streaming: a last chunk with the usage
     # The request field its output constraint came from: a worker's error about the constraint names it.
     constraint_param: str | None = None
+    continuous_usage: bool = False  # streaming: the usage so far on every chunk
+    echo: str | None = None  # completions: the prompt text, written before the output
+    user: str | None = None  # the client's end-user id (logged)
 
 
-async def preprocess(body: bytes, kind: Kind, models: ModelTable,
+async def preprocess(body: bytes, kind: Kind, models: ModelTable, ignore_unknown_fields: bool = False,
                      max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES) -> Prepared:
-    """Raises RequestError (naming the parameter) for anything the request gets wrong."""
+    """One prompt's request; a batch of completion prompts is refused here (see preprocess_all)."""
+    prepared = await preprocess_all(body, kind, models, ignore_unknown_fields, max_prompt_embeds_bytes)
+    if len(prepared) > 1:
+        raise RequestError("a batch of prompts is not accepted here", param="prompt")
+    return prepared[0]
+
+
+async def preprocess_all(body: bytes, kind: Kind, models: ModelTable, ignore_unknown_fields: bool = False,
+                         max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES) -> list[Prepared]:
+    """The request's prompts, each prepared (a completions batch has several, chat one).
+    Raises RequestError (naming the parameter) for anything the request gets wrong."""
     if kind == "chat":
-        req = decode_request(body, ChatCompletionRequest)
+        req = decode_request(body, ChatCompletionRequest, ignore_unknown_fields)
         validate_chat(req)
     else:
-        req = decode_request(body, CompletionRequest)
+        req = decode_request(body, CompletionRequest, ignore_unknown_fields)
         validate_completion(req)
     constraint = constraint_of(req)
     model = served_model(models, req.model, kind)
+    if kind == "chat" or req.prompt_embeds is not None:
+        return [await _prepare(req, kind, model, None, constraint, max_prompt_embeds_bytes)]
+    return [await _prepare(req, kind, model, prompt, constraint, max_prompt_embeds_bytes)
+            for prompt in prompts_of(req)]
+
+
+async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] | None, constraint: Constraint | None,
+                   max_prompt_embeds_bytes: int) -> Prepared:
     tok = model.tokenizer
     text_in = None
     plan = tools.OutputPlan()
@@ -99,7 +121,6 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable,
         logprobs = req.logprobs
         prompt_param = "prompt_embeds"
     else:
-        prompt = prompt_of(req)
         token_ids = await tok.encode_off_loop(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
         if isinstance(prompt, list) and max(prompt) >= tok.vocab_size:
             raise RequestError(f"prompt: token id {max(prompt)} is outside the vocabulary (size {tok.vocab_size})",
@@ -117,6 +138,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable,
                            param="min_tokens")
     if tok is not None and req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
         raise RequestError("stop_token_ids: token id outside the vocabulary", param="stop_token_ids")
+    logit_bias = logit_bias_of(req.logit_bias, tok.vocab_size)
     request = GenerateRequest(
         request_id=os.urandom(16).hex(),  # as random as uuid4, without the UUID object
         model=model.name,
@@ -124,7 +146,7 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable,
         sampling=SamplingOptions(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty),
+            repetition_penalty=req.repetition_penalty, logit_bias=logit_bias),
         stop=StopConditions(max_tokens=max_tokens, min_tokens=req.min_tokens,
                             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
         output=OutputOptions(logprobs=logprobs),
@@ -136,8 +158,13 @@ async def preprocess(body: bytes, kind: Kind, models: ModelTable,
                         # the parsers' markers may be special tokens
                         skip_special_tokens=req.skip_special_tokens and not plan.keep_special_tokens,
                         parsers=plan.parsers)
+    opts = req.stream_options
+    echo = None
+    if kind == "completions" and req.echo:
+        echo = prompt if isinstance(prompt, str) else tok.decode(prompt, skip_special_tokens=False)
     return Prepared(kind, model, request, output, stream=req.stream,
-                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    include_usage=bool(opts and opts.include_usage),
+                    continuous_usage=bool(opts and opts.continuous_usage_stats), echo=echo, user=req.user,
                     constraint_param="tool_choice" if plan.structured_outputs else
                     (constraint.param if constraint else None))
 

@@ -70,6 +70,8 @@ class Handlers:
                                  param="structured_outputs")
         if req.prompt_embeds is not None:  # its card says so too (accepts_prompt_embeds is false)
             raise InvalidRequest("prompt_embeds: the mocker does not take prompt embeddings")
+        if req.sampling.logit_bias:
+            raise InvalidRequest("logit_bias: the mocker does not simulate logits")
         if not prompt:
             raise InvalidRequest("token_ids is empty")
         if len(prompt) >= self.max_model_len:

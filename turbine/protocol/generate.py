@@ -26,6 +26,8 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias, ids checked).
+    logit_bias: dict[int, float] | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -54,7 +54,7 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int, pr
     kwargs = dict(defaults)
     s = req.sampling
     for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
         value = getattr(s, name)
         if value is not None:
             kwargs[name] = value

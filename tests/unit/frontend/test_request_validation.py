@@ -7,7 +7,7 @@ from turbine.frontend.openai_schemas import (
     CompletionRequest,
     RequestError,
     decode_request,
-    prompt_of,
+    prompts_of,
     validate_chat,
     validate_completion,
 )
@@ -65,21 +65,24 @@ def test_missing_field_and_malformed_json():
     assert "malformed JSON" in info.value.message
 
 
-def test_unknown_fields_are_ignored():
-    assert chat(some_future_field=1).model == "m"
+def test_unknown_fields_are_refused_naming_them():
+    with pytest.raises(RequestError) as info:
+        chat(some_future_field=1)
+    assert info.value.param == "some_future_field"
 
 
 @pytest.mark.parametrize("prompt,expected", [
-    ("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5]),
+    ("text", ["text"]), ([1, 2, 3], [[1, 2, 3]]), (["text"], ["text"]), ([[4, 5]], [[4, 5]]),
+    (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
 ])
 def test_completion_prompt_forms(prompt, expected):
-    assert prompt_of(completion(prompt=prompt)) == expected
+    assert prompts_of(completion(prompt=prompt)) == expected
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ["a", [1]]}, "prompt"),
     ({"prompt": [1, -1]}, "prompt"), ({"prompt": [1, True]}, "prompt"), ({"logprobs": 21}, "logprobs"),
-    ({"echo": True}, "echo"), ({"suffix": "s"}, "suffix"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "s"}, "suffix"),
 ])
 def test_invalid_completion(kw, param):
     with pytest.raises(RequestError) as info:
