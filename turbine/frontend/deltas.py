@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (no context to predict it from)
     top: list[tuple[int, float]]
 
 

@@ -25,6 +25,7 @@ class ResponseFormat:
         self.id = self.id_prefix + request_id
         self.with_logprobs = with_logprobs
         self.echo = echo  # completions: the prompt text written before each choice's output
+        self.prompt_logprobs: list[TokenLogprob] = []  # echo with logprobs: set to the postprocess's list
 
     # -- whole response ----------------------------------------------------------------
     def response(self, choices: list[dict], usage: UsageCount) -> bytes:
@@ -98,14 +99,16 @@ class CompletionFormat(ResponseFormat):
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
     def choice(self, index: int, deltas: list[Delta]) -> dict:
-        lp = self.logprobs([e for d in deltas for e in d.logprobs]) if self.with_logprobs else None
+        lp = (self.logprobs(self.prompt_logprobs + [e for d in deltas for e in d.logprobs])
+              if self.with_logprobs else None)
         return {"index": index, "text": (self.echo or "") + "".join(d.text for d in deltas), "logprobs": lp,
                 "finish_reason": deltas[-1].finish_reason if deltas else None}
 
     def opening(self, n: int) -> list[list[dict]]:
         if not self.echo:
             return []
-        return [[{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None} for i in range(n)]]
+        lp = self.logprobs(self.prompt_logprobs) if self.with_logprobs else None
+        return [[{"index": i, "text": self.echo, "logprobs": lp, "finish_reason": None} for i in range(n)]]
 
     def chunk_choice(self, delta: Delta) -> dict:
         return {"index": delta.index, "text": delta.text,
@@ -115,7 +118,8 @@ class CompletionFormat(ResponseFormat):
     def logprobs(self, entries: list[TokenLogprob]) -> dict:
         return {"tokens": [self._piece(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._piece(t): lp for t, lp in e.top} for e in entries],
+                "top_logprobs": [None if e.logprob is None else {self._piece(t): lp for t, lp in e.top}
+                                 for e in entries],
                 "text_offset": []}
 
 

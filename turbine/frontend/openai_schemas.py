@@ -212,8 +212,6 @@ def validate_completion(req: CompletionRequest) -> None:
         _check(req.max_tokens >= 1, "max_tokens", "must be >= 1")
     if req.logprobs is not None:
         _check(0 <= req.logprobs <= MAX_TOP_LOGPROBS, "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
-    _check(not (req.echo and req.logprobs is not None), "echo",
-           "echo together with logprobs is not supported (the prompt's logprobs are not computed)")
     # None of the models served here has fill-in-the-middle tokens (SmolLM2 has none).
     _check(req.suffix is None, "suffix", "is not supported: no fill-in-the-middle template for this model")
     if req.prompt_embeds is None:

@@ -27,6 +27,7 @@ class Pipeline:
                                  parsers=prepared.output.parsers))
         self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,
                                           request.output.logprobs is not None, prepared.echo)
+        self.fmt.prompt_logprobs = self.post.prompt_logprobs
         self.deltas: AsyncIterator[Delta] = self.post.deltas(self.dispatch.outputs(), self.dispatch.output_ready,
                                                              self._done)
 

@@ -41,10 +41,17 @@ class Postprocess:
         self.usage = UsageCount(prompt_tokens=len(prompt_ids))
         # No prompt ids (prompt embeddings): the worker reports the prompt's length.
         self._prompt_from_worker = not prompt_ids
+        # The prompt's logprobs (echo with logprobs), filled in place when the worker sends them.
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self._prompt_ids = prompt_ids
 
     def apply(self, chunk: GenerateOutput) -> Delta | None:
         """The delta of one output chunk (None once its choice has finished)."""
         i = chunk.index
+        if chunk.prompt_log_probs is not None and not self.prompt_logprobs:
+            tops = chunk.prompt_top_logprobs or [[] for _ in chunk.prompt_log_probs]
+            self.prompt_logprobs.extend(TokenLogprob(t, lp, [(x.token_id, x.logprob) for x in top])
+                                        for t, lp, top in zip(self._prompt_ids, chunk.prompt_log_probs, tops))
         if self.finished[i]:
             return None
         detok = self.detoks[i]

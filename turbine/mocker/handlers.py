@@ -72,6 +72,8 @@ class Handlers:
             raise InvalidRequest("prompt_embeds: the mocker does not take prompt embeddings")
         if req.sampling.logit_bias:
             raise InvalidRequest("logit_bias: the mocker does not simulate logits")
+        if req.output.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs: the mocker does not simulate logits")
         if not prompt:
             raise InvalidRequest("token_ids is empty")
         if len(prompt) >= self.max_model_len:

@@ -40,6 +40,9 @@ class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
 class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Number of top logprobs per sampled token; None = no logprobs at all.
     logprobs: int | None = None
+    # Number of top logprobs per prompt token; None = the prompt's logprobs are not computed
+    # (completions' echo with logprobs).
+    prompt_logprobs: int | None = None
 
 
 class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -120,6 +123,10 @@ class GenerateOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     # "stop" | "length"; None while streaming. A failed request ends with an ERROR frame
     # carrying a turbine.protocol.errors.WorkerError instead.
     finish_reason: str | None = None
+    # The first chunk of a request that asked for prompt_logprobs: per prompt token its logprob
+    # (None for the first, which has no context) and its top alternatives.
+    prompt_log_probs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[TopLogprob]] | None = None
     # The stop token id that ended the sequence, if any.
     stop_reason: int | None = None
     usage: Usage | None = None  # last chunk of a choice only

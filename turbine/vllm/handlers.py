@@ -70,6 +70,8 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int, pr
     kwargs["ignore_eos"] = stop.ignore_eos
     if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
+    if req.output.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = req.output.prompt_logprobs
     if req.structured_outputs is not None:
         if req.structured_outputs.disable_any_whitespace:
             # vLLM's backends read it from the engine's config only: per request it would be ignored.
@@ -208,6 +210,7 @@ class Handlers:
         self.metrics.inflight.inc()
         try:
             outputs, engine_id = await self._outputs(req, prompt, params, engine_id)
+            prompt_sent = False
             async for out in outputs:
                 for comp in out.outputs:
                     completion_tokens[comp.index] += len(comp.token_ids)
@@ -217,6 +220,11 @@ class Handlers:
                     if comp.logprobs:
                         chunk.log_probs, chunk.top_logprobs = _logprobs(comp.token_ids, comp.logprobs,
                                                                         params.logprobs or 0)
+                    if params.prompt_logprobs is not None and not prompt_sent and out.prompt_logprobs:
+                        # once, on the request's first chunk
+                        prompt_sent = True
+                        chunk.prompt_log_probs, chunk.prompt_top_logprobs = _prompt_logprobs(
+                            req.token_ids, out.prompt_logprobs, params.prompt_logprobs or 0)
                     if comp.finish_reason is not None:
                         if comp.finish_reason == "abort":  # not ours: we abort only in `finally` below
                             self.metrics.error("aborted")
@@ -301,6 +309,9 @@ class DecodeHandlers(Handlers):
 
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         if req.kv_transfer_params is not None:
+            if req.output.prompt_logprobs is not None:
+                raise InvalidRequest("prompt_logprobs (echo with logprobs) cannot be computed for a prompt "
+                                     "prefilled on another worker")
             kwargs["extra_args"] = {"kv_transfer_params": checked_kv_transfer_params(req.kv_transfer_params)}
         return kwargs
 
@@ -338,6 +349,20 @@ async def _prepend(first, rest):
 def _logprobs(token_ids, logprobs, k: int):
     sampled, tops = [], []
     for tok, entries in zip(token_ids, logprobs):
+        sampled.append(entries[tok].logprob)
+        ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]
+        tops.append([TopLogprob(token_id=t, logprob=lp.logprob) for t, lp in ranked])
+    return sampled, tops
+
+
+def _prompt_logprobs(token_ids, prompt_logprobs, k: int):
+    """vLLM's per-prompt-token dicts (None for the first token) -> logprobs and top k."""
+    sampled, tops = [], []
+    for tok, entries in zip(token_ids, prompt_logprobs):
+        if entries is None:
+            sampled.append(None)
+            tops.append([])
+            continue
         sampled.append(entries[tok].logprob)
         ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]
         tops.append([TopLogprob(token_id=t, logprob=lp.logprob) for t, lp in ranked])

@@ -171,6 +171,8 @@ async def test_invalid_requests_raise_a_typed_error():
                            (GenerateRequest(request_id="r", model="m", token_ids=[], prompt_embeds=b"PK"),
                             "prompt_embeds: the mocker does not take prompt embeddings"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5],
+                                            sampling=SamplingOptions(logit_bias={5: 1.0})), "logit_bias"),
+                           (GenerateRequest(request_id="r", model="m", token_ids=[5],
                                             output=OutputOptions(logprobs=1000)), "logprobs")):
             with pytest.raises(InvalidRequest, match=words) as info:
                 await collect(h, req)
