@@ -314,3 +314,15 @@ def test_vllm_worker_maps_prompt_logprobs_and_decode_refuses_them():
                              kv_transfer_params={"do_remote_prefill": True})
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
         DecodeHandlers._role_kwargs(None, remote, {})
+
+
+def test_echo_with_logprobs_is_prefilled_where_it_is_decoded():
+    from types import SimpleNamespace
+
+    from turbine.frontend.disagg import may_prefill_remotely
+    from turbine.protocol.generate import OutputOptions
+
+    model = SimpleNamespace(prefill_instances=["p0"])
+    assert may_prefill_remotely(model, GenerateRequest(request_id="x", model="m", token_ids=[1]))
+    assert not may_prefill_remotely(model, GenerateRequest(request_id="x", model="m", token_ids=[1],
+                                                           output=OutputOptions(prompt_logprobs=1)))
