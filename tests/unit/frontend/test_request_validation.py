@@ -80,7 +80,8 @@ def test_completion_prompt_forms(prompt, expected):
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
     ({"prompt": [1, -1]}, "prompt"), ({"prompt": [1, True]}, "prompt"), ({"logprobs": 21}, "logprobs"),
     ({"suffix": "s"}, "suffix"),
 ])

@@ -271,7 +271,8 @@ async def test_tokenize_and_detokenize_round_trip(stack, tokenizer):
 @pytest.mark.parametrize("path,body,param", [
     ("/tokenize", {"model": "m"}, "prompt"), ("/tokenize", {"model": "m", "prompt": "a", "messages": MSG}, "prompt"),
     ("/tokenize", {"model": "nope", "prompt": "a"}, "model"), ("/tokenize", {"model": "m", "prompt": "a", "x": 1}, "x"),
-    ("/tokenize", {"model": "m", "messages": []}, "messages"), ("/detokenize", {"model": "m", "tokens": [-1]}, "tokens"),
+    ("/tokenize", {"model": "m", "messages": []}, "messages"),
+    ("/detokenize", {"model": "m", "tokens": [-1]}, "tokens"),
     ("/detokenize", {"model": "m", "tokens": [10 ** 6]}, "tokens"), ("/detokenize", {"model": "m"}, "tokens"),
 ])
 async def test_utility_routes_bad_input(stack, path, body, param):
