@@ -178,14 +178,15 @@ def validate_sampling(req: _SamplingFields) -> None:
                "stream_options.continuous_usage_stats", "requires stream_options.include_usage to be true")
 
 
-def logit_bias_of(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI's logit_bias (token id strings -> bias) as token ids, checked against the vocabulary."""
+def logit_bias_of(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) as token ids, checked against the vocabulary
+    (vocab_size None: text mode, the engine checks them)."""
     if not bias:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        _check(key.isdigit() and int(key) < vocab_size, "logit_bias",
-               f"{key!r} is not a token id of the model (0..{vocab_size - 1})")
+        _check(key.isdigit() and (vocab_size is None or int(key) < vocab_size), "logit_bias",
+               f"{key!r} is not a token id of the model" + (f" (0..{vocab_size - 1})" if vocab_size else ""))
         _check(-LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT, "logit_bias",
                f"the bias of token {key} must be between -100 and 100")
         out[int(key)] = float(value)

@@ -125,6 +125,7 @@ class TextPostprocess(Postprocess):
         self.chains = [parsers() for _ in range(n)]
         self.finished = [False] * n
         self.usage = UsageCount(prompt_tokens=0)
+        self.prompt_logprobs: list[TokenLogprob] = []  # never: text mode refuses logprobs
 
     def apply(self, chunk: GenerateOutput) -> Delta | None:
         i = chunk.index

@@ -98,7 +98,7 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
         if kind == "completions" and req.prompt_embeds is not None:
             raise RequestError(f"prompt_embeds: the model {model.name!r} is served in text mode "
                                "(--use-vllm-tokenizer) and takes no prompt embeddings", param="prompt_embeds")
-        text_in, token_ids = text_input(req, model.name)
+        text_in, token_ids = text_input(req, model.name, prompt)
         logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
             else req.max_tokens
@@ -138,7 +138,7 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
                            param="min_tokens")
     if tok is not None and req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
         raise RequestError("stop_token_ids: token id outside the vocabulary", param="stop_token_ids")
-    logit_bias = logit_bias_of(req.logit_bias, tok.vocab_size)
+    logit_bias = logit_bias_of(req.logit_bias, tok.vocab_size if tok is not None else None)
     request = GenerateRequest(
         request_id=os.urandom(16).hex(),  # as random as uuid4, without the UUID object
         model=model.name,

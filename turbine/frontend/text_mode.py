@@ -11,7 +11,7 @@ alone (a completion prompt given as token ids goes out as ids and is routed on t
 from __future__ import annotations
 
 from turbine.frontend.errors import RequestError
-from turbine.frontend.openai_schemas import ChatCompletionRequest, CompletionRequest, prompt_of, stop_list
+from turbine.frontend.openai_schemas import ChatCompletionRequest, CompletionRequest, stop_list
 from turbine.protocol.discovery import ModelCard
 from turbine.protocol.generate import TextInput
 
@@ -29,7 +29,8 @@ def refuse_in_text_mode(model_name: str, what: str, param: str | None = None) ->
                         param=param)
 
 
-def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str) -> tuple[TextInput, list[int]]:
+def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str,
+               prompt: str | list[int] | None = None) -> tuple[TextInput, list[int]]:
     """The request's prompt for the worker: as text, or a completion prompt's token ids as they are
     (then TextInput has neither prompt nor messages; the output still comes back as text).
     RequestError for what text mode cannot do."""
@@ -42,7 +43,9 @@ def text_input(req: ChatCompletionRequest | CompletionRequest, model_name: str) 
             raise RequestError("a chat needs at least one message", param="messages")
         return TextInput(messages=req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
                          add_generation_prompt=req.add_generation_prompt, **common), []
-    prompt = prompt_of(req)
+    # `prompt`: this completion prompt (one of a batch, openai_schemas.prompts_of)
+    if req.echo and not isinstance(prompt, str):
+        raise refuse_in_text_mode(model_name, "echo of a token-id prompt", param="echo")
     if isinstance(prompt, str):
         return TextInput(prompt=prompt, **common), []
     return TextInput(**common), prompt  # the engine checks the ids against its vocabulary

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from turbine.frontend.errors import RequestError
 from turbine.frontend.openai_schemas import decode_request
+from turbine.frontend.text_mode import refuse_in_text_mode
 
 try:
     VERSION = importlib.metadata.version("turbine")
@@ -75,11 +76,13 @@ class UtilityRoutes:
         if name is None:
             if len(models) != 1:
                 raise RequestError("model is required when the server serves more than one model", param="model")
-            return next(iter(models.values()))
+            name = next(iter(models))
         model = models.get(name)
         if model is None:
             raise RequestError(f"the model {name!r} does not exist", param="model", status=404,
                                code="model_not_found")
+        if model.tokenizer is None:
+            raise refuse_in_text_mode(model.name, "tokenizing", param="model")
         return model
 
     async def _tokenize(self, req: TokenizeRequest) -> dict:

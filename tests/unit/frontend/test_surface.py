@@ -54,6 +54,7 @@ async def make_stack(tokenizer, **cfg):
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://frontend",
                              headers={"authorization": "Bearer sekrit"})
     client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="sekrit", http_client=http, max_retries=0)
+    http.frontend = frontend  # for tests that add models
 
     async def close():
         await client.close()
@@ -327,3 +328,20 @@ def test_echo_with_logprobs_is_prefilled_where_it_is_decoded():
     assert may_prefill_remotely(model, GenerateRequest(request_id="x", model="m", token_ids=[1]))
     assert not may_prefill_remotely(model, GenerateRequest(request_id="x", model="m", token_ids=[1],
                                                            output=OutputOptions(prompt_logprobs=1)))
+
+
+
+async def test_text_mode_models_refuse_tokenize_and_echo_of_token_ids(tokenizer):
+    worker, client, http, close = await make_stack(tokenizer)
+    try:
+        frontend = http.frontend
+        text = served(tokenizer, [instance("w", "tcp://127.0.0.1:1")])
+        text.card = msgspec.structs.replace(text.card, name="t", model_input="text")
+        text.name, text.tokenizer = "t", None
+        frontend.models.models["t"] = text
+        r = await http.post("/tokenize", json={"model": "t", "prompt": "a"})
+        assert r.status_code == 400 and "text mode" in r.json()["error"]["message"]
+        await bad_request(client.completions.create(model="t", prompt=[1, 2], echo=True), "echo")
+        await bad_request(client.completions.create(model="t", prompt="a", logit_bias={"x": 1}), "logit_bias")
+    finally:
+        await close()
