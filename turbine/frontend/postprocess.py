@@ -46,7 +46,12 @@ class Postprocess:
         self._prompt_ids = prompt_ids
 
     def apply(self, chunk: GenerateOutput) -> Delta | None:
-        """The delta of one output chunk (None once its choice has finished)."""
+        """The delta of one output chunk, parsed (None once its choice has finished)."""
+        delta = self.unparsed(chunk)
+        return None if delta is None else self.parsed(delta)
+
+    def unparsed(self, chunk: GenerateOutput) -> Delta | None:
+        """The delta of one output chunk before the parser chain (None once its choice has finished)."""
         i = chunk.index
         if chunk.prompt_log_probs is not None and not self.prompt_logprobs:
             tops = chunk.prompt_top_logprobs or [[] for _ in chunk.prompt_log_probs]
@@ -73,7 +78,9 @@ class Postprocess:
             if self._prompt_from_worker:
                 self.usage.prompt_tokens = chunk.usage.prompt_tokens
             self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
-        return self.parsed(delta)
+        if delta.finish_reason is not None:
+            self.finished[i] = True
+        return delta
 
     def parsed(self, delta: Delta) -> Delta:
         """The delta through its choice's parser chain; a finished choice is marked."""
@@ -89,30 +96,32 @@ class Postprocess:
                      on_done: Callable[[UsageCount], None] = lambda usage: None) -> AsyncIterator[Delta]:
         """The request's deltas. Outputs that arrived together (`more_ready()`: the next one is
         already here) are merged into one delta per choice, as vLLM's server does when it falls
-        behind: the client gets the same text, sooner, in fewer events. Closing this generator
+        behind: the client gets the same text, sooner, in fewer events. The parser chain runs on
+        the merged deltas (parsers give the same result however the text is split), so a busy
+        frontend parses once per event rather than once per token. Closing this generator
         closes `outputs` (which cancels the request on its worker)."""
         held: Delta | None = None
         try:
             async with contextlib.aclosing(outputs):
                 async for chunk in outputs:
-                    delta = self.apply(chunk)
+                    delta = self.unparsed(chunk)
                     if delta is not None:
                         if held is not None and held.mergeable_with(delta):
                             held.text += delta.text
                             held.finish_reason = delta.finish_reason
                         else:
                             if held is not None:
-                                yield held
+                                yield self.parsed(held)
                             held = delta
                     if all(self.finished):
                         break
                     if held is not None and not more_ready():
-                        yield held
+                        yield self.parsed(held)
                         held = None
                 else:
                     raise WorkerFailed("worker ended the stream before every choice finished")
             if held is not None:
-                yield held
+                yield self.parsed(held)
         finally:
             on_done(self.usage)
 
@@ -127,7 +136,7 @@ class TextPostprocess(Postprocess):
         self.usage = UsageCount(prompt_tokens=0)
         self.prompt_logprobs: list[TokenLogprob] = []  # never: text mode refuses logprobs
 
-    def apply(self, chunk: GenerateOutput) -> Delta | None:
+    def unparsed(self, chunk: GenerateOutput) -> Delta | None:
         i = chunk.index
         if self.finished[i]:
             return None
@@ -136,4 +145,6 @@ class TextPostprocess(Postprocess):
         if chunk.usage is not None:
             self.usage.prompt_tokens = chunk.usage.prompt_tokens
             self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.usage.cached_tokens or 0)
-        return self.parsed(delta)
+        if delta.finish_reason is not None:
+            self.finished[i] = True
+        return delta
