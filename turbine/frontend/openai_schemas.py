@@ -98,13 +98,19 @@ def decode_request(body: bytes, kind: type[msgspec.Struct], ignore_unknown_field
         raise RequestError(f"malformed JSON body: {exc}") from None
 
 
-def _decode_dropping_unknown(body: bytes, kind: type[msgspec.Struct]):
+def json_object(body: bytes) -> dict:
+    """The body as a JSON object, untyped (a 400 if it is not one)."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
     if not isinstance(raw, dict):
         raise RequestError("the request body must be a JSON object")
+    return raw
+
+
+def _decode_dropping_unknown(body: bytes, kind: type[msgspec.Struct]):
+    raw = json_object(body)
     _drop_unknown(raw, _type_info(kind), "")
     try:
         return msgspec.convert(raw, kind)

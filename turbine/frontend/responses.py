@@ -23,7 +23,7 @@ from starlette.responses import Response
 from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
-from turbine.frontend.openai_schemas import ChatCompletionRequest
+from turbine.frontend.openai_schemas import ChatCompletionRequest, json_object
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Prepared, preprocess
 
@@ -68,12 +68,7 @@ def _fail(param: str, message: str) -> RequestError:
 
 
 def decode_responses_request(body: bytes) -> ResponsesRequest:
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from None
-    if not isinstance(raw, dict):
-        raise RequestError("the request body must be a JSON object")
+    raw = json_object(body)
     for name in raw:
         if name not in _FIELDS:
             raise _fail(name, "is not supported by this server's /v1/responses")
