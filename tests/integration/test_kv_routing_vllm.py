@@ -4,13 +4,16 @@ engines' own KV cache events relayed by the workers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import jsonschema
 import pytest
 from openai import OpenAI
 
 from tests.integration.conftest import MODEL
 from tests.integration.procs import http_text, instances_of, metric, start_frontend, wait_until
+from tests.integration.test_structured_outputs import RESPONSE_FORMAT, SCHEMA
 from turbine.protocol.generate import ClearKvBlocksRequest, StatusReply
 from turbine.runtime.request_plane import RequestPlaneClient
 
@@ -48,6 +51,16 @@ def test_shared_prefix_goes_to_the_worker_that_cached_it(kv_frontend):
     wait_until(lambda: sum(indexed_blocks(kv_frontend).values()) >= 4, 20, "blocks indexed", [kv_frontend])
     cached = [ask(f"Question {n}?") for n in ("two", "three", "four")]
     assert all(c >= 4 * 128 for c in cached), cached
+
+
+def test_structured_outputs_through_the_kv_router(kv_frontend):
+    """A constrained request routed by the KV router (on its templated prompt) still gets its
+    constraint: the output validates against the schema."""
+    client = OpenAI(base_url=f"{kv_frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PREFIX + "Name a city and a number."}],
+        max_tokens=40, temperature=0, response_format=RESPONSE_FORMAT)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
 def test_clear_kv_blocks_makes_the_index_forget_that_worker(kv_frontend, cluster):
