@@ -36,15 +36,19 @@ def _check_calls(calls, names=None) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def completion(client, stream: bool, **kwargs):
+    """The whole completion; streamed, as the official client's stream helper reassembles it."""
+    if not stream:
+        return client.chat.completions.create(**kwargs)
+    with client.chat.completions.stream(**kwargs) as s:
+        for _ in s:
+            pass
+        return s.get_final_completion()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_tool_choice_returns_valid_arguments(client, stream):
-    if stream:  # the official client's stream helper reassembles the deltas
-        with client.chat.completions.stream(tool_choice=NAMED, **ARGS) as s:
-            for _ in s:
-                pass
-            r = s.get_final_completion()
-    else:
-        r = client.chat.completions.create(tool_choice=NAMED, **ARGS)
+    r = completion(client, stream, tool_choice=NAMED, **ARGS)
     choice = r.choices[0]
     assert choice.finish_reason == "stop"  # OpenAI's for a named call
     assert not choice.message.content
@@ -55,14 +59,7 @@ def test_named_tool_choice_returns_valid_arguments(client, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_returns_valid_calls(client, stream):
     # a list of calls takes more tokens than one call's arguments
-    kwargs = dict(ARGS, tool_choice="required", parallel_tool_calls=False, max_tokens=64)
-    if stream:
-        with client.chat.completions.stream(**kwargs) as s:
-            for _ in s:
-                pass
-            r = s.get_final_completion()
-    else:
-        r = client.chat.completions.create(**kwargs)
+    r = completion(client, stream, **dict(ARGS, tool_choice="required", parallel_tool_calls=False, max_tokens=64))
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert len(choice.message.tool_calls) == 1  # parallel_tool_calls false: at most one
@@ -161,13 +158,7 @@ def mocked(tmp_path_factory):
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_parses_calls_and_reasoning(mocked, stream):
     kwargs = dict(model=MOCKED, messages=ASK, tools=[WEATHER, TIME], max_tokens=200)
-    if stream:
-        with mocked.chat.completions.stream(**kwargs) as s:
-            for _ in s:
-                pass
-            r = s.get_final_completion()
-    else:
-        r = mocked.chat.completions.create(**kwargs)
+    r = completion(mocked, stream, **kwargs)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert (choice.message.content, choice.message.reasoning_content) == ("Checking.", "They want weather.")
