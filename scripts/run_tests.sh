@@ -22,5 +22,5 @@ fi
 export TURBINE_TEST_NATS="nats://127.0.0.1:4222"
 
 start=$(date +%s)
-$PY -m pytest tests -q -p no:cacheprovider "$@"
+$PY -m pytest tests -q -p no:cacheprovider --durations=30 "$@"
 echo "make test took $(( $(date +%s) - start ))s"
