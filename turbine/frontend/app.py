@@ -12,6 +12,7 @@ from turbine.config import DiscoveryConfig, check, flag, make_registry
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
 from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
@@ -32,6 +33,7 @@ class FrontendConfig:
     max_prompt_embeds_bytes: int = flag("--max-prompt-embeds-bytes", default=DEFAULT_MAX_PROMPT_EMBEDS_BYTES)
     discovery: DiscoveryConfig = DiscoveryConfig()
     disagg: DisaggConfig = DisaggConfig()
+    migration: MigrationConfig = MigrationConfig()
     # Unknown request fields are dropped (a warning per field name) instead of answered with a 400.
     ignore_unknown_fields: bool = flag("--ignore-unknown-fields", default=False)
 

@@ -8,6 +8,7 @@ import os
 from turbine.config import add_discovery_args, config_errors_to, discovery_config_from_args
 from turbine.frontend.app import FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
+from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.config import add_kv_router_args
 from turbine.router.policy import router_config_from_args, router_modes
@@ -43,6 +44,19 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     d.add_argument("--prefill-timeout", type=float,
                    default=float(env("TURBINE_PREFILL_TIMEOUT", str(DisaggConfig.prefill_timeout_s))),
                    help="seconds a prefill worker may take before the request is tried elsewhere")
+    m = parser.add_argument_group("Turbine frontend: request migration (a request whose worker fails goes on "
+                                  "on another)")
+    m.add_argument("--migration-limit", type=int, default=_optional_int(env("TURBINE_MIGRATION_LIMIT")),
+                   help="times a request may move to another worker when its worker dies, disconnects, shuts "
+                        "down or is overloaded (0: never; env TURBINE_MIGRATION_LIMIT); unset: each model's "
+                        "workers' --migration-limit (default 0)")
+    m.add_argument("--migration-max-seq-len", type=int, default=_optional_int(env("TURBINE_MIGRATION_MAX_SEQ_LEN")),
+                   help="requests whose prompt plus generated tokens exceed this are not migrated (default: no "
+                        "bound; env TURBINE_MIGRATION_MAX_SEQ_LEN)")
+
+
+def _optional_int(value: str | None) -> int | None:
+    return None if value in (None, "") else int(value)
 
 
 def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
@@ -55,7 +69,9 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               ignore_unknown_fields=args.ignore_unknown_fields,
                               discovery=discovery_config_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
-                                                  prefill_timeout_s=args.prefill_timeout))
+                                                  prefill_timeout_s=args.prefill_timeout),
+                              migration=MigrationConfig(limit=args.migration_limit,
+                                                        max_seq_len=args.migration_max_seq_len))
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:

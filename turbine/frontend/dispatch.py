@@ -2,8 +2,10 @@
 outputs. It chooses the worker (the model's router), tries another when one cannot be
 reached, hands the prompt to a prefill worker first when the model is disaggregated, keeps
 the router told of each request's first token and end, and measures TTFT and ITL. Every
-attempt on some worker goes through one loop, `on_some_worker`; request migration belongs
-here too.
+attempt on some worker goes through one loop, `on_some_worker`. When a worker fails a request
+in a way another worker may not (it vanished, is shutting down or overloaded), the request
+migrates: it goes on on another live worker from the tokens generated so far (migration.py),
+up to the model's migration limit, and the caller's stream never notices.
 
 Output: turbine.protocol.generate.GenerateOutput chunks; failures: RequestError (the client's,
 or no worker) and WorkerFailed (typed by the worker's error code)."""
@@ -27,9 +29,10 @@ from turbine.frontend.disagg import (
 )
 from turbine.frontend.errors import RequestError, WorkerFailed, failure_of
 from turbine.frontend.metrics import ModelMetrics
+from turbine.frontend.migration import MigrationConfig, continuation, migration_reason, why_not_continued
 from turbine.frontend.models import ServedModel
 from turbine.protocol.discovery import InstanceRecord
-from turbine.protocol.generate import GenerateOutput, GenerateRequest
+from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.router.policy import Router, Target
 from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
 
@@ -41,12 +44,13 @@ T = TypeVar("T")
 async def on_some_worker(pool: list[InstanceRecord], router: Router, request: GenerateRequest,
                          attempt: Callable[[Target, GenerateRequest], Awaitable[T]], *,
                          retry: Callable[[BaseException], bool], none_left: Callable[[int], Exception],
-                         first: Target | None = None) -> T:
+                         first: Target | None = None, tried: set[str] | None = None) -> T:
     """Runs `attempt` on a worker the router picks among `pool` (`first`, if given, is tried
     first), with the chosen data-parallel rank set on the request. A failure that `retry`
-    accepts moves on to a worker not tried yet; when none is left, `none_left(tried)` is raised.
-    The attempt keeps the router's per-request accounting."""
-    tried: set[str] = set()
+    accepts moves on to a worker not tried yet (nor in `tried`, which gains each one tried);
+    when none is left, `none_left(tried)` is raised. The attempt keeps the router's
+    per-request accounting."""
+    tried = set() if tried is None else tried
     while True:
         if first is not None:
             target, first = first, None
@@ -70,14 +74,24 @@ async def on_some_worker(pool: list[InstanceRecord], router: Router, request: Ge
 
 class Dispatch:
     def __init__(self, model: ServedModel, client, request: GenerateRequest, metrics: ModelMetrics,
-                 disagg: DisaggConfig = DisaggConfig()):
+                 disagg: DisaggConfig = DisaggConfig(), migration: MigrationConfig = MigrationConfig()):
         self.model = model
         self.client = client
         self.request = request
         self.metrics = metrics
         self.disagg = disagg
+        self.migration = migration
+        self.limit = migration.limit_for(model.card.migration_limit)
+        self.migrations_left = self.limit
+        self._not_migrated: str | None = None  # why a failure was not migrated (migration on)
         self.remote_cached_tokens = 0  # prompt tokens a prefill worker found cached
         self._stream = None
+        self._attempt = request  # the request as sent to the worker now streaming it
+        self._instance_id: str | None = None  # that worker
+        self._failed: set[str] = set()  # workers this request failed on: never tried again
+        self._generated: list[int] = []  # n == 1: the tokens so far (a continuation's prompt tail)
+        self._generated_count = 0  # every choice's
+        self._extended = False  # the worker streaming now was sent the prompt plus generated tokens
 
     def output_ready(self) -> bool:
         """Whether the worker's next output has already arrived (so the next one comes without
@@ -86,11 +100,14 @@ class Dispatch:
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:
         """The worker's outputs until the caller stops reading. Closing this generator early
-        (stop string, client gone, error) cancels the request on the worker."""
+        (stop string, client gone, error) cancels the request on the worker. A worker failure
+        that may migrate continues on another worker within the same iteration."""
         start = time.monotonic()
-        first = await self._open()
-        router, request_id = self.model.router, self.request.request_id
+        first = await self._open(self.request)
+        router = self.model.router
         last_token_at = None
+        attempt_started = False  # the router was told of this attempt's first token
+        one_choice = self.request.sampling.n == 1
         # Per-token gaps, observed when the request ends: a histogram takes a lock per observation.
         gaps: list[float] = []
         chunk = first
@@ -100,40 +117,96 @@ class Dispatch:
                     now = time.monotonic()
                     if last_token_at is None:
                         self.metrics.ttft.observe(now - start)
-                        router.first_token(request_id)
                     else:
                         gaps.append((now - last_token_at) / len(chunk.token_ids))
+                    if not attempt_started:
+                        router.first_token(self._attempt.request_id)
+                        attempt_started = True
                     last_token_at = now
+                    self._generated_count += len(chunk.token_ids)
+                    if one_choice:
+                        self._generated += chunk.token_ids
+                if chunk.usage is not None and self._extended:
+                    # The continuation's prompt holds generated tokens: the client's prompt is the original.
+                    chunk.usage = Usage(prompt_tokens=len(self.request.token_ids),
+                                        completion_tokens=chunk.usage.completion_tokens,
+                                        cached_tokens=min(chunk.usage.cached_tokens or 0, len(self.request.token_ids)))
                 yield chunk
                 try:
                     chunk = await anext(self._stream)
                 except StopAsyncIteration:
                     return
-                except RemoteError as exc:
-                    raise failure_of(exc) from exc
-                except PeerDisconnected as exc:
-                    raise WorkerFailed(f"worker failed mid-stream: {exc}") from exc
+                except (RemoteError, PeerDisconnected) as exc:
+                    chunk = await self._migrate(exc)
+                    attempt_started = False
         finally:
-            router.finished(request_id)
-            await self._stream.aclose()
+            router.finished(self._attempt.request_id)
+            if self._stream is not None:
+                await self._stream.aclose()
             observe = self.metrics.itl.observe
             for gap in gaps:
                 observe(gap)
 
+    # -- migration --------------------------------------------------------------------
+    def _failure(self, exc: BaseException) -> RequestError:
+        """A mid-stream failure as the client's error."""
+        if isinstance(exc, RemoteError):
+            return failure_of(exc, self._instance_id)
+        return WorkerFailed(f"worker {self._instance_id} failed mid-stream: {exc}")
+
+    def _may_migrate(self, exc: BaseException | None) -> bool:
+        """Whether the request may move on after `exc` (counted as a migration if so). When
+        migration is on but this request may not move, `_not_migrated` says why."""
+        reason = migration_reason(exc)
+        if reason is None or self.limit == 0:
+            return False
+        request_id, model = self.request.request_id, self.model.name
+        why_not = why_not_continued(self.request, self._generated_count, self.migration.max_seq_len)
+        if why_not is None and self.migrations_left <= 0:
+            self.metrics.migration_limit_exceeded.inc()
+            why_not = f"the migration limit ({self.limit}) is reached"
+        if why_not is not None:
+            log.warning("request %s of model %r not migrated after %s: %s", request_id, model, reason, why_not)
+            self._not_migrated = why_not
+            return False
+        self.migrations_left -= 1
+        self.metrics.migrations(reason).inc()
+        log.warning("request %s of model %r migrates after %s (%d tokens generated, %d migrations left)",
+                    request_id, model, reason, self._generated_count, self.migrations_left)
+        return True
+
+    async def _migrate(self, exc: BaseException) -> GenerateOutput:
+        """Ends the failed attempt and continues the request on another worker; its first
+        output. Raises the client's error when the request may not migrate."""
+        self._failed.add(self._instance_id)
+        self.model.router.finished(self._attempt.request_id)
+        stream, self._stream = self._stream, None
+        await stream.aclose()
+        if not self._may_migrate(exc):
+            failure = self._failure(exc)
+            if self._not_migrated is not None:
+                failure.message = f"{failure.message} (not migrated: {self._not_migrated})"
+                failure.args = (failure.message,)
+            raise failure from exc
+        self._extended = bool(self._generated)
+        return await self._open(continuation(self.request, self._generated, len(self._failed)))
+
     # -- opening the stream -----------------------------------------------------------
-    async def _open(self) -> GenerateOutput:
+    async def _open(self, request: GenerateRequest) -> GenerateOutput:
         """Open a stream on some live instance and return its first chunk. An instance that
-        cannot be reached is skipped (it may have died since the last discovery snapshot).
+        cannot be reached is skipped (it may have died since the last discovery snapshot);
+        one that fails before its first output is skipped as a migration would be.
         With prefill workers, the prompt's KV is computed on one of them first."""
-        request, model = self.request, self.model
+        model = self.model
+        pool = [i for i in model.instances if i.instance_id not in self._failed] if self._failed else model.instances
         chosen = None  # with prefill workers: the decode instance, chosen first
-        if may_prefill_remotely(model, request) and model.instances:
-            chosen = model.router.select(model.instances, request)
+        if may_prefill_remotely(model, request) and pool:
+            chosen = model.router.select(pool, request)
             caches = model.decode_caches
             cached = caches.cached_tokens(chosen.instance.instance_id, request.token_ids) if caches else 0
             if wants_remote_prefill(model, request, self.disagg, cached):
                 try:
-                    params = await self._remote_prefill()
+                    params = await self._remote_prefill(request)
                 except PrefillFailed as exc:
                     log.warning("request %s: %s; the decode worker prefills it", request.request_id, exc)
                     self.metrics.local_prefills.inc()
@@ -144,8 +217,8 @@ class Dispatch:
                     request = msgspec.structs.replace(request, kv_transfer_params=params)
                     self.metrics.remote_prefills.inc()
         return await on_some_worker(
-            model.instances, model.router, request, self._first_output, first=chosen,
-            retry=lambda exc: isinstance(exc, ConnectFailed),
+            pool, model.router, request, self._first_output, first=chosen, tried=set(self._failed),
+            retry=lambda exc: isinstance(exc, ConnectFailed) or self._may_migrate(exc.__cause__),
             none_left=lambda tried: RequestError(f"no live worker for model {model.name!r}", param="model",
                                                  status=503, type_="service_unavailable"))
 
@@ -157,29 +230,33 @@ class Dispatch:
             first = await (first_output_of_handoff(stream) if handoff else anext(stream))
         except BaseException as exc:
             # The request never got going on this instance: the router stops counting it.
-            self.model.router.finished(self.request.request_id)
+            self.model.router.finished(request.request_id)
             if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) and not handoff:
                 # (a hand-off cancels its own stream once the KV has moved)
                 await stream.aclose()  # the client left before the first token: cancel on the worker
             if isinstance(exc, RemoteError):
+                if migration_reason(exc) is not None:
+                    self._failed.add(inst.instance_id)
                 raise failure_of(exc, inst.instance_id) from exc
             if isinstance(exc, PeerDisconnected):
+                self._failed.add(inst.instance_id)
                 raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
             if isinstance(exc, StopAsyncIteration):
                 raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
             raise
         self._stream = stream
+        self._attempt, self._instance_id = request, inst.instance_id
         if self.model.decode_caches is not None:
             self.model.decode_caches.served(inst.instance_id, request.token_ids)  # its KV is there now
         return first
 
     # -- disaggregated hand-off -------------------------------------------------------
-    async def _remote_prefill(self) -> dict:
+    async def _remote_prefill(self, request: GenerateRequest) -> dict:
         """Runs the prompt on a prefill worker (max_tokens 1) and returns the KV connector's
         parameters for the decode worker. A prefill worker that is unreachable, dies, errs or
         times out is skipped for another; when none is left, PrefillFailed. Cancelling
         cancels the prefill."""
-        model, request = self.model, self.request
+        model = self.model
         stop = msgspec.structs.replace(request.stop, max_tokens=1, min_tokens=None)
         prefill_req = msgspec.structs.replace(request, stop=stop)
         return await on_some_worker(

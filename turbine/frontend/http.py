@@ -137,7 +137,7 @@ class HttpApi:
                 responses_req, prepared = await prepare_response(body, self.frontend.models)
                 model_name = prepared.model.name
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
-                                   self.cfg.disagg)
+                                   self.cfg.disagg, self.cfg.migration)
             else:
                 batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
                                              self.cfg.max_prompt_embeds_bytes)
@@ -147,10 +147,11 @@ class HttpApi:
                     log.debug("request %s (%s, %s) for user %r", prepared.request.request_id, kind, model_name,
                               prepared.user)
                 if len(batch) > 1:  # a batch of completion prompts: each its own pipeline
-                    run = BatchRun([_Run(p, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
-                                    for p in batch])
+                    run = BatchRun([_Run(p, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg,
+                                         self.cfg.migration) for p in batch])
                 else:
-                    run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg)
+                    run = _Run(prepared, self.frontend.client, self.metrics.of(model_name), self.cfg.disagg,
+                               self.cfg.migration)
             response = await (run.stream() if prepared.stream else run.whole())
             self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
             return response

@@ -33,6 +33,13 @@ class FrontendMetrics:
                                 "prompts prefilled by where: remote (a prefill worker, KV handed to decode) "
                                 "or local_fallback (prefill workers failed; the decode worker computed it)",
                                 ["model", "where"], registry=r)
+        self.migrations = Counter("turbine_frontend_migrations",
+                                  "requests moved to another worker after theirs failed, by reason: disconnected "
+                                  "(the worker vanished) or the worker's error code (shutting_down, overloaded ...)",
+                                  ["model", "reason"], registry=r)
+        self.migration_limit_exceeded = Counter("turbine_frontend_migration_limit_exceeded",
+                                                "worker failures not migrated because the request had used up "
+                                                "its migration limit", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def of(self, model: str) -> ModelMetrics:
@@ -58,3 +65,10 @@ class ModelMetrics:
         self.disconnects = m.disconnects.labels(model)
         self.remote_prefills = m.prefills.labels(model, "remote")
         self.local_prefills = m.prefills.labels(model, "local_fallback")
+        self.migration_limit_exceeded = m.migration_limit_exceeded.labels(model)
+        self._migrations = m.migrations
+        self._model = model
+
+    def migrations(self, reason: str):
+        """The migrations counter of one reason (rare: looked up when it happens)."""
+        return self._migrations.labels(self._model, reason)

@@ -11,17 +11,19 @@ from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.dispatch import Dispatch
 from turbine.frontend.format import FORMATS
 from turbine.frontend.metrics import ModelMetrics
+from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.postprocess import Postprocess, TextPostprocess
 from turbine.frontend.preprocess import Prepared
 
 
 class Pipeline:
-    def __init__(self, prepared: Prepared, client, metrics: ModelMetrics, disagg: DisaggConfig = DisaggConfig()):
+    def __init__(self, prepared: Prepared, client, metrics: ModelMetrics, disagg: DisaggConfig = DisaggConfig(),
+                 migration: MigrationConfig = MigrationConfig()):
         model, request = prepared.model, prepared.request
         self.prepared = prepared
         self.metrics = metrics
         metrics.input_tokens.inc(len(request.token_ids))
-        self.dispatch = Dispatch(model, client, request, metrics, disagg)
+        self.dispatch = Dispatch(model, client, request, metrics, disagg, migration)
         self.post = (TextPostprocess(request.sampling.n, prepared.output.parsers) if request.text is not None else
                      Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output,
                                  parsers=prepared.output.parsers))

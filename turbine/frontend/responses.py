@@ -469,8 +469,8 @@ def sse_event(event: dict[str, Any]) -> bytes:
 class ResponsesRun(Pipeline):
     """Runs one Responses request through the chat pipeline and writes it, whole or streamed."""
 
-    def __init__(self, req: ResponsesRequest, prepared: Prepared, client, metrics, disagg):
-        super().__init__(prepared, client, metrics, disagg)
+    def __init__(self, req: ResponsesRequest, prepared: Prepared, client, metrics, disagg, migration):
+        super().__init__(prepared, client, metrics, disagg, migration)
         tokenizer = prepared.model.tokenizer  # None in text mode
         count = None if tokenizer is None else lambda text: len(tokenizer.encode(text, add_special_tokens=False))
         self.builder = ResponseBuilder(req, "resp_" + prepared.request.request_id, prepared.model.name, count)

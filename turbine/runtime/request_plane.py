@@ -210,6 +210,14 @@ class _ServerConnection(asyncio.Protocol):
         if out and transport is not None and not transport.is_closing():
             transport.write(out[0] if len(out) == 1 else b"".join(out))
 
+    def fail_streams(self, error: WorkerError) -> None:
+        """End every open stream with `error` and cancel its handler (which frees its engine work)."""
+        streams, self._streams = self._streams, {}
+        for stream_id, (task, ctx) in streams.items():
+            _send_error(self, stream_id, error)
+            ctx.cancelled = True
+            task.cancel()
+
     def stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
 
@@ -287,10 +295,15 @@ class RequestPlaneServer:
             return False
         return True
 
-    async def stop(self) -> None:
-        """Stop listening, cancel open streams and close every connection."""
+    async def stop(self, error: WorkerError | None = None) -> None:
+        """Stop listening, cancel open streams and close every connection. With `error`, each
+        open stream ends with it first (e.g. shutting_down, so that the caller migrates the
+        request) instead of just being cut off."""
         if self._server is not None:
             self._server.close()
+        if error is not None:
+            for conn in list(self._connections):
+                conn.fail_streams(error)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

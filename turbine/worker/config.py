@@ -82,9 +82,6 @@ class ServingConfig:
               "tool_call_parser", f"{self.tool_call_parser!r}: choose from {', '.join(TOOL_CALL_PARSER_NAMES)}")
         check(self, self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSER_NAMES,
               "reasoning_parser", f"{self.reasoning_parser!r}: choose from {', '.join(REASONING_PARSER_NAMES)}")
-        # Not built yet: refused, not accepted and ignored.
-        check(self, self.migration_limit == 0, "migration_limit",
-              "request migration is not supported yet; only 0 is accepted")
         check(self, self.graceful_shutdown_timeout >= 0, "graceful_shutdown_timeout", "must be >= 0")
         check(self, self.event_plane in EVENT_PLANES, "event_plane",
               f"{self.event_plane!r}: choose from {', '.join(EVENT_PLANES)}")
@@ -158,7 +155,9 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
         group.add_argument("--reasoning-parser", dest="reasoning_parser", default=None,
                            help="vLLM's spelling of --dyn-reasoning-parser")
     group.add_argument("--custom-jinja-template", default=env("TURBINE_CUSTOM_JINJA_TEMPLATE"))
-    group.add_argument("--migration-limit", type=int, default=int(env("TURBINE_MIGRATION_LIMIT", "0")))
+    group.add_argument("--migration-limit", type=int, default=int(env("TURBINE_MIGRATION_LIMIT", "0")),
+                       help="times the frontend may move a request of this model to another worker when its "
+                            "worker fails (in the model card; a frontend's own --migration-limit overrides it)")
     group.add_argument("--graceful-shutdown-timeout", type=float,
                        default=float(env("TURBINE_GRACEFUL_SHUTDOWN_TIMEOUT", "30")),
                        help="seconds in-flight requests may take to finish after SIGTERM")

@@ -12,6 +12,7 @@ import pytest
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ServedModel
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import OutputSpec, Prepared
@@ -44,10 +45,10 @@ def served(tokenizer, instances) -> ServedModel:
 class Run(Pipeline):
     """The stages after preprocess, as the http stage runs them."""
 
-    def __init__(self, model, client, req, metrics=None, disagg=DisaggConfig()):
+    def __init__(self, model, client, req, metrics=None, disagg=DisaggConfig(), migration=MigrationConfig()):
         spec = OutputSpec(stop=[], include_stop_str_in_output=False, skip_special_tokens=True)
         prepared = Prepared("completions", model, req, spec, stream=True, include_usage=False)
-        super().__init__(prepared, client, (metrics or FrontendMetrics()).of("m"), disagg)
+        super().__init__(prepared, client, (metrics or FrontendMetrics()).of("m"), disagg, migration)
 
     async def text(self) -> str:
         return "".join([d.text async for d in self.deltas])

@@ -232,6 +232,22 @@ async def test_server_stop_fails_open_streams_promptly_and_pool_reconnects(serve
         await again.stop()
 
 
+async def test_server_stop_with_an_error_ends_open_streams_with_it(server, client, handlers):
+    """A worker past its shutdown grace period ends what is still running with shutting_down
+    (which the frontend migrates), and each handler still runs its cleanup."""
+    streams = [client.stream(server.address, "hang", req(f"g{i}"), GenerateOutput) for i in range(2)]
+    async with asyncio.timeout(5):
+        for s in streams:
+            await anext(s)
+    await server.stop(WorkerError.of(codes.SHUTTING_DOWN, "grace period over"))
+    for s in streams:
+        with pytest.raises(RemoteError) as info:
+            async with asyncio.timeout(2):
+                await anext(s)
+        assert info.value.code == codes.SHUTTING_DOWN and info.value.error.retryable
+    assert handlers.finalized == {"g0": True, "g1": True}
+
+
 CHILD_SERVER = """
 import asyncio
 from turbine.protocol.generate import GenerateOutput, GenerateRequest

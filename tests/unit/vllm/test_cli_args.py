@@ -10,8 +10,6 @@ from turbine.vllm.args import parse_worker_args
     (["--custom-jinja-template", "/no/such/file.jinja"], "--custom-jinja-template"),
     (["--system-port", "70000"], "--system-port"),
     (["--migration-limit", "-1"], "--migration-limit"),
-    # Not built yet: refused rather than accepted and ignored.
-    (["--migration-limit", "2"], "--migration-limit"),
     (["--dyn-tool-call-parser", "nope"], "--dyn-tool-call-parser"),
     (["--tool-call-parser", "deepseek_r1"], "--dyn-tool-call-parser"),
     (["--dyn-reasoning-parser", "hermes"], "--dyn-reasoning-parser"),
@@ -29,6 +27,13 @@ def test_bad_worker_flags_name_the_flag(argv, flag, capsys):
         parse_worker_args(argv)
     assert info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_migration_limit_goes_into_the_model_card():
+    cfg = parse_worker_args(["--migration-limit", "2", "--enforce-eager"])
+    card = cfg.model_card("i1", engine="vllm", tokenizer_path="/m", context_length=2048, kv_block_size=16,
+                            total_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=2048)
+    assert card.migration_limit == 2
 
 
 def test_defaults_and_dyn_style_endpoint(tmp_path):
