@@ -107,7 +107,7 @@ class Dispatch:
         router = self.model.router
         last_token_at = None
         attempt_started = False  # the router was told of this attempt's first token
-        one_choice = self.request.sampling.n == 1
+        keep_tokens = self.limit > 0 and self.request.sampling.n == 1  # a continuation's prompt tail
         # Per-token gaps, observed when the request ends: a histogram takes a lock per observation.
         gaps: list[float] = []
         chunk = first
@@ -124,7 +124,7 @@ class Dispatch:
                         attempt_started = True
                     last_token_at = now
                     self._generated_count += len(chunk.token_ids)
-                    if one_choice:
+                    if keep_tokens:
                         self._generated += chunk.token_ids
                 if chunk.usage is not None and self._extended:
                     # The continuation's prompt holds generated tokens: the client's prompt is the original.
