@@ -106,3 +106,98 @@ def make_registry(cfg: DiscoveryConfig):
     backend = make_backend(cfg.backend, etcd_endpoints=list(cfg.etcd_endpoints),
                            file_dir=cfg.file_dir, ttl=cfg.ttl)
     return Registry(backend)
+
+
+@dataclass(frozen=True)
+class ClusterSecurityConfig:
+    """What guards the internal planes (request plane, event plane) of this process: the
+    cluster key all members share, and TLS files for the request plane. `insecure`: a worker
+    or router may listen beyond loopback without a key."""
+
+    cluster_key: str | None = flag("--cluster-key", default=None)
+    cluster_key_file: str | None = flag("--cluster-key-file", default=None)
+    tls_cert: str | None = flag("--tls-cert", default=None)
+    tls_key: str | None = flag("--tls-key", default=None)
+    tls_ca: str | None = flag("--tls-ca", default=None)
+    insecure: bool = flag("--insecure", default=False)
+
+    def __post_init__(self):
+        from turbine.runtime.cluster_auth import MIN_KEY_BYTES
+
+        check(self, not (self.cluster_key and self.cluster_key_file), "cluster_key_file",
+              "give the key once: --cluster-key or --cluster-key-file, not both")
+        if self.cluster_key is not None:
+            check(self, len(self.cluster_key.encode()) >= MIN_KEY_BYTES, "cluster_key",
+                  f"must have at least {MIN_KEY_BYTES} bytes (e.g. `openssl rand -hex 32`)")
+        if self.cluster_key_file is not None:
+            check(self, os.path.isfile(self.cluster_key_file), "cluster_key_file",
+                  f"{self.cluster_key_file!r}: no such file")
+            check(self, len(self._read_key_file()) >= MIN_KEY_BYTES, "cluster_key_file",
+                  f"{self.cluster_key_file!r}: the key in it must have at least {MIN_KEY_BYTES} bytes")
+        given = [name for name in ("tls_cert", "tls_key", "tls_ca") if getattr(self, name)]
+        check(self, len(given) in (0, 3), "tls_ca" if "tls_ca" not in given else given[0],
+              "TLS needs all three of --tls-cert, --tls-key and --tls-ca")
+        for name in given:
+            check(self, os.path.isfile(getattr(self, name)), name, f"{getattr(self, name)!r}: no such file")
+
+    def _read_key_file(self) -> bytes:
+        with open(self.cluster_key_file, "rb") as f:
+            return f.read().strip()
+
+    @property
+    def has_key(self) -> bool:
+        return bool(self.cluster_key or self.cluster_key_file)
+
+    @property
+    def authenticates(self) -> bool:
+        """Peers must prove themselves: a key, or mutual TLS."""
+        return self.has_key or self.tls_cert is not None
+
+    def check_listen(self, config: object, field_name: str, host: str) -> None:
+        """A listener beyond loopback needs --cluster-key (or mutual TLS) or --insecure."""
+        from turbine.runtime.cluster_auth import is_loopback
+
+        check(config, is_loopback(host) or self.authenticates or self.insecure, field_name,
+              f"{host!r} is beyond loopback, and without a cluster key anyone who reaches it can use this "
+              f"process's internal planes: give --cluster-key / --cluster-key-file (env TURBINE_CLUSTER_KEY / "
+              f"TURBINE_CLUSTER_KEY_FILE) or --tls-cert/--tls-key/--tls-ca, or --insecure to serve it "
+              f"unauthenticated")
+
+    def auth(self):
+        """The runtime's ClusterAuth (reads the key file)."""
+        from turbine.runtime.cluster_auth import ClusterAuth, TlsFiles
+
+        key = self.cluster_key.encode() if self.cluster_key else self._read_key_file() if self.cluster_key_file \
+            else None
+        tls = TlsFiles(self.tls_cert, self.tls_key, self.tls_ca) if self.tls_cert else None
+        return ClusterAuth(key, tls)
+
+
+def add_cluster_security_args(parser: argparse.ArgumentParser, listens: bool = True) -> None:
+    """`listens`: the process serves an internal plane (a worker, the router), so --insecure applies."""
+    env = os.environ.get
+    g = parser.add_argument_group("Turbine cluster security (the internal request and event planes)")
+    g.add_argument("--cluster-key", default=env("TURBINE_CLUSTER_KEY"),
+                   help="secret every process of the cluster shares; request-plane connections must prove it and "
+                        "event-plane messages are signed with it (env TURBINE_CLUSTER_KEY; prefer the env or "
+                        "--cluster-key-file: a flag's value is visible in `ps`)")
+    g.add_argument("--cluster-key-file", default=env("TURBINE_CLUSTER_KEY_FILE"),
+                   help="file holding the cluster key (surrounding whitespace ignored; env TURBINE_CLUSTER_KEY_FILE)")
+    g.add_argument("--tls-cert", default=env("TURBINE_TLS_CERT"),
+                   help="PEM certificate of this process: with --tls-key and --tls-ca, the request plane is "
+                        "mutual TLS (env TURBINE_TLS_CERT)")
+    g.add_argument("--tls-key", default=env("TURBINE_TLS_KEY"), help="PEM private key of --tls-cert (env TURBINE_TLS_KEY)")
+    g.add_argument("--tls-ca", default=env("TURBINE_TLS_CA"),
+                   help="PEM CA that signs the cluster's certificates; peers must present one (env TURBINE_TLS_CA)")
+    if listens:
+        g.add_argument("--insecure", action="store_true",
+                       default=env("TURBINE_INSECURE", "") not in ("", "0", "false"),
+                       help="allow listening beyond loopback (--host) without a cluster key or TLS "
+                            "(env TURBINE_INSECURE=1)")
+
+
+def cluster_security_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ClusterSecurityConfig:
+    with config_errors_to(parser):
+        return ClusterSecurityConfig(cluster_key=args.cluster_key or None, cluster_key_file=args.cluster_key_file or None,
+                                     tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
+                                     tls_ca=args.tls_ca or None, insecure=getattr(args, "insecure", False))

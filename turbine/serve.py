@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TURBINE_API_KEY"))
+    p.add_argument("--cluster-key", default=None,
+                   help="cluster key of the internal planes, given to the frontend and the worker(s) through "
+                        "their environment (TURBINE_CLUSTER_KEY, which also works here)")
+    p.add_argument("--cluster-key-file", default=None,
+                   help="file holding the cluster key (TURBINE_CLUSTER_KEY_FILE, which also works here)")
     p.add_argument("--router-mode", default="round-robin")
     p.add_argument("--disagg", action="store_true",
                    help="disaggregated serving: a prefill worker and a decode worker, the prompt's KV moved "
@@ -79,6 +84,7 @@ def main(argv: list[str]) -> int:
     env["TURBINE_DISCOVERY_BACKEND"] = "file"
     env["TURBINE_DISCOVERY_DIR"] = tempfile.mkdtemp(prefix="turbine-serve-")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is sized for servers
+    env.update(cluster_key_env(args, parser))
 
     worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", args.model, *worker_args]
     if args.disagg:
@@ -118,6 +124,18 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stop short
         _stop(procs[::-1])  # workers first (they drain), then the frontend
+
+
+def cluster_key_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The cluster key flags as environment for every child (a flag would reach the worker only,
+    and the environment keeps the key out of `ps`)."""
+    if args.cluster_key and args.cluster_key_file:
+        parser.error("give the key once: --cluster-key or --cluster-key-file, not both")
+    if args.cluster_key:
+        return {"TURBINE_CLUSTER_KEY": args.cluster_key}
+    if args.cluster_key_file:
+        return {"TURBINE_CLUSTER_KEY_FILE": os.path.abspath(args.cluster_key_file)}
+    return {}
 
 
 def _interrupt(signum, frame) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from turbine.config import DiscoveryConfig, check, flag, make_registry
+from turbine.config import ClusterSecurityConfig, DiscoveryConfig, check, flag, make_registry
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
 from turbine.frontend.metrics import FrontendMetrics
@@ -16,6 +16,7 @@ from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
+from turbine.runtime import cluster_auth
 from turbine.runtime.request_plane import RequestPlaneClient
 
 MIN_REQUEST_BYTES = 1024
@@ -36,6 +37,8 @@ class FrontendConfig:
     migration: MigrationConfig = MigrationConfig()
     # Unknown request fields are dropped (a warning per field name) instead of answered with a 400.
     ignore_unknown_fields: bool = flag("--ignore-unknown-fields", default=False)
+    # How it proves itself to workers and routers, and checks their events.
+    security: ClusterSecurityConfig = ClusterSecurityConfig()
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
@@ -49,11 +52,13 @@ class FrontendConfig:
 class Frontend:
     def __init__(self, cfg: FrontendConfig):
         self.cfg = cfg
+        auth = cfg.security.auth()
+        cluster_auth.install(auth)  # the routers' event subscribers take it from there
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
         self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
                                  cfg.namespace)
-        self.client = RequestPlaneClient()
+        self.client = RequestPlaneClient(auth=auth)
         self._watch_task = None
 
     @contextlib.asynccontextmanager

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from turbine.config import add_discovery_args, config_errors_to, discovery_config_from_args
+from turbine.config import (
+    add_cluster_security_args,
+    add_discovery_args,
+    cluster_security_from_args,
+    config_errors_to,
+    discovery_config_from_args,
+)
 from turbine.frontend.app import FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.migration import MigrationConfig
@@ -68,6 +74,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                               ignore_unknown_fields=args.ignore_unknown_fields,
                               discovery=discovery_config_from_args(args, parser),
+                              security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
                                                   prefill_timeout_s=args.prefill_timeout),
                               migration=MigrationConfig(limit=args.migration_limit,
@@ -79,4 +86,5 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
                                      description="Turbine OpenAI-compatible frontend.")
     add_frontend_args(parser)
     add_discovery_args(parser)
+    add_cluster_security_args(parser, listens=False)  # its internal-plane side is client only
     return frontend_config_from_args(parser.parse_args(argv), parser)

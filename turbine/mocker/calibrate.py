@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
-from turbine.config import add_discovery_args, discovery_config_from_args, make_registry
+from turbine.config import (
+    add_cluster_security_args,
+    add_discovery_args,
+    cluster_security_from_args,
+    discovery_config_from_args,
+    make_registry,
+)
 from turbine.mocker.model_info import read_model_info
 from turbine.mocker.timing import TimingProfile, attention_pairs
 from turbine.protocol.discovery import InstanceRecord, ModelCard
@@ -266,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode sweep: prompt lengths (they set the KV tokens read per step)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request")
     add_discovery_args(p)
+    add_cluster_security_args(p, listens=False)
     return p
 
 
@@ -279,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is not None and not args.url.startswith(("http://", "https://")):
         parser.error(f"--url {args.url!r}: expected an http:// or https:// base URL")
     args.discovery = discovery_config_from_args(args, parser)
+    from turbine.runtime import cluster_auth
+
+    cluster_auth.install(cluster_security_from_args(args, parser).auth())  # to reach the worker's request plane
     try:
         profile = asyncio.run(calibrate(args))
     except (LookupError, ValueError, RuntimeError) as exc:

@@ -7,8 +7,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from turbine.config import DEFAULT_NAMESPACE, DiscoveryConfig, check, config_errors_to, flag
-from turbine.config import add_discovery_args, discovery_config_from_args
+from turbine.config import DEFAULT_NAMESPACE, ClusterSecurityConfig, DiscoveryConfig, check, config_errors_to, flag
+from turbine.config import add_cluster_security_args, add_discovery_args, cluster_security_from_args
+from turbine.config import discovery_config_from_args
 from turbine.router.config import KvRouterConfig, add_kv_router_args, kv_router_config_from_args
 
 DEFAULT_REQUEST_TTL_S = 600.0
@@ -18,13 +19,14 @@ DEFAULT_REQUEST_TTL_S = 600.0
 class RouterServiceConfig:
     # Where it registers, and whose workers it routes to.
     namespace: str = flag("--namespace", default=DEFAULT_NAMESPACE)
-    host: str = "127.0.0.1"  # request-plane bind address
+    host: str = flag("--host", default="127.0.0.1")  # request-plane bind address
     port: int = flag("--port", default=0)
     system_host: str = "127.0.0.1"
     system_port: int | None = flag("--system-port", default=None)  # /health, /live, /metrics; off when None
     kv: KvRouterConfig = field(default_factory=KvRouterConfig)
     request_ttl_s: float = flag("--router-request-ttl", default=DEFAULT_REQUEST_TTL_S)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    security: ClusterSecurityConfig = field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self):
         ns = self.namespace
@@ -34,6 +36,7 @@ class RouterServiceConfig:
             port = getattr(self, name)
             check(self, port is None or 0 <= port <= 65535, name, f"{port}: must be between 0 and 65535")
         check(self, self.request_ttl_s > 0, "request_ttl_s", "must be > 0")
+        self.security.check_listen(self, "host", self.host)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as load (its caller is presumed gone)")
     add_kv_router_args(g)
     add_discovery_args(p)
+    add_cluster_security_args(p)
     return p
 
 
@@ -64,7 +68,9 @@ def parse_router_args(argv: list[str] | None = None) -> RouterServiceConfig:
     args = parser.parse_args(argv)
     kv = kv_router_config_from_args(args, parser)
     discovery = discovery_config_from_args(args, parser)
+    security = cluster_security_from_args(args, parser)
     with config_errors_to(parser):
         return RouterServiceConfig(namespace=args.namespace, host=args.host, port=args.port,
                                    system_host=args.system_host, system_port=args.system_port, kv=kv,
-                                   request_ttl_s=args.router_request_ttl, discovery=discovery)
+                                   request_ttl_s=args.router_request_ttl, discovery=discovery,
+                                   security=security)

@@ -207,6 +207,9 @@ async def serve(cfg: RouterServiceConfig) -> int:
     from turbine.runtime.lifecycle import stop_on_signals
     from turbine.runtime.status_server import Health, make_app, serve_status
 
+    from turbine.runtime import cluster_auth
+
+    cluster_auth.install(cfg.security.auth())  # before any plane opens
     stopping = asyncio.Event()
     stop_on_signals(stopping)
     service = RouterService(cfg, RouterMetrics(REGISTRY))  # its own process: the default registry

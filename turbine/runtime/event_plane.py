@@ -8,6 +8,12 @@
 A subscriber picks the backend from each address's scheme, so routers need no flag. Messages
 are a topic and a msgpack-encoded typed struct. Either backend may drop messages (a slow
 subscriber, a reconnect): that is why events carry ids (gaps are detected and recovered).
+
+With a cluster key (turbine/runtime/cluster_auth.py) every message carries an HMAC of its topic
+and payload; a subscriber drops (and logs) a message whose signature is wrong before anything
+decodes it. Signing rather than ZMQ CURVE: one mechanism for both backends, and with NATS the
+server relays whatever anyone allowed on it publishes, so only a per-message proof says who
+wrote it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from turbine.runtime import cluster_auth
+from turbine.runtime.cluster_auth import ClusterAuth, RateLimitedWarning
 from turbine.runtime.codec import encode
 from turbine.runtime.registration import advertised_address
 
@@ -41,7 +49,8 @@ class EventPublisher:
     """zmq: one PUB socket per publishing instance (one address in its model card), shared by
     every topic it publishes."""
 
-    def __init__(self, host: str = "127.0.0.1", context: zmq.Context | None = None):
+    def __init__(self, host: str = "127.0.0.1", context: zmq.Context | None = None, auth: ClusterAuth | None = None):
+        self._auth = auth if auth is not None else cluster_auth.current()
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -54,7 +63,7 @@ class EventPublisher:
 
     def publish_bytes(self, topic: bytes, data: bytes) -> None:
         try:
-            self._sock.send_multipart([topic, data], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([topic, self._auth.sign(topic, data)], flags=zmq.NOBLOCK)
         except zmq.Again:  # no room: dropped, and the event id gap tells subscribers
             pass
 
@@ -117,8 +126,11 @@ def is_nats_address(address: str) -> bool:
 class EventSubscriber:
     """Follows publishers on either backend, each picked by its address's scheme."""
 
-    def __init__(self, topics: tuple[bytes, ...] = (KV_EVENTS_TOPIC,)):
+    def __init__(self, topics: tuple[bytes, ...] = (KV_EVENTS_TOPIC,), auth: ClusterAuth | None = None):
         self.topics = topics
+        self.auth = auth if auth is not None else cluster_auth.current()
+        self.forged = 0  # messages dropped for a wrong signature
+        self._warn_forged = RateLimitedWarning(log)
         self.addresses: set[str] = set()
         self._queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue(maxsize=SEND_HWM)
         self._zmq: ZmqEventSubscriber | None = None
@@ -165,8 +177,15 @@ class EventSubscriber:
             await asyncio.sleep(ZMQ_SUBSCRIBE_SETTLE_S)  # for the publisher's I/O thread to take them
 
     async def recv(self) -> tuple[bytes, bytes]:
-        """The next (topic, payload) from any publisher followed."""
-        return await self._queue.get()
+        """The next (topic, payload) from any publisher followed whose signature is right."""
+        while True:
+            topic, signed = await self._queue.get()
+            payload = self.auth.verified(topic, signed)
+            if payload is not None:
+                return topic, payload
+            self.forged += 1
+            self._warn_forged("event plane: dropped a %r message without a valid cluster-key signature (forged, or "
+                              "published with another key); not decoded", topic)
 
     async def _pump(self, sub: ZmqEventSubscriber) -> None:
         while True:
@@ -185,10 +204,11 @@ class WorkerEventPlane:
     """A worker process's way onto the event plane: `publisher(instance_id)` for each instance
     it serves. With nats, all of them share the process's one connection."""
 
-    def __init__(self, backend: str, host: str, nats=None):
+    def __init__(self, backend: str, host: str, nats=None, auth: ClusterAuth | None = None):
         self.backend = backend
         self.host = host
         self._nats = nats  # NatsConnection
+        self.auth = auth if auth is not None else cluster_auth.current()
 
     @classmethod
     async def open(cls, backend: str, host: str = "127.0.0.1",
@@ -205,10 +225,10 @@ class WorkerEventPlane:
     def publisher(self, instance_id: str):
         """An EventPublisher (zmq) or NatsEventPublisher: publish(topic, message), .address."""
         if self._nats is None:
-            return EventPublisher(self.host)
+            return EventPublisher(self.host, auth=self.auth)
         from turbine.runtime.event_plane_nats import NatsEventPublisher
 
-        return NatsEventPublisher(self._nats, instance_id)
+        return NatsEventPublisher(self._nats, instance_id, auth=self.auth)
 
     async def close(self) -> None:
         """Sends what is still queued (nats) and closes the connection."""

@@ -21,6 +21,8 @@ import msgspec
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
+from turbine.runtime import cluster_auth
+from turbine.runtime.cluster_auth import ClusterAuth
 from turbine.runtime.codec import encode
 from turbine.runtime.event_plane import EventPlaneError
 
@@ -157,8 +159,9 @@ class NatsConnection:
 class NatsEventPublisher:
     """One instance's publisher: publish(topic, message) and .address, as the zmq one."""
 
-    def __init__(self, conn: NatsConnection, instance_id: str):
+    def __init__(self, conn: NatsConnection, instance_id: str, auth: ClusterAuth | None = None):
         self._conn = conn
+        self._auth = auth if auth is not None else cluster_auth.current()
         self.subject_prefix = f"{SUBJECT_ROOT}.{instance_id}"
         self.address = f"{conn.server}/{self.subject_prefix}"
         self._subjects: dict[bytes, str] = {}
@@ -170,7 +173,7 @@ class NatsEventPublisher:
         subject = self._subjects.get(topic)
         if subject is None:
             subject = self._subjects[topic] = f"{self.subject_prefix}.{topic.decode()}"
-        self._conn.send(subject, data)
+        self._conn.send(subject, self._auth.sign(topic, data))  # checked by EventSubscriber.recv
 
     def close(self) -> None:
         pass  # the connection is the process's (WorkerEventPlane.close)

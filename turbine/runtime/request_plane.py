@@ -4,6 +4,10 @@ Many streams are multiplexed on one connection per (client, server address). Wir
 and frame kinds are defined in `turbine.protocol.frames`. Both sides use asyncio Protocols
 (no per-frame awaits on the read side) and write frames without awaiting a drain unless the
 transport reports its buffer is full.
+
+With a cluster key (turbine/runtime/cluster_auth.py) every connection first runs a mutual HMAC
+handshake: until the peer has proved the key its bytes are only compared, never decoded. With
+TLS files, connections are mutual TLS (under the handshake, if there is also a key).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +24,16 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from turbine.protocol import errors as codes
 from turbine.protocol.errors import WorkerError
 from turbine.protocol.frames import CANCEL, CHUNK, END, ERROR, REQUEST, Frame
-from turbine.runtime import codec
+from turbine.runtime import cluster_auth, codec
+from turbine.runtime.cluster_auth import (
+    CLIENT_PROOF_BYTES,
+    HANDSHAKE_TIMEOUT_S,
+    MAGIC,
+    SERVER_HELLO_BYTES,
+    SERVER_PROOF_BYTES,
+    ClusterAuth,
+    RateLimitedWarning,
+)
 from turbine.runtime.errors import (
     ConnectFailed,
     DecodeError,
@@ -31,6 +45,7 @@ from turbine.runtime.errors import (
 )
 
 logger = logging.getLogger("turbine.request_plane")
+_warn_refused = RateLimitedWarning(logger)  # peers that fail the cluster-key handshake
 
 # Frames waiting for the end of the loop turn are written at once past this size, so that a
 # handler that never awaits still meets the transport's backpressure.
@@ -94,6 +109,10 @@ class FrameReader:
         del buf[:pos]
         return frames
 
+    def starts_with(self, prefix: bytes) -> bool:
+        """Whether the bytes not yet made into frames start with `prefix`."""
+        return self._buf.startswith(prefix)
+
 
 def _enable_keepalive(transport: asyncio.BaseTransport) -> None:
     """Detect a peer host that vanished without closing the socket in ~11 s, not hours."""
@@ -147,6 +166,10 @@ class _ServerConnection(asyncio.Protocol):
         # (one system call) for all of a step's chunks costs far less than one each.
         self._out: list[bytes] = []
         self._out_bytes = 0
+        # With a cluster key: the peer's bytes until it proved the key (None once it has).
+        self._unproven: bytearray | None = None
+        self._nonce = b""
+        self._handshake_timer: asyncio.TimerHandle | None = None
 
     # asyncio callbacks
 
@@ -156,8 +179,19 @@ class _ServerConnection(asyncio.Protocol):
         self._peer = _peer_name(transport)
         _enable_keepalive(transport)
         self._server._connections.add(self)
+        auth = self._server.auth
+        if auth.enabled:
+            self._unproven = bytearray()
+            self._nonce, hello = auth.server_hello()
+            transport.write(hello)  # type: ignore[attr-defined]
+            self._handshake_timer = asyncio.get_running_loop().call_later(
+                HANDSHAKE_TIMEOUT_S, self._refuse, f"no cluster-key proof within {HANDSHAKE_TIMEOUT_S:g}s")
 
     def data_received(self, data: bytes) -> None:
+        if self._unproven is not None:
+            data = self._check_proof(data)
+            if not data:
+                return
         try:
             frames = self._reader.feed(data)
         except FrameError as exc:
@@ -177,6 +211,8 @@ class _ServerConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._connections.discard(self)
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
         for task, ctx in self._streams.values():
             ctx.cancelled = True
             task.cancel()
@@ -245,16 +281,48 @@ class _ServerConnection(asyncio.Protocol):
         assert self._transport is not None
         self._transport.abort()
 
+    def _check_proof(self, data: bytes) -> bytes:
+        """Collects the client's proof; once it is whole, checks it: answers with ours, or cuts
+        the peer off. Returns the bytes that follow a good proof (frames), else b""."""
+        unproven = self._unproven
+        assert unproven is not None
+        need = CLIENT_PROOF_BYTES - len(unproven)
+        unproven += data[:need]  # never buffers more than a proof
+        if len(unproven) < CLIENT_PROOF_BYTES:
+            if not MAGIC.startswith(bytes(unproven[:len(MAGIC)])):
+                self._refuse("it does not speak the cluster-key handshake (no --cluster-key?)")
+            return b""
+        answer = self._server.auth.check_client_proof(self._nonce, bytes(unproven))
+        if answer is None:
+            self._refuse("wrong cluster key" if unproven.startswith(MAGIC) else
+                         "it does not speak the cluster-key handshake (no --cluster-key?)")
+            return b""
+        self._unproven = None
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+        assert self._transport is not None
+        self._transport.write(answer)
+        return data[need:]
+
+    def _refuse(self, reason: str) -> None:
+        """Cut off a peer that did not prove the cluster key: nothing it sent was decoded."""
+        if self._transport is None or self._transport.is_closing():
+            return
+        _warn_refused("request plane: refused %s, which failed the cluster-key handshake: %s", self._peer, reason)
+        self._transport.abort()
+
 
 class RequestPlaneServer:
     """Serves registered endpoints; each request runs its handler in its own task."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+        self, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        auth: ClusterAuth | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
+        self.auth = auth if auth is not None else cluster_auth.current()
         self._endpoints: dict[str, _Endpoint] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
@@ -270,8 +338,10 @@ class RequestPlaneServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        ssl_ctx = self.auth.server_ssl()
         self._server = await loop.create_server(
-            lambda: _ServerConnection(self), self.host, self.port
+            lambda: _ServerConnection(self), self.host, self.port, ssl=ssl_ctx,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if ssl_ctx is not None else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -375,26 +445,43 @@ def _send_error(conn: _ServerConnection, stream_id: int, error: WorkerError) -> 
 class _ClientConnection(asyncio.Protocol):
     """One pooled connection to a server; routes incoming frames to their streams."""
 
-    def __init__(self, address: str, max_frame_bytes: int, on_lost: Callable[[_ClientConnection], None]):
+    def __init__(self, address: str, max_frame_bytes: int, on_lost: Callable[[_ClientConnection], None],
+                 auth: ClusterAuth):
         self.address = address
         self.max_frame_bytes = max_frame_bytes
         self.streams: dict[int, ResponseStream[Any]] = {}
         self.closed = False
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.lost: asyncio.Future[None] = loop.create_future()
+        # Done once the server proved the cluster key (at once without one); ConnectFailed if not.
+        self.ready: asyncio.Future[None] = loop.create_future()
         self._reader = FrameReader(max_frame_bytes)
         self._transport: asyncio.Transport | None = None
         self._next_id = 1
         self._on_lost = on_lost
+        self._auth = auth
+        self._unproven: bytearray | None = bytearray() if auth.enabled else None
+        self._nonces = b""  # set once we answered the server's hello
+        self.failure = ""  # why we closed it, for streams opened meanwhile
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         _enable_keepalive(transport)
+        if self._unproven is None:
+            self.ready.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self._unproven is not None:
+            data = self._check_server(data)
+            if not data:
+                return
         try:
             frames = self._reader.feed(data)
         except FrameError as exc:
+            if not self._auth.enabled and self._reader.starts_with(MAGIC):
+                exc = FrameError("it requires a cluster key (give this process the same --cluster-key)")
             logger.warning("closing request-plane connection to %s: %s", self.address, exc)
+            self.failure = str(exc)
             self.abort()
             return
         streams = self.streams
@@ -413,6 +500,10 @@ class _ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._on_lost(self)
+        if not self.ready.done():
+            self.ready.set_exception(ConnectFailed(
+                f"{self.address} closed the connection during the cluster-key handshake: it has a different "
+                f"cluster key, or none"))
         reason = f": {exc}" if exc else ""
         for stream in self.streams.values():
             stream._fail(PeerDisconnected(f"connection to {self.address} lost{reason}"))
@@ -440,6 +531,41 @@ class _ClientConnection(asyncio.Protocol):
         self.closed = True  # no new streams on it, even before connection_lost runs
         if self._transport is not None:
             self._transport.abort()
+
+    def _check_server(self, data: bytes) -> bytes:
+        """The handshake, client side: answer the server's hello, then check its proof. Returns
+        the bytes that follow it (frames), else b"". A server that fails is cut off."""
+        unproven = self._unproven
+        assert unproven is not None and self._transport is not None
+        want = SERVER_PROOF_BYTES if self._nonces else SERVER_HELLO_BYTES
+        need = want - len(unproven)
+        unproven += data[:need]
+        rest = data[need:]
+        if len(unproven) < want:
+            if not self._nonces and not MAGIC.startswith(bytes(unproven[:len(MAGIC)])):
+                self._refuse("it does not speak the cluster-key handshake (no --cluster-key?)")
+            return b""
+        if not self._nonces:
+            answer = self._auth.client_proof(bytes(unproven))
+            if answer is None:
+                self._refuse("it does not speak the cluster-key handshake (no --cluster-key?)")
+                return b""
+            self._nonces, proof = answer
+            unproven.clear()
+            self._transport.write(proof)
+            return self._check_server(rest) if rest else b""
+        if not self._auth.check_server_proof(self._nonces, bytes(unproven)):
+            self._refuse("it failed to prove the cluster key")
+            return b""
+        self._unproven = None
+        self.ready.set_result(None)
+        return rest
+
+    def _refuse(self, reason: str) -> None:
+        _warn_refused("request plane: refused the server at %s: %s", self.address, reason)
+        if not self.ready.done():
+            self.ready.set_exception(ConnectFailed(f"{self.address} failed the cluster-key handshake: {reason}"))
+        self.abort()
 
 
 class ResponseStream(Generic[T]):
@@ -523,6 +649,8 @@ class ResponseStream(Generic[T]):
         conn = await self._client._connection(self._address)
         if self._finished:  # closed while we were connecting
             return
+        if conn.closed:  # e.g. what the server said first made us close it
+            raise ConnectFailed(f"{self._address}: {conn.failure or 'connection closed'}")
         self._conn = conn
         self._stream_id = conn.open_stream(self, self._endpoint, self._payload)
 
@@ -548,9 +676,11 @@ class ResponseStream(Generic[T]):
 class RequestPlaneClient:
     """Opens streams to request-plane servers over one lazily created connection per address."""
 
-    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = 3.0) -> None:
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = 3.0,
+                 auth: ClusterAuth | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.connect_timeout = connect_timeout
+        self.auth = auth if auth is not None else cluster_auth.current()
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
 
@@ -588,15 +718,25 @@ class RequestPlaneClient:
         if not sep or not port.isdigit():
             raise ConnectFailed(f"invalid request-plane address {address!r} (want host:port)")
         loop = asyncio.get_running_loop()
+        ssl_ctx = self.auth.client_ssl()
+        conn: _ClientConnection | None = None
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _ClientConnection(address, self.max_frame_bytes, self._forget),
+                    lambda: _ClientConnection(address, self.max_frame_bytes, self._forget, self.auth),
                     host.strip("[]"),
                     int(port),
+                    ssl=ssl_ctx,
                 )
+                await conn.ready
         except TimeoutError:
+            if conn is not None:  # connected, but no handshake
+                conn.abort()
+                raise ConnectFailed(f"{address} did not complete the cluster-key handshake within "
+                                    f"{self.connect_timeout}s (does it run without a cluster key?)") from None
             raise ConnectFailed(f"cannot connect to {address}: timed out after {self.connect_timeout}s") from None
+        except ssl.SSLError as exc:
+            raise ConnectFailed(f"cannot connect to {address}: TLS: {exc}") from exc
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {address}: {exc}") from exc
         self._conns[address] = conn

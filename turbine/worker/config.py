@@ -13,9 +13,12 @@ from typing import Literal, get_args
 
 from turbine.config import (
     DEFAULT_NAMESPACE,
+    ClusterSecurityConfig,
     DiscoveryConfig,
+    add_cluster_security_args,
     add_discovery_args,
     check,
+    cluster_security_from_args,
     config_errors_to,
     discovery_config_from_args,
     flag,
@@ -62,6 +65,7 @@ class ServingConfig:
     disaggregation_mode: DisaggregationMode = flag("--disaggregation-mode", default="agg")
     # Decode: seconds to wait for a prefill worker's KV, then prefill here.
     kv_transfer_timeout: float = flag("--kv-transfer-timeout", default=30.0)
+    security: ClusterSecurityConfig = ClusterSecurityConfig()  # the cluster key, TLS, --insecure
 
     def __post_init__(self):
         for name in ("namespace", "component", "endpoint"):
@@ -93,6 +97,7 @@ class ServingConfig:
         check(self, self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
               f"{self.disaggregation_mode!r}: choose from {', '.join(DISAGGREGATION_MODES)}")
         check(self, self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0")
+        self.security.check_listen(self, "host", self.host)  # the request plane and the zmq event plane
 
     @property
     def is_prefill(self) -> bool:
@@ -180,6 +185,7 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        help="decode workers: seconds to wait for a prefill worker's KV before computing "
                             "the prompt here instead")
     add_discovery_args(parser)
+    add_cluster_security_args(parser)
 
 
 def disaggregation_mode_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -245,6 +251,7 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         migration_limit=args.migration_limit, graceful_shutdown_timeout=args.graceful_shutdown_timeout,
         event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
+        security=cluster_security_from_args(args, parser),
     )
 
 

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from turbine.config import make_registry
 from turbine.protocol.discovery import ModelCard
+from turbine.runtime import cluster_auth
 from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
 from turbine.runtime.lifecycle import drain_and_stop, stop_on_signals
 from turbine.runtime.registration import advertised_address, register, unregister
@@ -75,6 +76,7 @@ class WorkerHost:
 
     async def run(self) -> int:
         cfg, engine, health = self.cfg, self.engine, self.health
+        cluster_auth.install(cfg.security.auth())  # before any plane opens
         stop_on_signals(self.stopping)
         status_server = None
         if cfg.system_port is not None:
