@@ -211,15 +211,15 @@ class WorkerEventPlane:
         self.auth = auth if auth is not None else cluster_auth.current()
 
     @classmethod
-    async def open(cls, backend: str, host: str = "127.0.0.1",
-                   nats_server: str = DEFAULT_NATS_SERVER) -> WorkerEventPlane:
+    async def open(cls, backend: str, host: str = "127.0.0.1", nats_server: str = DEFAULT_NATS_SERVER,
+                   auth: ClusterAuth | None = None) -> WorkerEventPlane:
         """Raises EventPlaneError naming --nats-server if the NATS server cannot be reached."""
         if backend == "zmq":
-            return cls("zmq", host)
+            return cls("zmq", host, auth=auth)
         if backend == "nats":
             from turbine.runtime.event_plane_nats import NatsConnection
 
-            return cls("nats", host, await NatsConnection.open(nats_server))
+            return cls("nats", host, await NatsConnection.open(nats_server), auth=auth)
         raise EventPlaneError(f"--event-plane {backend!r}: choose from {', '.join(EVENT_PLANES)}")
 
     def publisher(self, instance_id: str):
