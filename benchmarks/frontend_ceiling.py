@@ -26,6 +26,11 @@ baseline is given).  Ratios are the first system (normally turbine) over each ot
 --py-spy PATH: afterwards, start Turbine once more and record its frontend with py-spy during
 one extra point (not part of the measurement) and write the raw stacks plus a top-N summary.
 
+--cluster-key: instead, the cost of the cluster key (turbine/runtime/cluster_auth.py): two stacks up
+side by side, `turbine-key` (frontend and mocker share TURBINE_CLUSTER_KEY) and `turbine` (none),
+both with the KV router (so the event plane's signatures are checked), the built-in load below,
+alternating point by point (ABBA over repeats); the CPU seconds of both processes are recorded.
+
 --tools: instead, the cost of tool calling. One Turbine stack (the mocker with --reply-text, so that
 every answer is the same hermes tool call, and --dyn-tool-call-parser hermes) serves two systems
 that alternate point by point (ABBA over repeats): `turbine` (requests without tools: the reply
@@ -259,15 +264,17 @@ WEATHER_TOOL = {"type": "function", "function": {
 TOOL_SYSTEMS = ("turbine", "turbine-tools")
 
 
-async def _load(url: str, c: int, requests: int, tools: bool, isl_words: int) -> dict:
-    """`requests` streamed chat requests, `c` at a time; every response checked for its shape."""
+async def _load(url: str, c: int, requests: int, tools: bool, isl_words: int, max_tokens: int = 256,
+                expect: str | None = TOOL_REPLY) -> dict:
+    """`requests` streamed chat requests, `c` at a time; every response checked for its shape
+    (`expect` None: any text, ended by length or stop)."""
     import asyncio
 
     import httpx
 
     from common import sse_chunks
 
-    body = {"model": SERVED, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 256,
+    body = {"model": SERVED, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": " ".join(["word"] * isl_words)}]}
     if tools:
         body["tools"] = [WEATHER_TOOL]
@@ -289,8 +296,11 @@ async def _load(url: str, c: int, requests: int, tools: bool, isl_words: int) ->
             if chunk.get("usage"):
                 tokens[0] += chunk["usage"]["completion_tokens"]
         ttfts.append(first or 0.0)
-        ok = (calls == 1 and not content and finish == "tool_calls") if tools else (
-            calls == 0 and content == TOOL_REPLY and finish == "stop")
+        if expect is None:
+            ok = calls == 0 and bool(content) and finish in ("length", "stop")
+        else:
+            ok = (calls == 1 and not content and finish == "tool_calls") if tools else (
+                calls == 0 and content == expect and finish == "stop")
         if not ok:
             bad.append((calls, content[:80], finish))
 
@@ -358,6 +368,65 @@ def run_tools(a, parser: argparse.ArgumentParser) -> int:
     return 0 if all(r["ok"] for r in runs) else 1
 
 
+# -- --cluster-key: the internal planes with a cluster key vs without ------------------------------
+
+KEY_SYSTEMS = ("turbine-key", "turbine")
+
+
+def run_cluster_key(a) -> int:
+    """Two stacks up side by side (KV router, so that the event plane's signatures are checked on
+    every load report and KV event), the same load on each, point by point, ABBA over repeats."""
+    import asyncio
+    import secrets
+
+    a.model = a.model or default_model(a.python)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-key-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stacks: dict[str, Stack] = {}
+    runs, started = [], time.time()
+    try:
+        for s in KEY_SYSTEMS:
+            st = stacks[s] = Stack(s, run_dir, s)
+            env = {"TURBINE_CLUSTER_KEY": secrets.token_hex(32)} if s == "turbine-key" else {}
+            start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
+                                         "--speedup-ratio", "0", "--system-port", str(free_port()),
+                                         *a.turbine_mocker_args.split()],
+                          frontend_args=["--router-mode", "kv"], env=env)
+            _ready_or_stop(st, lambda: st.models_ready(SERVED, True), a.startup_timeout)
+        for rep in range(a.repeats):
+            order = KEY_SYSTEMS if (a.order == "abab" or rep % 2 == 0) else KEY_SYSTEMS[::-1]
+            for c in a.concurrency:
+                for s in order:
+                    st = stacks[s]
+                    wait_quiet()
+                    cpu0 = {p.name.split()[-1]: proc_cpu_s(p.popen.pid) for p in st.procs}
+                    rec = asyncio.run(_load(st.base_url, c, requests_for(a, c), False, a.isl, a.osl, None))
+                    cpu1 = {p.name.split()[-1]: proc_cpu_s(p.popen.pid) for p in st.procs}
+                    rec.update({"repeat": rep, "system": s, "concurrency": c, "requests": requests_for(a, c),
+                                "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0 if cpu0[k] is not None and cpu1.get(k)
+                                          is not None}})
+                    runs.append(rec)
+                    m = rec["metrics"]
+                    log(f"r{rep} {s} c{c}: {m['output_tok_s']:.0f} tok/s, {m['request_per_s']:.1f} req/s, "
+                        f"TTFT p50 {m['ttft_p50_ms']:.1f} ms, cpu {rec['cpu_s']}, bad {rec['n_bad']}")
+    finally:
+        for st in stacks.values():
+            st.stop()
+    summary = summarize(runs, a.concurrency, list(KEY_SYSTEMS))
+    table = markdown(summary, runs, list(KEY_SYSTEMS))
+    print(table)
+    out = Path(a.out.replace("frontend_ceiling-", "frontend_ceiling_cluster_key-"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "turbine_frontend_ceiling_cluster_key", "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "config": vars(a), "summary": summary, "runs": runs, "markdown": table}, indent=2, default=str) + "\n")
+    log(f"wrote {out}")
+    return 0 if all(r["ok"] for r in runs) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -396,6 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure tool-call parsing instead: turbine-tools (every answer a hermes tool call, parsed) "
                         "vs turbine (the same answer as plain content), one mocker stack, built-in load (no aiperf); "
                         "--isl is then the prompt's word count")
+    p.add_argument("--cluster-key", action="store_true",
+                   help="measure the cluster key instead: turbine-key (frontend and mocker share TURBINE_CLUSTER_KEY: "
+                        "request-plane handshake, signed events) vs turbine (no key), two stacks up side by side, "
+                        "KV router, built-in load (no aiperf); --isl is then the prompt's word count")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_ceiling-{today}.json"))
     return p
 
@@ -405,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.tools:
         return run_tools(a, parser)
+    if a.cluster_key:
+        return run_cluster_key(a)
     if a.systems is None:
         a.systems = "turbine,turbine-base,dynamo" if a.turbine_baseline else "turbine,dynamo"
     systems = [s for s in a.systems.split(",") if s]

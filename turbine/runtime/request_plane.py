@@ -455,6 +455,7 @@ class _ClientConnection(asyncio.Protocol):
         self.lost: asyncio.Future[None] = loop.create_future()
         # Done once the server proved the cluster key (at once without one); ConnectFailed if not.
         self.ready: asyncio.Future[None] = loop.create_future()
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it after a timeout
         self._reader = FrameReader(max_frame_bytes)
         self._transport: asyncio.Transport | None = None
         self._next_id = 1
