@@ -186,7 +186,8 @@ def add_cluster_security_args(parser: argparse.ArgumentParser, listens: bool = T
     g.add_argument("--tls-cert", default=env("TURBINE_TLS_CERT"),
                    help="PEM certificate of this process: with --tls-key and --tls-ca, the request plane is "
                         "mutual TLS (env TURBINE_TLS_CERT)")
-    g.add_argument("--tls-key", default=env("TURBINE_TLS_KEY"), help="PEM private key of --tls-cert (env TURBINE_TLS_KEY)")
+    g.add_argument("--tls-key", default=env("TURBINE_TLS_KEY"),
+                   help="PEM private key of --tls-cert (env TURBINE_TLS_KEY)")
     g.add_argument("--tls-ca", default=env("TURBINE_TLS_CA"),
                    help="PEM CA that signs the cluster's certificates; peers must present one (env TURBINE_TLS_CA)")
     if listens:
@@ -198,6 +199,7 @@ def add_cluster_security_args(parser: argparse.ArgumentParser, listens: bool = T
 
 def cluster_security_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ClusterSecurityConfig:
     with config_errors_to(parser):
-        return ClusterSecurityConfig(cluster_key=args.cluster_key or None, cluster_key_file=args.cluster_key_file or None,
+        return ClusterSecurityConfig(cluster_key=args.cluster_key or None,
+                                     cluster_key_file=args.cluster_key_file or None,
                                      tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
                                      tls_ca=args.tls_ca or None, insecure=getattr(args, "insecure", False))

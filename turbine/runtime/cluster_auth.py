@@ -12,7 +12,9 @@ frame is read:
 Fixed-size raw bytes, compared in constant time: nothing is decoded until the peer proved the
 key, and the client sends no request to a server that has not proved it either.
 
-Event plane: every message carries HMAC(k', topic + payload), checked before it is decoded.
+Event plane: every message carries a MAC of its payload under k' with its topic as BLAKE2b's
+personalization (keyed BLAKE2b is a MAC by design, RFC 7693, and costs a third of an HMAC-SHA256
+here: it runs on every load report and KV event), checked before the payload is decoded.
 k and k' are derived from the cluster key, one per use, so a proof for one plane is no proof
 for the other.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from hashlib import blake2b
 import ipaddress
 import logging
 import os
@@ -78,6 +81,7 @@ class ClusterAuth:
         self.tls = tls
         self._request_key = _derive(key, _REQUEST_PLANE) if key else b""
         self._event_key = _derive(key, _EVENT_PLANE) if key else b""
+        self._persons: dict[bytes, bytes] = {}  # topic -> BLAKE2b personalization (at most 16 bytes)
         self._server_ssl: ssl.SSLContext | None = None
         self._client_ssl: ssl.SSLContext | None = None
 
@@ -131,7 +135,13 @@ class ClusterAuth:
         """`payload` with its signature appended (unchanged without a key)."""
         if not self._event_key:
             return payload
-        return payload + hmac.digest(self._event_key, topic + payload, "sha256")
+        return payload + self._event_mac(topic, payload)
+
+    def _event_mac(self, topic: bytes, payload: bytes | memoryview) -> bytes:
+        person = self._persons.get(topic)
+        if person is None:
+            person = self._persons[topic] = topic if len(topic) <= 16 else blake2b(topic, digest_size=16).digest()
+        return blake2b(payload, key=self._event_key, person=person, digest_size=MAC_BYTES).digest()
 
     def verified(self, topic: bytes, signed: bytes) -> bytes | None:
         """The payload if its signature is right (or there is no key), else None."""
@@ -140,7 +150,7 @@ class ClusterAuth:
         if len(signed) < MAC_BYTES:
             return None
         payload, mac = signed[:-MAC_BYTES], signed[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.digest(self._event_key, topic + payload, "sha256")):
+        if not hmac.compare_digest(mac, self._event_mac(topic, payload)):
             return None
         return payload
 

@@ -9,9 +9,9 @@ A subscriber picks the backend from each address's scheme, so routers need no fl
 are a topic and a msgpack-encoded typed struct. Either backend may drop messages (a slow
 subscriber, a reconnect): that is why events carry ids (gaps are detected and recovered).
 
-With a cluster key (turbine/runtime/cluster_auth.py) every message carries an HMAC of its topic
-and payload; a subscriber drops (and logs) a message whose signature is wrong before anything
-decodes it. Signing rather than ZMQ CURVE: one mechanism for both backends, and with NATS the
+With a cluster key (turbine/runtime/cluster_auth.py) every message carries a MAC (keyed BLAKE2b)
+of its topic and payload; a subscriber drops (and logs) a message whose signature is wrong before
+anything decodes it. Signing rather than ZMQ CURVE: one mechanism for both backends, and with NATS the
 server relays whatever anyone allowed on it publishes, so only a per-message proof says who
 wrote it.
 """
