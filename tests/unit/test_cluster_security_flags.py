@@ -22,8 +22,11 @@ def refused(parse, argv, capsys) -> str:
     return capsys.readouterr().err
 
 
+ROUTER_HOSTS = ("0.0.0.0", "::", "192.0.2.7", "example.com")
+
+
 @pytest.mark.parametrize("parse,host", [(parse_mocker_args, "0.0.0.0"), (parse_worker_args, "0.0.0.0"),
-                                        *((parse_router_args, h) for h in ("0.0.0.0", "::", "192.0.2.7", "example.com"))],
+                                        *((parse_router_args, h) for h in ROUTER_HOSTS)],
                          ids=["mocker", "vllm", "router-0.0.0.0", "router-::", "router-ip", "router-name"])
 def test_listening_beyond_loopback_needs_a_key_or_insecure(parse, host, capsys, monkeypatch):
     monkeypatch.delenv("TURBINE_CLUSTER_KEY", raising=False)
