@@ -20,7 +20,7 @@ from turbine.protocol.frames import REQUEST, Frame
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
 from turbine.runtime.cluster_auth import MAGIC, SERVER_HELLO_BYTES, ClusterAuth, TlsFiles
 from turbine.runtime.codec import encode
-from turbine.runtime.errors import ConnectFailed
+from turbine.runtime.errors import ConnectFailed, PeerDisconnected
 from turbine.runtime.request_plane import RequestPlaneClient, encode_frame
 
 MODEL = DEFAULT_MODEL
@@ -55,7 +55,7 @@ def keyed(tmp_path_factory):
         for f in (frontend, kv_frontend):
             wait_until(lambda: instances_of(f, MODEL) == 2, 30, "frontend sees both workers", procs)
         yield {"worker": worker, "rogue": rogue, "frontend": frontend, "kv_frontend": kv_frontend,
-               "address": f"127.0.0.1:{port}"}
+               "address": f"127.0.0.1:{port}", "env": env, "root": root}
     finally:
         for p in procs:
             p.stop()
@@ -144,3 +144,33 @@ def test_mutual_tls_end_to_end(tmp_path_factory):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_the_router_service_serves_keyed_clients_only(keyed):
+    """The standalone router (key from the environment) answers best_worker to a client with the
+    key, not to one without, and drops the other-key worker's events unread."""
+    from tests.integration.procs import _start
+    from tests.integration.test_router_service import BS, ask, router_address
+    from turbine.protocol.router import BestWorkerRequest
+
+    router = _start("keyed-router", keyed["env"], keyed["root"], "turbine.router", "--system-port")
+    try:
+        wait_until(lambda: "serving best_worker" in router.log_path.read_text(errors="replace"), 30,
+                   "router registered", [router])
+        address = asyncio.run(router_address(keyed["env"]))
+        request = BestWorkerRequest(model=MODEL, token_ids=list(range(4 * BS)))
+
+        async def with_key(auth):
+            client = RequestPlaneClient(auth=auth, connect_timeout=2)
+            try:
+                return await ask(client, address, request)
+            finally:
+                await client.close()
+
+        assert asyncio.run(with_key(ClusterAuth(KEY.encode()))).instance_id
+        with pytest.raises((ConnectFailed, PeerDisconnected)):
+            asyncio.run(with_key(ClusterAuth()))
+        wait_until(lambda: "without a valid cluster-key signature" in router.log_path.read_text(), 15,
+                   "the router drops the other-key worker's events", [router])
+    finally:
+        router.stop()
