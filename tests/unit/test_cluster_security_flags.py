@@ -35,6 +35,9 @@ def test_listening_beyond_loopback_needs_a_key_or_insecure(parse, host, capsys, 
     for flag in ("--cluster-key", "--cluster-key-file", "--tls-cert", "--insecure"):
         assert flag in err
     assert parse(["--host", host, "--insecure"]).host == host
+    monkeypatch.setenv("TURBINE_INSECURE", "1")
+    assert parse(["--host", host]).security.insecure
+    monkeypatch.delenv("TURBINE_INSECURE")
     assert parse(["--host", host, "--cluster-key", KEY]).security.has_key
     monkeypatch.setenv("TURBINE_CLUSTER_KEY", KEY)  # the env does as well as the flag
     assert parse(["--host", host]).security.auth().key == KEY.encode()
