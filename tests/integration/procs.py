@@ -95,8 +95,9 @@ def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
     return env
 
 
-def _start(name: str, env: dict, log_dir: Path, module: str, port_flag: str, *args: str) -> Proc:
-    port = free_port()
+def _start(name: str, env: dict, log_dir: Path, module: str, port_flag: str, *args: str,
+           port: int | None = None) -> Proc:
+    port = port or free_port()
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", module, port_flag, str(port), *args]
     popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
@@ -111,8 +112,9 @@ def start_mocker(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
     return _start(name, env, log_dir, "turbine.mocker", "--system-port", *extra)
 
 
-def start_frontend(name: str, env: dict, log_dir: Path, *extra: str) -> Proc:
-    return _start(name, env, log_dir, "turbine.frontend", "--http-port", *extra)
+def start_frontend(name: str, env: dict, log_dir: Path, *extra: str, port: int | None = None) -> Proc:
+    """`port`: the HTTP port (default: a free one), e.g. a stopped frontend's to restart it."""
+    return _start(name, env, log_dir, "turbine.frontend", "--http-port", *extra, port=port)
 
 
 def wait_until(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:

@@ -4,7 +4,8 @@ Each worker publishes several topics (KV events, load metrics) at the one addres
 card. A router follows them all through one subscriber: one connection per worker whatever the
 number of topics, one receive loop, and each message handed to the handler of its topic (the
 KV events consumer, the load-metrics consumer). Handlers say which workers they follow;
-a worker's connection stays while any handler follows it.
+a worker's connection stays while any handler follows it. When a connection comes back after a
+break (a NATS restart), the consumers that asked are told, to recover what they missed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 
-from turbine.runtime.event_plane import EventSubscriber
+from turbine.runtime.event_plane import RESUBSCRIBED, EventSubscriber
 
 log = logging.getLogger("turbine.router")
 
@@ -23,6 +24,7 @@ Handler = Callable[[bytes], None]  # one message's payload, still encoded
 class RouterEventSubscriber:
     def __init__(self):
         self._handlers: dict[bytes, Handler] = {}
+        self._on_resubscribed: list[Callable[[str], None]] = []
         self._sub: EventSubscriber | None = None  # made on the first follow: its topics are fixed then
         self._followers: dict[str, int] = {}  # address -> how many follow() calls hold it
         self._task: asyncio.Task | None = None
@@ -32,6 +34,11 @@ class RouterEventSubscriber:
         if self._sub is not None and topic not in self._sub.topics:
             raise RuntimeError(f"topic {topic!r} added after the subscription was made")
         self._handlers[topic] = handler
+
+    def on_resubscribed(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(address)` when the connection to `address` came back: what it
+        published meanwhile may be lost."""
+        self._on_resubscribed.append(callback)
 
     def follow(self, address: str) -> None:
         """Receive what the publisher at `address` sends (once per follow, however many: each
@@ -68,6 +75,15 @@ class RouterEventSubscriber:
     async def _run(self) -> None:
         while True:
             topic, payload = await self._sub.recv()
+            if topic == RESUBSCRIBED:
+                address = payload.decode()
+                if address in self._followers:
+                    for callback in self._on_resubscribed:
+                        try:
+                            callback(address)
+                        except Exception:
+                            log.exception("resubscription to %s could not be handled", address)
+                continue
             handler = self._handlers.get(topic)
             if handler is None:
                 continue

@@ -4,7 +4,9 @@ Missed events are recovered, not just reported. Each publisher (worker, dp rank)
 batches; on a gap, and when the router starts following a worker (it may have cached blocks
 already), the consumer asks the worker's `kv_events_replay` endpoint for what it lacks: the
 missed batches, or a snapshot of the worker's whole cache. Live batches arriving meanwhile are
-held, then those newer than the answer are applied.
+held, then those newer than the answer are applied. When the event plane's connection to a
+worker comes back after a break (a NATS restart), the consumer asks at once for what followed
+the last event it applied: an idle worker would show the gap only at its next event.
 
 Failures are loud, never silent: a worker that publishes no events, a block size that differs
 from the router's, missed events and failed recoveries (retried with backoff) each log a
@@ -49,6 +51,7 @@ class KvEventsConsumer:
         self._own_sub = subscriber is None
         self._sub = subscriber or RouterEventSubscriber()
         self._sub.on(KV_EVENTS_TOPIC, self.handle)
+        self._sub.on_resubscribed(self.resubscribed)
         self._own_client = client is None
         self._client = client or RequestPlaneClient()
         self._retry_s = retry_s
@@ -139,6 +142,16 @@ class KvEventsConsumer:
                 return
         self._last_event_id[worker] = batch.event_id
         self._apply_events(worker, batch)
+
+    def resubscribed(self, address: str) -> None:
+        """The event plane reconnected to `address`: what its workers published meanwhile may be
+        lost. Ask each for what followed its last applied event (an empty answer if nothing)."""
+        for instance_id, followed in self._address_of.items():
+            if followed != address:
+                continue
+            for worker, last in list(self._last_event_id.items()):
+                if worker.instance_id == instance_id and worker not in self._held:
+                    self._start_recovery(worker, last)
 
     def _apply_events(self, worker: WorkerKey, batch: KvEventBatch) -> None:
         for event in batch.events:

@@ -9,6 +9,9 @@ A subscriber picks the backend from each address's scheme, so routers need no fl
 are a topic and a msgpack-encoded typed struct. Either backend may drop messages (a slow
 subscriber, a reconnect): that is why events carry ids (gaps are detected and recovered).
 
+A subscriber also says when its connection to a publisher came back (RESUBSCRIBED), so that
+what was lost is recovered without waiting for the publisher's next event.
+
 With a cluster key (turbine/runtime/cluster_auth.py) every message carries a MAC (keyed BLAKE2b)
 of its topic and payload; a subscriber drops (and logs) a message whose signature is wrong before
 anything decodes it. Signing rather than ZMQ CURVE: one mechanism for both backends, and with NATS the
@@ -39,6 +42,9 @@ SEND_HWM = 100_000  # queued messages per subscriber before PUB drops
 ZMQ_SUBSCRIBE_SETTLE_S = 0.01  # after the handshake: measured enough here (1 ms already was)
 EVENT_PLANES = ("zmq", "nats")
 DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
+# Not a topic on the wire: EventSubscriber.recv() returns (RESUBSCRIBED, address) when the
+# connection to `address` came back after a break (nats: the server restarted or was unreachable).
+RESUBSCRIBED = b"\x00resubscribed"
 
 
 class EventPlaneError(Exception):
@@ -177,9 +183,12 @@ class EventSubscriber:
             await asyncio.sleep(ZMQ_SUBSCRIBE_SETTLE_S)  # for the publisher's I/O thread to take them
 
     async def recv(self) -> tuple[bytes, bytes]:
-        """The next (topic, payload) from any publisher followed whose signature is right."""
+        """The next (topic, payload) from any publisher followed whose signature is right, or
+        (RESUBSCRIBED, address): messages `address` published before may have been lost."""
         while True:
             topic, signed = await self._queue.get()
+            if topic == RESUBSCRIBED:  # put there by our own NATS subscriber: never read off the wire
+                return topic, signed
             payload = self.auth.verified(topic, signed)
             if payload is not None:
                 return topic, payload

@@ -5,7 +5,9 @@ instance ("turbine.events.<instance_id>.<topic>"), and announce "nats://host:por
 nats-py publishes asynchronously; the engine path must never wait, so `publish()` only queues
 the message and one task per connection sends the queue in order. One connection per process
 (the mocker's N workers share it), reconnecting by itself; what is lost meanwhile shows up as
-an event-id gap, which routers recover.
+an event-id gap, which routers recover. A subscriber whose connection came back says so in
+its queue (RESUBSCRIBED), so that routers recover what was lost at once, not at the
+publisher's next event (an idle worker may send none for long).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -24,7 +27,7 @@ from nats.errors import Error as NatsError
 from turbine.runtime import cluster_auth
 from turbine.runtime.cluster_auth import ClusterAuth
 from turbine.runtime.codec import encode
-from turbine.runtime.event_plane import EventPlaneError
+from turbine.runtime.event_plane import RESUBSCRIBED, EventPlaneError
 
 log = logging.getLogger("turbine.event_plane")
 
@@ -56,8 +59,9 @@ def parse_address(address: str) -> tuple[str, str]:
     return parse_server(address), prefix
 
 
-async def _connect(server: str, what: str) -> Client:
-    """Connected, or EventPlaneError after CONNECT_TIMEOUT_S; reconnects forever afterwards."""
+async def _connect(server: str, what: str, reconnected: Callable[[], None] | None = None) -> Client:
+    """Connected, or EventPlaneError after CONNECT_TIMEOUT_S; reconnects forever afterwards,
+    then calls `reconnected` (the server has our subscriptions again by then)."""
     last_error: list[BaseException] = []
     warned = [0.0]
 
@@ -74,6 +78,8 @@ async def _connect(server: str, what: str) -> Client:
 
     async def on_reconnected() -> None:
         log.info("NATS %s (%s): reconnected", server, what)
+        if reconnected is not None:
+            reconnected()
 
     client = Client()
     try:
@@ -215,11 +221,19 @@ class NatsEventSubscriber:
         delay = RETRY_S[0]
         while True:
             try:
-                return await _connect(server, "following events")
+                return await _connect(server, "following events", lambda: self._resubscribed(server))
             except EventPlaneError as exc:
                 log.warning("%s (KV events of its workers are not followed); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_S[1])
+
+    def _resubscribed(self, server: str) -> None:
+        for address in self._subscribing:
+            if parse_address(address)[0] == server:
+                try:
+                    self._queue.put_nowait((RESUBSCRIBED, address.encode()))
+                except asyncio.QueueFull:  # the consumer is behind: the next event's id gap still tells
+                    self.dropped += 1
 
     async def _follow(self, server: str, prefix: str, ready: asyncio.Future) -> None:
         client = await asyncio.shield(self._clients[server])

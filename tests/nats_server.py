@@ -1,0 +1,55 @@
+"""Run a private NATS server for tests that stop and restart it (Debian's nats-server package).
+Never the machine's shared server: a free port of its own, kept across restarts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+NATS_HINT = "install Debian's nats-server (apt-get install -y nats-server)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    def __init__(self, log_path: Path) -> None:
+        self.binary = shutil.which("nats-server")
+        if self.binary is None:
+            raise RuntimeError(f"nats-server binary not found: {NATS_HINT}")
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"nats-server did not start on port {self.port}; log tail:\n{tail}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGKILL: an outage, not a goodbye (clients get no notice)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def _ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                return s.recv(4) == b"INFO"
+        except OSError:
+            return False
