@@ -48,6 +48,8 @@ class EtcdDiscovery(DiscoveryBackend):
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]
         self._keys: dict[str, bytes] = {}  # what we own: re-put after a lease loss
+        # After etcd lost its data: owners (same TTL, we assume) renew every ttl/3, then re-put.
+        self._resync_after_s = self.ttl / 3 + 1.0
         # Serialises writes with lease replacement, so a re-put never resurrects a deleted key.
         self._lock = asyncio.Lock()
         self._stale = False  # a write failed: etcd may not hold exactly self._keys
@@ -112,6 +114,7 @@ class EtcdDiscovery(DiscoveryBackend):
         full = self.root + prefix
         last: dict[str, bytes] | None = None
         while True:
+            data_lost = False
             try:
                 # Snapshot, then watch from the next revision: no event can fall in between.
                 snapshot, revision = await self._range(prefix)
@@ -124,7 +127,8 @@ class EtcdDiscovery(DiscoveryBackend):
                         if response.canceled or response.compact_revision:
                             break  # history compacted or watch dropped: re-read the snapshot
                         if response.header.revision < revision:
-                            break  # etcd restarted without its data: our revision never comes
+                            data_lost = True  # etcd restarted without its data: our revision never comes
+                            break
                         revision = response.header.revision
                         for event in response.events:
                             key = event.kv.key.decode()[len(self.root) :]
@@ -135,8 +139,18 @@ class EtcdDiscovery(DiscoveryBackend):
                         if snapshot != last:
                             last = dict(snapshot)
                             yield dict(snapshot)
+                if data_lost:
+                    # Every key is gone until its owner finds its lease unknown (at its next
+                    # keep-alive) and puts its keys again: re-read after that, so that callers
+                    # never see live workers vanish (the frontend would drop its model table).
+                    logger.warning("etcd restarted without its data; re-reading %r in %.1fs, once owners "
+                                   "have registered again", full, self._resync_after_s)
+                    await asyncio.sleep(self._resync_after_s)
             except _ETCD_ERRORS as exc:
                 logger.warning("etcd watch on %r failed (%s); retrying", full, _describe(exc))
+                await asyncio.sleep(1.0)
+            except Exception:  # the caller keeps its last snapshot meanwhile; never stop watching
+                logger.exception("etcd watch on %r failed unexpectedly; retrying", full)
                 await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ internals
@@ -175,6 +189,10 @@ class EtcdDiscovery(DiscoveryBackend):
             except _ETCD_ERRORS as exc:
                 if healthy:
                     logger.warning("etcd lease keep-alive failed (%s); will retry and re-register", _describe(exc))
+                healthy = False
+                self._stale = True
+            except Exception:  # whatever it is, a live process must never stop renewing for good
+                logger.exception("etcd lease keep-alive failed unexpectedly; will retry and re-register")
                 healthy = False
                 self._stale = True
 
