@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the whole test suite. Makes sure the servers the tests need are there: etcd (Debian's
 # etcd-server; the tests start a private instance on free ports, or use $TURBINE_TEST_ETCD)
-# and NATS on 127.0.0.1:4222 (started here when nothing listens there).
+# and NATS on 127.0.0.1:4222 (started here when nothing listens there; the outage tests also
+# start private nats-servers of their own, so the binary is needed either way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -12,10 +13,11 @@ if ! command -v etcd >/dev/null 2>&1; then
   echo "etcd not found: installing Debian's etcd-server" >&2
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server) >/dev/null
 fi
+if ! command -v nats-server >/dev/null 2>&1; then
+  echo "nats-server not found: installing Debian's nats-server" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server) >/dev/null
+fi
 if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
-  if ! command -v nats-server >/dev/null 2>&1; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server) >/dev/null
-  fi
   nats-server -a 127.0.0.1 -p 4222 >/tmp/turbine-test-nats.log 2>&1 &
   NATS_PID=$!
 fi
