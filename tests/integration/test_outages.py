@@ -261,6 +261,7 @@ def test_frontend_restarted_under_traffic_fails_only_its_inflight_requests(tmp_p
         killed_at = time.monotonic()
         frontend.stop(signal.SIGKILL)
         wait_until(lambda: traffic.in_flight == 0, 60, "in-flight requests ended", [workers])
+        assert worker_ready(workers)  # healthy while no frontend is there
         # Restarted on the same port: clients need no new address.
         again = start_frontend("restart-frontend-again", env, tmp_path, port=frontend.port)
         procs = [workers, again]
