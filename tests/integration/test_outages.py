@@ -136,7 +136,8 @@ def test_etcd_stopped_30s_under_traffic_fails_nothing_and_a_lapsed_worker_comes_
     link_b = TcpProxy(("127.0.0.1", etcd.client_port))
     a = start_mocker("etcd-worker-a", env, tmp_path)
     b = start_mocker("etcd-worker-b", {**env, "TURBINE_ETCD_ENDPOINTS": link_b.endpoint}, tmp_path)
-    frontend = start_frontend("etcd-frontend", env, tmp_path)
+    # No request migration: an etcd outage must not fail any request in the first place.
+    frontend = start_frontend("etcd-frontend", env, tmp_path, "--migration-limit", "0")
     procs = [a, b, frontend]
     traffic = None
     try:
@@ -191,7 +192,7 @@ def test_nats_restarted_under_traffic_events_resume_and_routers_recover_what_the
     env = base_env(str(tmp_path / "discovery"), ttl=TTL_S)
     workers = start_mocker("nats-workers", env, tmp_path, "--num-workers", "2", "--block-size", str(BLOCK),
                            "--speedup-ratio", "0", "--event-plane", "nats", "--nats-server", nats.url)
-    live = start_frontend("nats-live-frontend", env, tmp_path, "--router-mode", "kv")
+    live = start_frontend("nats-live-frontend", env, tmp_path, "--router-mode", "kv", "--migration-limit", "0")
     # The second router misses every event from before the restart until after it: it is
     # stopped (CPU-starved) meanwhile, so only recovery can teach it what the workers cached.
     starved = start_frontend("nats-starved-frontend", env, tmp_path, "--router-mode", "kv")
