@@ -31,7 +31,8 @@ from turbine.model.prepare import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
 ETCD_OUTAGE_S = 30
-TTL_S = 3  # discovery TTL of every process here: a stalled worker's lease lapses soon
+TTL_S = 3  # discovery TTL (file backend): a dead worker's records go soon
+ETCD_TTL_S = 5  # etcd leases: a cut-off worker's lapses soon, a live one's keep-alive has slack on a busy machine
 BLOCK = 16
 SYSTEM = "You are a careful assistant who answers briefly and precisely. " * 24  # ~16 blocks
 
@@ -129,7 +130,7 @@ def stop_all(procs) -> None:
 def test_etcd_stopped_30s_under_traffic_fails_nothing_and_a_lapsed_worker_comes_back(tmp_path):
     etcd = EtcdServer(tmp_path)
     etcd.start()
-    env = base_env(str(tmp_path / "unused"), ttl=TTL_S)
+    env = base_env(str(tmp_path / "unused"), ttl=ETCD_TTL_S)
     env.update(TURBINE_DISCOVERY_BACKEND="etcd", TURBINE_ETCD_ENDPOINTS=etcd.endpoint)
     # Worker b reaches etcd through a link the test cuts for longer than the outage: its lease
     # lapses while it is alive and serving (what a CPU-starved or partitioned worker lives through).
