@@ -192,7 +192,8 @@ class EtcdDiscovery(DiscoveryBackend):
                 healthy = False
                 self._stale = True
             except Exception:  # whatever it is, a live process must never stop renewing for good
-                logger.exception("etcd lease keep-alive failed unexpectedly; will retry and re-register")
+                if healthy:
+                    logger.exception("etcd lease keep-alive failed unexpectedly; will retry and re-register")
                 healthy = False
                 self._stale = True
 
