@@ -19,6 +19,7 @@ from turbine.router.hashing import block_hashes
 from turbine.router.indexer import KvIndexer, WorkerKey
 from turbine.router.kv_events_consumer import KvEventsConsumer
 from turbine.runtime import event_plane_nats
+from turbine.runtime.cluster_auth import ClusterAuth
 from turbine.runtime.codec import decode
 from tests.nats_server import NatsServer
 from turbine.runtime.event_plane import (
@@ -125,13 +126,15 @@ async def test_topics_stay_apart_and_publishers_share_one_connection(plane):
     loads.close()
 
 
-async def test_a_restarted_server_is_reported_then_events_flow_again(tmp_path):
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["keyless", "cluster-key"])
+async def test_a_restarted_server_is_reported_then_events_flow_again(tmp_path, key):
     # A private server: restarting the shared one would break everyone else's tests.
     server = NatsServer(tmp_path / "nats.log")
     await asyncio.to_thread(server.start)
-    plane = await WorkerEventPlane.open("nats", nats_server=server.url)
+    auth = ClusterAuth(key)  # with a key, the report (ours, not from the wire) is not taken for a forgery
+    plane = await WorkerEventPlane.open("nats", nats_server=server.url, auth=auth)
     pub = plane.publisher("nats-r")
-    sub = EventSubscriber((LOAD_METRICS_TOPIC,))
+    sub = EventSubscriber((LOAD_METRICS_TOPIC,), auth=auth)
     try:
         sub.connect(pub.address)
         await sub.subscribed(pub.address)
@@ -150,6 +153,7 @@ async def test_a_restarted_server_is_reported_then_events_flow_again(tmp_path):
                 except TimeoutError:  # the publisher may still be reconnecting
                     pass
         assert (topic, decode(payload, Ping).n) == (LOAD_METRICS_TOPIC, 5)
+        assert sub.forged == 0
     finally:
         sub.close()
         await plane.close()
