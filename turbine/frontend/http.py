@@ -26,6 +26,7 @@ from turbine.frontend.embeddings import embeddings
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
+from turbine.frontend.openapi import OPENAPI_PATH, openapi_json
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Kind, preprocess_all
 from turbine.frontend.responses import ResponsesRun
@@ -65,6 +66,7 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            Route(OPENAPI_PATH, self.openapi, methods=["GET"]),
             *UtilityRoutes(self.frontend, self._auth).routes(),
         ]
         others = Starlette(routes=routes, lifespan=self.frontend.lifespan,
@@ -88,7 +90,9 @@ class HttpApi:
         return app
 
     async def _http_error(self, request: Request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        response = error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow (RFC 9110 requires it)
+        return response
 
     async def _internal_error(self, request: Request, exc: Exception):
         log.exception("unexpected error serving %s", request.url.path)
@@ -116,6 +120,10 @@ class HttpApi:
             if model.prefill_router is not None:
                 model.prefill_router.export_metrics()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, request: Request):
+        """The OpenAPI document (turbine/frontend/openapi.py); no API key: it is the same everywhere."""
+        return Response(openapi_json(), media_type="application/json")
 
     async def list_models(self, request: Request):
         if (denied := self._auth(request)) is not None:
