@@ -98,3 +98,39 @@ def test_405_names_the_allowed_methods(fuzz_target):
     assert "GET" in r.headers["allow"]
     r = httpx.get(f"{fuzz_target['frontend'].url}/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+DEEP = _nested(100_000)  # far past any decoder's stack
+ONE_MESSAGE = '[{"role": "user", "content": "hi"}]'
+NESTED_BODIES = {
+    "chat message field": ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", '
+                                                    f'"content": "hi", "x": {DEEP}}}]}}'),
+    "responses input": ("/v1/responses", f'{{"model": "{MODEL}", "input": [{{"type": "message", "role": "user", '
+                                         f'"content": {DEEP}}}]}}'),
+    "tokenize tools": ("/tokenize", f'{{"messages": {ONE_MESSAGE}, "tools": [{{"x": {DEEP}}}]}}'),
+    "embeddings": ("/v1/embeddings", f'{{"model": "{MODEL}", "input": "hi", "x": {DEEP}}}'),
+    # JSON text inside a string: the tool call's arguments are parsed to render the template
+    "chat tool-call arguments": ("/v1/chat/completions", json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": _nested(5000)}}]}]})),
+    "responses function_call arguments": ("/v1/responses", json.dumps({"model": MODEL, "max_output_tokens": 2, "input": [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": _nested(5000)}]})),
+}
+
+
+@pytest.mark.parametrize("name", list(NESTED_BODIES))
+def test_deeply_nested_json_is_not_a_500(fuzz_target, name):
+    """Found by fuzzing: JSON nested deeper than the decoder's stack (the body, or JSON text in
+    a tool call's arguments) raised RecursionError, answered 500. Now a 400 in OpenAI's shape,
+    or, for arguments kept as text, the request is served."""
+    path, body = NESTED_BODIES[name]
+    r = httpx.post(f"{fuzz_target['frontend'].url}{path}", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -96,6 +96,11 @@ def decode_request(body: bytes, kind: type[msgspec.Struct], ignore_unknown_field
         raise RequestError(f"invalid request: {exc}", param=param) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
+    except RecursionError:  # JSON nested deeper than the decoder's stack allows (found by fuzzing: was a 500)
+        raise RequestError(TOO_DEEP) from None
+
+
+TOO_DEEP = "malformed JSON body: nested too deeply"
 
 
 def json_object(body: bytes) -> dict:
@@ -104,6 +109,8 @@ def json_object(body: bytes) -> dict:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise RequestError(TOO_DEEP) from None
     if not isinstance(raw, dict):
         raise RequestError("the request body must be a JSON object")
     return raw

@@ -214,7 +214,7 @@ def _inline_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
         args = fn.get("arguments")
         try:
             args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply (found by fuzzing: was a 500)
             pass  # kept as the text it is
         parts.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>")
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": "\n".join(parts)}
