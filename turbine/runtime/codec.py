@@ -45,6 +45,8 @@ def decode(data: bytes | bytearray | memoryview, type_: type[T]) -> T:
         raise DecodeError(f"invalid {_name(type_)}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise DecodeError(f"undecodable {_name(type_)}: {exc}") from None
+    except RecursionError:  # an untyped (Any) field nested past the decoder's stack (found by fuzzing)
+        raise DecodeError(f"undecodable {_name(type_)}: nested too deeply") from None
 
 
 def _name(type_: Any) -> str:
