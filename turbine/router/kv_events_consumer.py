@@ -58,6 +58,7 @@ class KvEventsConsumer:
         self._timeout_s = timeout_s
         self._address_of: dict[str, str] = {}  # instance id -> its publisher's address
         self._replay_address: dict[str, str] = {}  # instance id -> its request-plane address
+        self._ranks: dict[str, int] = {}  # instance id -> its data-parallel ranks (its card's)
         self._last_event_id: dict[WorkerKey, int] = {}
         self._held: dict[WorkerKey, deque[KvEventBatch]] = {}  # publishers being recovered
         self._recovering: dict[WorkerKey, asyncio.Task] = {}
@@ -74,6 +75,7 @@ class KvEventsConsumer:
         for instance_id in self._address_of.keys() - cards.keys():
             self._sub.unfollow(self._address_of.pop(instance_id))
             self._replay_address.pop(instance_id, None)
+            self._ranks.pop(instance_id, None)
             for key in {k for k in (*self._last_event_id, *self._held) if k.instance_id == instance_id}:
                 self._last_event_id.pop(key, None)
                 self._stop_recovery(key)
@@ -97,6 +99,7 @@ class KvEventsConsumer:
                                     "are not followed")
                     continue
                 self._address_of[instance_id] = card.kv_events_address
+                self._ranks[instance_id] = max(1, card.data_parallel_size)
                 if instance_id in addresses:
                     self._replay_address[instance_id] = addresses[instance_id]
                 # It may have cached blocks already, in any of its ranks: learn them now (once
@@ -121,6 +124,13 @@ class KvEventsConsumer:
         """One live batch, as published."""
         if batch.instance_id not in self._address_of:
             return  # a worker we no longer follow
+        if not 0 <= batch.dp_rank < self._ranks.get(batch.instance_id, 1):
+            # A rank its card does not have: each made-up rank would get its own index slot and
+            # recovery (found by fuzzing).
+            self.rejected += 1
+            self._warn_once(batch.instance_id, "bad-rank", f"worker {batch.instance_id}: KV events for dp rank "
+                            f"{batch.dp_rank} dropped (its card has {self._ranks.get(batch.instance_id, 1)})")
+            return
         worker = WorkerKey(batch.instance_id, batch.dp_rank)
         held = self._held.get(worker)
         if held is not None:  # being recovered: applied after the answer, if newer

@@ -31,6 +31,7 @@ class LoadMetricsConsumer:
         self._sub = subscriber or RouterEventSubscriber()
         self._sub.on(LOAD_METRICS_TOPIC, self.handle)
         self._address_of: dict[str, str] = {}  # instance id -> its publisher's address
+        self._ranks: dict[str, int] = {}  # instance id -> its data-parallel ranks (its card's)
         self._unfollowable: set[str] = set()  # instance ids whose address we cannot follow (warned once)
         self.received = 0
         self.rejected = 0
@@ -39,6 +40,7 @@ class LoadMetricsConsumer:
         """Follow exactly the publishers of these instances (call on every discovery change)."""
         for instance_id in self._address_of.keys() - cards.keys():
             self._sub.unfollow(self._address_of.pop(instance_id))
+            self._ranks.pop(instance_id, None)
             self.loads.forget_instance(instance_id)  # the reports of every rank it had
         self._unfollowable &= cards.keys()
         for instance_id, card in cards.items():
@@ -54,6 +56,7 @@ class LoadMetricsConsumer:
                         log.warning("worker %s: %s; its load reports are not followed", instance_id, exc)
                     continue
                 self._address_of[instance_id] = address
+            self._ranks[instance_id] = max(1, card.data_parallel_size)
 
     def handle(self, payload: bytes) -> None:
         """One message of the load-metrics topic, as received."""
@@ -68,6 +71,12 @@ class LoadMetricsConsumer:
     def apply(self, metrics: LoadMetrics) -> None:
         if metrics.instance_id not in self._address_of:
             return  # a worker we no longer follow
+        if not 0 <= metrics.dp_rank < self._ranks.get(metrics.instance_id, 1):
+            # A rank its card does not have: kept, every made-up rank would grow the tracker (found by fuzzing).
+            self.rejected += 1
+            log.warning("load report of worker %s for dp rank %d dropped: its card has %d rank(s)",
+                        metrics.instance_id, metrics.dp_rank, self._ranks.get(metrics.instance_id, 1))
+            return
         self.received += 1
         self.loads.report(WorkerKey(metrics.instance_id, metrics.dp_rank), metrics)
 

@@ -115,8 +115,12 @@ class ZmqEventSubscriber:
                 future.set_result(None)
 
     async def recv(self) -> tuple[bytes, bytes]:
-        topic, payload = await self._sock.recv_multipart()
-        return topic, payload
+        while True:
+            parts = await self._sock.recv_multipart()
+            if len(parts) == 2:
+                return parts[0], parts[1]
+            # Not (topic, payload): unpacking it raised and ended the receive loop (found by fuzzing).
+            log.warning("event-plane message of %d part(s) dropped (expected topic and payload)", len(parts))
 
     def close(self) -> None:
         self._watch.cancel()
