@@ -74,7 +74,8 @@ def test_schemathesis_finds_nothing(fuzz_target):
            "-H", f"Authorization: Bearer {API_KEY}", "--max-examples", EXAMPLES, *seed, "--checks", CHECKS,
            "--phases", "examples,coverage,fuzzing", "--workers", "1", "--request-timeout", "60",
            "--suppress-health-check", "all", "--warnings", "off", "--report-dir", str(fuzz_target["root"])]
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # Run from the module's temporary folder: schemathesis keeps a cache in its working directory.
+    run = subprocess.run(cmd, cwd=fuzz_target["root"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
     assert "passed" in run.stdout, run.stdout[-5000:]
 
