@@ -22,6 +22,11 @@ from turbine.runtime.request_plane import RequestPlaneClient
 MIN_REQUEST_BYTES = 1024
 
 
+# Far above what one frontend process streams at speed (benchmarks/RESULTS.md, frontend ceiling),
+# so it bites only on a flood.
+DEFAULT_MAX_INFLIGHT_REQUESTS = 4096
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
     http_host: str = flag("--http-host", default="127.0.0.1")
@@ -39,6 +44,10 @@ class FrontendConfig:
     ignore_unknown_fields: bool = flag("--ignore-unknown-fields", default=False)
     # How it proves itself to workers and routers, and checks their events.
     security: ClusterSecurityConfig = ClusterSecurityConfig()
+    # Overload control: generation requests held at once (more get 503), and the Retry-After
+    # (seconds) of every 503 'overloaded' answer.
+    max_inflight_requests: int = flag("--max-inflight-requests", default=DEFAULT_MAX_INFLIGHT_REQUESTS)
+    overload_retry_after: int = flag("--overload-retry-after", default=1)
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
@@ -47,6 +56,8 @@ class FrontendConfig:
         check(self, 1 <= self.max_prompt_embeds_bytes <= MAX_PROMPT_EMBEDS_BYTES, "max_prompt_embeds_bytes",
               f"must be between 1 and {MAX_PROMPT_EMBEDS_BYTES} (a request-plane frame holds 32 MiB)")
         check(self, self.api_key is None or bool(self.api_key.strip()), "api_key", "is empty")
+        check(self, self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
+        check(self, self.overload_retry_after >= 0, "overload_retry_after", "must be >= 0 (seconds)")
 
 
 class Frontend:

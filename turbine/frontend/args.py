@@ -12,7 +12,7 @@ from turbine.config import (
     config_errors_to,
     discovery_config_from_args,
 )
-from turbine.frontend.app import FrontendConfig
+from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
@@ -41,6 +41,12 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    default=env("TURBINE_IGNORE_UNKNOWN_FIELDS", "") not in ("", "0", "false"),
                    help="drop request fields this server does not implement (a warning per field name) "
                         "instead of answering 400 (env TURBINE_IGNORE_UNKNOWN_FIELDS=1)")
+    g.add_argument("--max-inflight-requests", type=int,
+                   default=int(env("TURBINE_MAX_INFLIGHT_REQUESTS", str(DEFAULT_MAX_INFLIGHT_REQUESTS))),
+                   help="generation requests served at once; more get 503 'overloaded' with Retry-After")
+    g.add_argument("--overload-retry-after", type=int, default=int(env("TURBINE_OVERLOAD_RETRY_AFTER", "1")),
+                   help="seconds in the Retry-After header of a 503 'overloaded' (every worker refused the "
+                        "request, or --max-inflight-requests was reached)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
@@ -73,6 +79,8 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               max_request_bytes=args.max_request_bytes,
                               max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                               ignore_unknown_fields=args.ignore_unknown_fields,
+                              max_inflight_requests=args.max_inflight_requests,
+                              overload_retry_after=args.overload_retry_after,
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,

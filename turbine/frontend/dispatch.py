@@ -31,6 +31,7 @@ from turbine.frontend.errors import RequestError, WorkerFailed, failure_of
 from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.migration import MigrationConfig, continuation, migration_reason, why_not_continued
 from turbine.frontend.models import ServedModel
+from turbine.frontend.overload import OverloadRetries
 from turbine.protocol.discovery import InstanceRecord
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.router.policy import Router, Target
@@ -216,11 +217,13 @@ class Dispatch:
                 else:
                     request = msgspec.structs.replace(request, kv_transfer_params=params)
                     self.metrics.remote_prefills.inc()
+        overload = OverloadRetries(model.name, self.metrics)  # an overloaded worker's refusal: try another
         return await on_some_worker(
             pool, model.router, request, self._first_output, first=chosen, tried=set(self._failed),
-            retry=lambda exc: isinstance(exc, ConnectFailed) or self._may_migrate(exc.__cause__),
-            none_left=lambda tried: RequestError(f"no live worker for model {model.name!r}", param="model",
-                                                 status=503, type_="service_unavailable"))
+            # A refusal as overloaded comes before any work: trying another worker costs no migration.
+            retry=lambda exc: (isinstance(exc, ConnectFailed) or overload.refused(exc)
+                               or self._may_migrate(exc.__cause__)),
+            none_left=overload.none_left)
 
     async def _first_output(self, target: Target, request: GenerateRequest) -> GenerateOutput:
         inst = target.instance

@@ -37,6 +37,15 @@ class WorkerFailed(RequestError):
         super().__init__(message, status=status, type_=type_, code=code)
 
 
+class Overloaded(RequestError):
+    """Every worker refused the request as overloaded, or the frontend is at its own bound:
+    503 (the server is saturated, not the client over a rate limit: OpenAI answers an
+    overloaded engine with 503 too) with a Retry-After header (the http stage adds it)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503, type_="service_unavailable", code=codes.OVERLOADED)
+
+
 def failure_of(exc: RemoteError, instance_id: str | None = None) -> RequestError:
     """A worker's typed error as the frontend's: bad input is the client's (400), the rest
     keep the worker's code. No message is parsed."""

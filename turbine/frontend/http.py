@@ -23,16 +23,18 @@ from starlette.routing import Route
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.embeddings import embeddings
-from turbine.frontend.errors import RequestError, WorkerFailed
+from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
 from turbine.frontend.openapi import OPENAPI_PATH, openapi_json
+from turbine.frontend.overload import InflightLimit
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Kind, preprocess_all
 from turbine.frontend.responses import ResponsesRun
 from turbine.frontend.responses import prepare as prepare_response
 from turbine.frontend.structured import WORKER_PARAM
 from turbine.frontend.utility_routes import UtilityRoutes
+from turbine.protocol import errors as codes
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
@@ -55,6 +57,7 @@ class HttpApi:
         self.frontend = frontend
         self.cfg = frontend.cfg
         self.metrics = frontend.metrics
+        self.inflight = InflightLimit(self.cfg.max_inflight_requests)
 
     def app(self):
         """The ASGI app. The two generation routes are served here directly; the rest (and
@@ -80,11 +83,20 @@ class HttpApi:
             if scope["method"] != "POST":
                 response = error_response(405, f"{scope['path']} takes POST", "invalid_request_error")
                 response.headers["allow"] = "POST"
+            elif not self.inflight.try_enter():
+                self.metrics.inflight_limit.inc()
+                response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
+                                                  f"(--max-inflight-requests); retry later"))
             else:
-                try:
-                    response = await self.generate(request, kind)
-                except Exception as exc:
-                    response = await self._internal_error(request, exc)
+                try:  # held until the answer's last byte is sent
+                    try:
+                        response = await self.generate(request, kind)
+                    except Exception as exc:
+                        response = await self._internal_error(request, exc)
+                    await response(scope, receive, send)
+                finally:
+                    self.inflight.leave()
+                return
             await response(scope, receive, send)
 
         return app
@@ -169,7 +181,14 @@ class HttpApi:
             if exc.param == WORKER_PARAM and prepared is not None and prepared.constraint_param:
                 exc.param = prepared.constraint_param  # the engine refused the constraint: the client's field
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return self._error(exc)
+
+    def _error(self, exc: RequestError) -> JSONResponse:
+        """The error's OpenAI-style answer; an overload 503 says when to come back (Retry-After)."""
+        response = JSONResponse(exc.body(), status_code=exc.status)
+        if exc.code == codes.OVERLOADED and exc.status == 503:
+            response.headers["retry-after"] = str(self.cfg.overload_retry_after)
+        return response
 
     async def embeddings(self, request: Request):
         """Models served by pooling workers (turbine/frontend/embeddings.py)."""

@@ -40,6 +40,15 @@ class FrontendMetrics:
         self.migration_limit_exceeded = Counter("turbine_frontend_migration_limit_exceeded",
                                                 "worker failures not migrated because the request had used up "
                                                 "its migration limit", ["model"], registry=r)
+        # Overload control: refusals by workers (each tried on another worker), requests answered
+        # 503 because every worker refused, and requests refused at the frontend's own bound.
+        self.worker_overloaded = Counter("turbine_frontend_worker_overloaded_refusals",
+                                         "workers' 'overloaded' refusals (the request went to another worker)",
+                                         ["model"], registry=r)
+        self.overloaded = Counter("turbine_frontend_overloaded_rejections",
+                                  "requests answered 503 'overloaded': every worker refused them", ["model"], registry=r)
+        self.inflight_limit = Counter("turbine_frontend_inflight_limit_rejections",
+                                      "requests answered 503 'overloaded' at --max-inflight-requests", registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def of(self, model: str) -> ModelMetrics:
@@ -68,6 +77,8 @@ class ModelMetrics:
         self.migration_limit_exceeded = m.migration_limit_exceeded.labels(model)
         self._migrations = m.migrations
         self._model = model
+        self.worker_overloaded = m.worker_overloaded.labels(model)
+        self.overloaded = m.overloaded.labels(model)
 
     def migrations(self, reason: str):
         """The migrations counter of one reason (rare: looked up when it happens)."""

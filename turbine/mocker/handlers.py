@@ -23,6 +23,7 @@ from turbine.protocol.generate import (
     Usage,
 )
 from turbine.runtime.errors import InvalidRequest
+from turbine.worker.admission import Admission
 from turbine.worker.worker_metrics import WorkerMetrics
 
 MAX_N = 16  # choices per request; the frontend allows no more
@@ -37,8 +38,10 @@ class Handlers:
     dp_rank picks one (None: the least loaded)."""
 
     def __init__(self, engines: list[MockEngine], metrics: WorkerMetrics, vocab_size: int, *,
-                 instance_id: str = "", on_success: Callable[[], None] | None = None):
+                 instance_id: str = "", on_success: Callable[[], None] | None = None,
+                 admission: Admission | None = None):
         self.engines = engines
+        self.admission = admission or Admission(None, None)  # overload control (no bounds by default)
         self.metrics = metrics
         self.on_success = on_success  # told of each completed request (the health checks)
         self.vocab_size = vocab_size
@@ -121,6 +124,8 @@ class Handlers:
         except InvalidRequest:
             self.metrics.error("invalid_request")
             raise  # the caller gets it as a typed error (HTTP 400 at the frontend)
+        # Refused (OVERLOADED) here, before the engine sees it: nothing to free.
+        ticket = self.admission.admit(0 if self._pulls_kv(req) else len(req.token_ids))
         outputs = engine.submit(seqs)
         unfinished = len(seqs)
         self.metrics.inflight.inc()
@@ -130,11 +135,13 @@ class Handlers:
                 # vLLM's output collector merging deltas for a slow consumer.
                 for chunk in self._chunks(await outputs.take(), req):
                     unfinished -= chunk.finish_reason is not None
+                    ticket.started()
                     yield chunk
             self.metrics.request_done("success")
             if self.on_success is not None:
                 self.on_success()
         finally:
+            ticket.release()
             self.metrics.inflight.dec()
             if unfinished:
                 # Caller cancelled or went away: free the simulated KV blocks now.

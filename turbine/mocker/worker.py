@@ -72,7 +72,7 @@ class SimulatedWorker:
         self.gauges = EngineGauges(labels, [e.scheduler for e in self.engines])
         self.handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             self.engines, self.metrics, cfg.model_info.vocab_size, instance_id=self.instance_id,
-            on_success=health.succeeded)
+            on_success=health.succeeded, admission=cfg.admission(self.metrics))
         self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)

@@ -30,6 +30,7 @@ from turbine.protocol.generate import (
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
 from turbine.vllm.prompt_embeds import load_prompt_embeds
+from turbine.worker.admission import Admission
 from turbine.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
@@ -127,8 +128,10 @@ class Handlers:
 
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
-                 data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None):
+                 data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None,
+                 admission: Admission | None = None):
         self.engine = engine
+        self.admission = admission or Admission(None, None)  # overload control (no bounds by default)
         self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
         self.chat_template = chat_template  # text mode: --custom-jinja-template's text (None: the model's)
         self.metrics = metrics
@@ -206,12 +209,15 @@ class Handlers:
         engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         completion_tokens = [0] * params.n
         prompt_len = len(prompt["prompt_embeds"]) if "prompt_embeds" in prompt else len(req.token_ids)
+        # Refused (OVERLOADED) here, before the engine sees it: nothing to abort or free.
+        ticket = self.admission.admit(0 if req.kv_transfer_params is not None else prompt_len)
         finished = False
         self.metrics.inflight.inc()
         try:
             outputs, engine_id = await self._outputs(req, prompt, params, engine_id)
             prompt_sent = False
             async for out in outputs:
+                ticket.started()
                 for comp in out.outputs:
                     completion_tokens[comp.index] += len(comp.token_ids)
                     chunk = GenerateOutput(token_ids=list(comp.token_ids), index=comp.index)
@@ -263,6 +269,7 @@ class Handlers:
             self.metrics.error("invalid_request")
             raise InvalidRequest(str(exc)) from exc
         finally:
+            ticket.release()
             self.metrics.inflight.dec()
             if not finished:
                 # Caller cancelled or went away: free the engine's KV blocks now.

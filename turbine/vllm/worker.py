@@ -80,7 +80,8 @@ class VllmEngine:
             engine, self.metrics, on_cleared=self.relay.cleared if self.relay else None,
             kv_transfer_timeout=cfg.kv_transfer_timeout, on_success=health.succeeded,
             data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer,
-            chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None)
+            chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None,
+            admission=cfg.admission(self.metrics))
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.

@@ -27,7 +27,9 @@ from turbine.model.prepare import DEFAULT_MODEL, resolve
 from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
+from turbine.worker.admission import Admission
 from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
+from turbine.worker.worker_metrics import WorkerMetrics
 
 ENDPOINT_TYPES = ("chat", "completions")
 # What a pooling worker serves (the vLLM worker with --runner pooling): /v1/embeddings only.
@@ -37,6 +39,10 @@ EMBEDDINGS = "embeddings"
 DisaggregationMode = Literal["agg", "prefill", "decode"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
 EventPlaneKind = Literal["zmq", "nats"]
+# Overload control's defaults: generous enough that a worker refuses only when it is far behind
+# (its queue then takes many seconds to drain), small enough that a flood cannot queue unbounded.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_QUEUED_PREFILL_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +72,10 @@ class ServingConfig:
     # Decode: seconds to wait for a prefill worker's KV, then prefill here.
     kv_transfer_timeout: float = flag("--kv-transfer-timeout", default=30.0)
     security: ClusterSecurityConfig = ClusterSecurityConfig()  # the cluster key, TLS, --insecure
+    # Overload control (turbine/worker/admission.py): past either bound a new request is refused
+    # with OVERLOADED and the frontend tries another worker. 0 turns a bound off.
+    max_waiting_requests: int = flag("--max-waiting-requests", default=DEFAULT_MAX_WAITING_REQUESTS)
+    max_queued_prefill_tokens: int = flag("--max-queued-prefill-tokens", default=DEFAULT_MAX_QUEUED_PREFILL_TOKENS)
 
     def __post_init__(self):
         for name in ("namespace", "component", "endpoint"):
@@ -98,6 +108,12 @@ class ServingConfig:
               f"{self.disaggregation_mode!r}: choose from {', '.join(DISAGGREGATION_MODES)}")
         check(self, self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0")
         self.security.check_listen(self, "host", self.host)  # the request plane and the zmq event plane
+        for name in ("max_waiting_requests", "max_queued_prefill_tokens"):
+            check(self, getattr(self, name) >= 0, name, "must be >= 0 (0: no bound)")
+
+    def admission(self, metrics: WorkerMetrics | None = None) -> Admission:
+        """The worker's overload control with these bounds."""
+        return Admission(self.max_waiting_requests or None, self.max_queued_prefill_tokens or None, metrics)
 
     @property
     def is_prefill(self) -> bool:
@@ -184,6 +200,14 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        default=float(env("TURBINE_KV_TRANSFER_TIMEOUT", "30")),
                        help="decode workers: seconds to wait for a prefill worker's KV before computing "
                             "the prompt here instead")
+    group.add_argument("--max-waiting-requests", type=int,
+                       default=int(env("TURBINE_MAX_WAITING_REQUESTS", str(DEFAULT_MAX_WAITING_REQUESTS))),
+                       help="refuse new requests (error 'overloaded': the frontend tries another worker) while "
+                            "this many accepted requests have no first token yet; 0: no bound")
+    group.add_argument("--max-queued-prefill-tokens", type=int,
+                       default=int(env("TURBINE_MAX_QUEUED_PREFILL_TOKENS", str(DEFAULT_MAX_QUEUED_PREFILL_TOKENS))),
+                       help="refuse new requests ('overloaded') whose prompt would take the prompt tokens "
+                            "waiting to be computed past this; 0: no bound")
     add_discovery_args(parser)
     add_cluster_security_args(parser)
 
@@ -252,6 +276,7 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
         security=cluster_security_from_args(args, parser),
+        max_waiting_requests=args.max_waiting_requests, max_queued_prefill_tokens=args.max_queued_prefill_tokens,
     )
 
 

@@ -20,6 +20,14 @@ _total_kv_blocks = Gauge("turbine_worker_total_kv_blocks", "KV cache blocks", LA
 _active_kv_blocks = Gauge("turbine_worker_active_kv_blocks",
                           "KV cache blocks held by requests (cached blocks free for reuse not counted), "
                           "as of the engine's last step", LABELS)
+_overload_rejections = Counter("turbine_worker_overload_rejections",
+                               "requests refused as overloaded, by the bound they hit "
+                               "(waiting_requests or queued_prefill_tokens)", [*LABELS, "bound"])
+_waiting_requests = Gauge("turbine_worker_waiting_requests",
+                          "requests accepted that have no first output yet (the queue overload control bounds)",
+                          LABELS)
+_queued_prefill_tokens = Gauge("turbine_worker_queued_prefill_tokens",
+                               "prompt tokens of the waiting requests still to compute", LABELS)
 
 
 class WorkerMetrics:
@@ -32,9 +40,14 @@ class WorkerMetrics:
         self.engine_unfinished = _engine_unfinished.labels(*self._values)
         self.total_kv_blocks = _total_kv_blocks.labels(*self._values)
         self.active_kv_blocks = _active_kv_blocks.labels(*self._values)
+        self.waiting_requests = _waiting_requests.labels(*self._values)
+        self.queued_prefill_tokens = _queued_prefill_tokens.labels(*self._values)
 
     def request_done(self, outcome: str) -> None:
         _requests.labels(*self._values, outcome).inc()
 
     def error(self, error_type: str) -> None:
         _errors.labels(*self._values, error_type).inc()
+
+    def overload_rejection(self, bound: str) -> None:
+        _overload_rejections.labels(*self._values, bound).inc()

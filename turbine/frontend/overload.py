@@ -1,0 +1,53 @@
+"""Overload control at the frontend: a worker's OVERLOADED refusal (it comes before any work,
+turbine/worker/admission.py) sends the request to another worker; when every worker refused,
+the client gets 503 with Retry-After. The frontend's own bound (--max-inflight-requests) caps
+the requests it holds at once, whatever the workers say."""
+
+from __future__ import annotations
+
+from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed
+from turbine.frontend.metrics import ModelMetrics
+from turbine.protocol import errors as codes
+
+
+class OverloadRetries:
+    """One request's dispatch: counts the workers that refused it as overloaded, and makes the
+    error for when no worker is left to try."""
+
+    def __init__(self, model: str, metrics: ModelMetrics):
+        self.model, self.metrics = model, metrics
+        self.refusals = 0
+
+    def refused(self, exc: BaseException) -> bool:
+        """Whether `exc` is a worker's overload refusal (counted; the request may go elsewhere)."""
+        if isinstance(exc, WorkerFailed) and exc.code == codes.OVERLOADED:
+            self.refusals += 1
+            self.metrics.worker_overloaded.inc()
+            return True
+        return False
+
+    def none_left(self, tried: int) -> RequestError:
+        if self.refusals:
+            self.metrics.overloaded.inc()
+            return Overloaded(f"every worker of model {self.model!r} is overloaded "
+                              f"({self.refusals} of {tried} refused the request); retry later")
+        return RequestError(f"no live worker for model {self.model!r}", param="model", status=503,
+                            type_="service_unavailable")
+
+
+class InflightLimit:
+    """The generation requests the frontend holds at once (from arrival to the last byte of the
+    answer); past `limit`, a new one is refused before its body is read."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.inflight = 0
+
+    def try_enter(self) -> bool:
+        if self.inflight >= self.limit:
+            return False
+        self.inflight += 1
+        return True
+
+    def leave(self) -> None:
+        self.inflight -= 1
