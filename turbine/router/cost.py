@@ -2,8 +2,17 @@
 reports merged with what the router itself just sent it).
 
 cost = overlap_weight × prefill blocks still to compute on that worker (its queued prefill
-plus this request's uncached part) + decode blocks (its blocks in use plus this request's
-new ones). Lowest wins; ties go to the less loaded worker; a temperature > 0 samples.
+plus this request's uncached part) + decode blocks (its blocks in use and those of the requests
+queued there, plus this request's new ones). Lowest wins; ties go to the less loaded worker; a
+temperature > 0 samples.
+
+A worker's queue counts from two sides: the requests this router sent it that have no first
+token yet (their uncached prompt tokens and their new blocks), and the requests the worker
+itself reports waiting beyond those (another router's, or a frontend's that restarted), each at
+the size of the request being routed. Counting the queued requests' cached prefix too (their
+whole context) was measured and left out: on the Mooncake trace at 200 % of capacity it spread
+conversations away from their caches, lowering the hit rate and the fleet's throughput
+(benchmarks/RESULTS.md, KV routing under overload).
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from turbine.router.indexer import WorkerKey
 class WorkerLoad:
     active_blocks: int = 0  # KV blocks in use by running requests
     prefill_tokens: int = 0  # prompt tokens queued or being prefilled
+    # Requests the worker reports waiting beyond those this router sent it without a first token yet.
+    other_waiting: int = 0
 
 
 @dataclass
@@ -52,15 +63,15 @@ class LoadTracker:
         self._own: dict[WorkerKey, WorkerLoad] = {}  # router-side counts, per worker
         self._reports: dict[WorkerKey, LoadMetrics] = {}  # each worker's latest report
         self._awaiting_report: dict[WorkerKey, set[str]] = {}  # first token seen, not handed over
+        self._waiting: dict[WorkerKey, int] = {}  # requests sent, no first token yet
 
     def load(self, worker: WorkerKey) -> WorkerLoad:
-        own = self._own.get(worker)
+        own = self._own.get(worker) or WorkerLoad()
         report = self._reports.get(worker)
         if report is None:
-            return WorkerLoad(own.active_blocks, own.prefill_tokens) if own else WorkerLoad()
-        if own is None:
-            return WorkerLoad(report.kv_active_blocks, 0)
-        return WorkerLoad(report.kv_active_blocks + own.active_blocks, own.prefill_tokens)
+            return WorkerLoad(own.active_blocks, own.prefill_tokens)
+        other = max(0, report.num_waiting - self._waiting.get(worker, 0))
+        return WorkerLoad(report.kv_active_blocks + own.active_blocks, own.prefill_tokens, other)
 
     def pending(self, worker: WorkerKey) -> WorkerLoad:
         """What the router counts itself for `worker` (not covered by its reports)."""
@@ -78,17 +89,23 @@ class LoadTracker:
         load = self._own.setdefault(worker, WorkerLoad())
         load.prefill_tokens += prefill_tokens
         load.active_blocks += blocks
+        self._waiting[worker] = self._waiting.get(worker, 0) + 1
         self._sent[request_id] = _Sent(worker, prefill_tokens, blocks)
+
+    def _started(self, sent: _Sent) -> None:
+        """The request waits no more (its first token came, or it ended before)."""
+        load = self._own[sent.worker]
+        load.prefill_tokens -= sent.prefill_tokens
+        sent.prefill_tokens = 0
+        self._waiting[sent.worker] -= 1
 
     def prefill_done(self, request_id: str) -> None:
         """The first token arrived: the prompt no longer waits for prefill, and the worker's
         next report will include the request."""
         sent = self._sent.get(request_id)
-        if sent is None or sent.handed_over:
+        if sent is None or sent.handed_over or request_id in self._awaiting_report.get(sent.worker, ()):
             return
-        if sent.prefill_tokens:
-            self._own[sent.worker].prefill_tokens -= sent.prefill_tokens
-            sent.prefill_tokens = 0
+        self._started(sent)
         self._awaiting_report.setdefault(sent.worker, set()).add(request_id)
 
     def report(self, worker: WorkerKey, metrics: LoadMetrics) -> None:
@@ -103,16 +120,16 @@ class LoadTracker:
         sent = self._sent.pop(request_id, None)
         if sent is None or sent.handed_over:
             return  # not counted here any more: the worker's next report drops its blocks
-        load = self._own[sent.worker]
-        load.prefill_tokens -= sent.prefill_tokens
-        load.active_blocks -= sent.blocks
-        waiting = self._awaiting_report.get(sent.worker)
-        if waiting is not None:
-            waiting.discard(request_id)
+        awaiting = self._awaiting_report.get(sent.worker)
+        if awaiting is not None and request_id in awaiting:
+            awaiting.discard(request_id)
+        else:
+            self._started(sent)
+        self._own[sent.worker].active_blocks -= sent.blocks
 
     def forget_instance(self, instance_id: str) -> None:
         """Every data-parallel rank of an instance (it left discovery)."""
-        for table in (self._own, self._reports, self._awaiting_report):
+        for table in (self._own, self._reports, self._awaiting_report, self._waiting):
             for w in [w for w in table if w.instance_id == instance_id]:
                 del table[w]
         self._sent = {r: s for r, s in self._sent.items() if s.worker.instance_id != instance_id}
@@ -131,10 +148,12 @@ def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
 def worker_costs(overlaps: dict[WorkerKey, int], loads: dict[WorkerKey, WorkerLoad], prompt_tokens: int,
                  block_size: int, overlap_weight: float) -> dict[WorkerKey, float]:
     costs = {}
+    context_blocks = new_blocks(prompt_tokens, 0, block_size)  # the size of another router's queued request
     for worker, load in loads.items():
         overlap = overlaps.get(worker, 0)
         prefill_blocks = (load.prefill_tokens + prompt_tokens - overlap * block_size) / block_size
-        decode_blocks = load.active_blocks + new_blocks(prompt_tokens, overlap, block_size)
+        decode_blocks = (load.active_blocks + load.other_waiting * context_blocks
+                         + new_blocks(prompt_tokens, overlap, block_size))
         costs[worker] = overlap_weight * prefill_blocks + decode_blocks
     return costs
 

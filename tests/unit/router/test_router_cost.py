@@ -78,3 +78,16 @@ def test_forget_instance():
     tracker.forget_instance(W[0].instance_id)
     tracker.free("r")
     assert tracker.load(W[0]) == WorkerLoad()
+
+
+def test_requests_another_router_queued_count_from_the_workers_report():
+    from turbine.protocol.load_metrics import LoadMetrics
+    tracker = LoadTracker()
+    tracker.report(W[0], LoadMetrics(instance_id=W[0].instance_id, kv_active_blocks=0, kv_total_blocks=100,
+                                     num_running=0, num_waiting=3))
+    assert tracker.load(W[0]).other_waiting == 3
+    tracker.add("mine", W[0], prefill_tokens=128, blocks=2)
+    assert tracker.load(W[0]).other_waiting == 2  # the worker's count may include ours
+    worker, costs = decide(tracker, {}, prompt_tokens=1024)
+    # W0: two more 9-block requests waiting (the size of this one), besides ours (its 2 blocks, 1 prompt block)
+    assert worker != W[0] and costs[W[0]] - costs[W[1]] == 2 * 9 + 2 + 1
