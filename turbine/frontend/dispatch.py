@@ -35,7 +35,7 @@ from turbine.frontend.overload import OverloadRetries
 from turbine.protocol.discovery import InstanceRecord
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.router.policy import Router, Target
-from turbine.runtime.errors import ConnectFailed, PeerDisconnected, RemoteError
+from turbine.runtime.errors import ConnectFailed, DecodeError, PeerDisconnected, RemoteError
 
 log = logging.getLogger("turbine.frontend")
 
@@ -137,7 +137,7 @@ class Dispatch:
                     chunk = await anext(self._stream)
                 except StopAsyncIteration:
                     return
-                except (RemoteError, PeerDisconnected) as exc:
+                except (RemoteError, PeerDisconnected, DecodeError) as exc:
                     chunk = await self._migrate(exc)
                     attempt_started = False
         finally:
@@ -153,6 +153,8 @@ class Dispatch:
         """A mid-stream failure as the client's error."""
         if isinstance(exc, RemoteError):
             return failure_of(exc, self._instance_id)
+        if isinstance(exc, DecodeError):
+            return WorkerFailed(f"worker {self._instance_id} sent an undecodable output mid-stream: {exc}")
         return WorkerFailed(f"worker {self._instance_id} failed mid-stream: {exc}")
 
     def _may_migrate(self, exc: BaseException | None) -> bool:
@@ -246,6 +248,8 @@ class Dispatch:
                 raise WorkerFailed(f"worker {inst.instance_id} failed: {exc}") from exc
             if isinstance(exc, StopAsyncIteration):
                 raise WorkerFailed(f"worker {inst.instance_id} ended the stream without output") from None
+            if isinstance(exc, DecodeError):  # a buggy worker or another wire version: not the client's fault
+                raise WorkerFailed(f"worker {inst.instance_id} sent an undecodable output: {exc}") from exc
             raise
         self._stream = stream
         self._attempt, self._instance_id = request, inst.instance_id

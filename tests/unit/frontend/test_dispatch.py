@@ -177,3 +177,35 @@ async def test_worker_errors_arrive_typed(tokenizer):
     finally:
         await client.close()
         await server.stop()
+
+
+async def test_an_undecodable_worker_output_is_a_502_not_a_crash(tokenizer):
+    """A worker whose chunk is not a GenerateOutput (a bug, another wire version) fails the request
+    as the worker's error, before or after the first output, and never escapes as a 500."""
+
+    class Wrong(GenerateOutput, kw_only=True):
+        token_ids: str = "not a list"  # type: ignore[assignment]
+
+    async def wrong_at_once(req, ctx):
+        yield Wrong()
+
+    async def wrong_midway(req, ctx):
+        yield GenerateOutput(token_ids=[tokenizer.encode("Hi", add_special_tokens=False)[0]])
+        yield Wrong()
+
+    server = RequestPlaneServer()
+    server.register("generate", GenerateRequest, wrong_at_once)
+    server.register("midway", GenerateRequest, wrong_midway)
+    await server.start()
+    model = served(tokenizer, [instance("live", server.address)])
+    client = RequestPlaneClient(connect_timeout=1.0)
+    try:
+        for endpoint in ("generate", "midway"):
+            model.instances[0] = InstanceRecord(namespace="ns", component="backend", endpoint=endpoint,
+                                                instance_id="live", address=server.address)
+            with pytest.raises(WorkerFailed) as info:
+                await Run(model, client, request(), migration=MigrationConfig(limit=3)).text()
+            assert info.value.status == 502 and "undecodable" in info.value.message, endpoint
+    finally:
+        await client.close()
+        await server.stop()
