@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import msgspec
@@ -15,6 +16,7 @@ from openai import OpenAI
 
 from tests.integration.procs import (
     base_env,
+    http_json,
     http_text,
     instances_of,
     metric,
@@ -200,6 +202,25 @@ def test_calibrate_names_a_bad_url(mockers, tmp_path):
            "--output", str(tmp_path / "x.json"), "--url", "localhost:8000"]
     result = subprocess.run(cmd, env=mockers["env"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--url" in result.stderr
+
+
+def test_startup_time_holds_registration_back(mockers, tmp_path):
+    # --startup-time simulates an engine loading its model: the status server answers at once,
+    # but the worker says "starting" and is not routable until that time has passed. A lower
+    # bound only (a sleep never ends early); without the delay the gap is well under a second.
+    startup_s, name = 6.0, "starting-mocker"
+    late = start_mocker("mocker-starting", mockers["env"], tmp_path, "--served-model-name", name,
+                        "--startup-time", str(startup_s))
+    try:
+        wait_until(lambda: http_json(f"{late.url}/live")[0] == 200, 60, "status server up", [late])
+        live_at = time.monotonic()
+        assert http_json(f"{late.url}/health") == (503, {"status": "starting"})
+        assert instances_of(mockers["frontend"], name) == 0
+        wait_until(lambda: instances_of(mockers["frontend"], name) == 1, 60, "the worker registered", [late])
+        assert time.monotonic() - live_at >= startup_s - 2, "registered before its start-up time was over"
+        assert worker_ready(late)
+    finally:
+        late.stop()
 
 
 def test_sigterm_unregisters_every_worker_and_exits_cleanly(mockers):

@@ -29,6 +29,8 @@ class MockerConfig(ServingConfig):
     enable_prefix_caching: bool = flag("--enable-prefix-caching", default=True)
     natural_output_len: int = flag("--natural-output-len", default=128)
     speedup_ratio: float = flag("--speedup-ratio", default=1.0)
+    # Seconds (real time, not scaled) the simulated engine takes to start before it registers.
+    startup_time: float = flag("--startup-time", default=0.0)
     timing: TimingProfile = flag("--profile", default_factory=TimingProfile)
     # Decode workers: how long pulling a prompt's KV takes. None: the model config's KV size.
     kv_bytes_per_token: int | None = flag("--kv-bytes-per-token", default=None)
@@ -48,6 +50,7 @@ class MockerConfig(ServingConfig):
             check(self, getattr(self, name) >= 1, name, "must be >= 1")
         check(self, self.natural_output_len >= 0, "natural_output_len", "must be >= 0")
         check(self, self.speedup_ratio >= 0, "speedup_ratio", "must be >= 0")
+        check(self, self.startup_time >= 0, "startup_time", "must be >= 0 (seconds)")
         check(self, self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1, "kv_bytes_per_token",
               "must be >= 1")
         check(self, self.gc_interval >= 0, "gc_interval", "must be >= 0 (seconds; 0 = automatic collection)")
@@ -106,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "measure or test output parsers; --natural-output-len does not apply")
     sim.add_argument("--speedup-ratio", type=float, default=1.0,
                      help="simulated time runs this many times faster than real time; 0 = steps take no time")
+    sim.add_argument("--startup-time", type=float, default=0.0, metavar="SECONDS",
+                     help="the simulated engine takes this long to start (real seconds, not scaled by "
+                          "--speedup-ratio) before the worker registers, as a real engine loads its model: "
+                          "meanwhile /live answers and /health says starting (default 0)")
     sim.add_argument("--profile", default=None,
                      help="JSON file of step-time coefficients (see docs/mocker.md); default: built-in")
     sim.add_argument("--gc-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
@@ -152,7 +159,7 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len or info.max_position_embeddings or 0,
         enable_prefix_caching=args.enable_prefix_caching, natural_output_len=args.natural_output_len,
-        speedup_ratio=args.speedup_ratio, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
+        speedup_ratio=args.speedup_ratio, startup_time=args.startup_time, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
         kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
     )

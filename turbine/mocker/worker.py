@@ -143,6 +143,10 @@ class SimulatedEngines:
 
     async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         cfg, info = self.cfg, self.cfg.model_info
+        if cfg.startup_time > 0:
+            # As a real engine loading its model: nothing is registered until this is over.
+            log.info("simulating engine start-up: %.1fs", cfg.startup_time)
+            await asyncio.sleep(cfg.startup_time)
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
                                info.word_token_ids, reply_token_ids(cfg))
         # One event plane for all the workers here (nats: one connection).

@@ -30,6 +30,7 @@ def test_defaults_come_from_the_embedded_model(model_dir):
     (["--model", "/no/such/model/folder"], "--model"),
     (["--endpoint", "a.b"], "--endpoint"),
     (["--gc-interval", "-1"], "--gc-interval"),
+    (["--startup-time", "-1"], "--startup-time"),
 ])
 def test_bad_mocker_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as info:
