@@ -407,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="logs (default: a temp folder)")
     p.add_argument("--out", default=None, help="JSON results file")
     a = p.parse_args(argv)
+    # SIGTERM (e.g. `kill`) unwinds like Ctrl-C, so the fleet's process groups are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.keep_token_times = False
     a.workers = a.workers or (8 if a.engine == "mocker" else 2)
     a.max_num_seqs = a.max_num_seqs or (16 if a.engine == "mocker" else 8)

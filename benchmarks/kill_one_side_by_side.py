@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="logs of every run (default: a temp folder)")
     p.add_argument("--out", default=None, help="JSON results file")
     a = p.parse_args(argv)
+    # SIGTERM (e.g. `kill`) unwinds like Ctrl-C, so the fleet's process groups are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     systems = [s for s in a.systems.split(",") if s]
     limits = [x for x in a.limits.split(",") if x]
     for s in systems:
