@@ -3,6 +3,7 @@ with the official openai client. No vLLM engine runs here: these fixtures are th
 
 from __future__ import annotations
 
+import http.client
 import re
 import signal
 import subprocess
@@ -202,6 +203,21 @@ def test_calibrate_names_a_bad_url(mockers, tmp_path):
            "--output", str(tmp_path / "x.json"), "--url", "localhost:8000"]
     result = subprocess.run(cmd, env=mockers["env"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--url" in result.stderr
+
+
+def test_an_idle_client_connection_outlives_the_clients_keep_alive(mockers):
+    # httpx and the openai client reuse a connection idle for up to 5 s. At uvicorn's default (the
+    # server closes it after 5 s idle) a request sent on it as the close lands fails before it reaches
+    # the frontend: the chaos benchmark lost requests that way with no fault injected.
+    conn = http.client.HTTPConnection("127.0.0.1", mockers["frontend"].port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        time.sleep(6.5)
+        conn.request("GET", "/health")  # the same socket (http.client reconnects only after a close it saw)
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
 
 
 def test_startup_time_holds_registration_back(mockers, tmp_path):
