@@ -224,7 +224,7 @@ def test_startup_time_holds_registration_back(mockers, tmp_path):
     # --startup-time simulates an engine loading its model: the status server answers at once,
     # but the worker says "starting" and is not routable until that time has passed. A lower
     # bound only (a sleep never ends early); without the delay the gap is well under a second.
-    startup_s, name = 6.0, "starting-mocker"
+    startup_s, name = 4.0, "starting-mocker"
     late = start_mocker("mocker-starting", mockers["env"], tmp_path, "--served-model-name", name,
                         "--startup-time", str(startup_s))
     try:
