@@ -254,10 +254,11 @@ async def open_loop(fleet: Fleet, a: argparse.Namespace, rate: float, kills: boo
             slot = kill_rng.choice(ready)
             visible = await asyncio.to_thread(fleet.instances)
             inflight = sum(1 for t in tasks if not t.done())
+            killed_at = time.monotonic() - t0
             await asyncio.to_thread(fleet.kill_and_restart, slot)
-            events.append({"t": round(time.monotonic() - t0, 2), "slot": slot, "ready_before": len(ready),
+            events.append({"t": round(killed_at, 2), "slot": slot, "ready_before": len(ready),
                            "visible_before": visible, "in_flight": inflight})
-            log(f"  t={time.monotonic() - t0:5.0f}s SIGKILL worker slot {slot} (restarted); {inflight} requests "
+            log(f"  t={killed_at:5.0f}s SIGKILL worker slot {slot} (restarted); {inflight} requests "
                 f"in flight, {len(ready)} workers ready, {visible} visible to the frontend")
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
