@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import replace
 
 import uvloop
 
@@ -34,18 +35,46 @@ from turbine.runtime.status_server import Health
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
+from turbine.worker.snapshot import RestoredIdentity
 
 log = logging.getLogger("turbine.mocker")
 
 CANARY_TIMEOUT_S = 10.0
 
 
+class WorkerEngines:
+    """One simulated worker's engines, one per data-parallel rank: built before any socket is
+    opened (checkpoint mode), wired to the event plane by SimulatedWorker."""
+
+    def __init__(self, cfg: MockerConfig, sampler: TokenSampler):
+        self.engines: list[MockEngine] = []
+        for _ in range(cfg.data_parallel_size):
+            pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+            scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
+            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer))
+        self.level = 0  # sleep level, 0: awake
+
+    async def sleep(self, level: int) -> None:
+        """Free the simulated KV cache: every cached block is dropped (AllBlocksCleared goes
+        out), as vLLM discards its KV cache. The mocker has no weights: level 2 frees the same."""
+        for rank, engine in enumerate(self.engines):
+            if not engine.scheduler.pool.reset():
+                raise RuntimeError(f"rank {rank}: KV blocks still in use, cannot sleep")
+        self.level = level
+
+    async def wake_up(self) -> None:
+        self.level = 0
+
+
 class SimulatedWorker:
     """One simulated worker: its engines (one per data-parallel rank), handlers and
     request-plane server of one instance."""
 
-    def __init__(self, cfg: MockerConfig, sampler: TokenSampler, health: Health, plane: WorkerEventPlane):
-        self.instance_id = uuid.uuid4().hex[:16]
+    def __init__(self, cfg: MockerConfig, engines: WorkerEngines, health: Health, plane: WorkerEventPlane,
+                 instance_id: str):
+        self.instance_id = instance_id
+        self.cfg = cfg
         labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
                   "worker_id": self.instance_id}
         # Load reports go out whatever the role or prefix caching. KV events: with prefix caching
@@ -55,20 +84,15 @@ class SimulatedWorker:
         self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=cfg.data_parallel_size,
                                      kv_events=cfg.enable_prefix_caching or cfg.is_decode,
                                      kv_events_buffer=cfg.kv_events_buffer)
-        self.engines = []
-        for rank in range(cfg.data_parallel_size):
-            on_event = None
+        self.worker_engines = engines
+        self.engines = engines.engines
+        for rank, engine in enumerate(self.engines):
             if self.events.kv and cfg.enable_prefix_caching and not cfg.is_decode:
-                on_event = _pool_events(self.events.kv[rank], cfg.kv_events_drop_after)
-            pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                             on_event=on_event)
-            scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
-            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio,
-                                           on_step=self._load_reporter(rank), kv_transfer=cfg.kv_transfer))
-            self._publish_load(rank, scheduler)  # the idle state, re-sent until it changes (keepalive)
+                engine.scheduler.pool.on_event = _pool_events(self.events.kv[rank], cfg.kv_events_drop_after)
+            engine.on_step = self._load_reporter(rank)
+            self._publish_load(rank, engine.scheduler)  # the idle state, re-sent until it changes (keepalive)
         self.metrics = WorkerMetrics(labels)
-        self.metrics.total_kv_blocks.set(cfg.num_gpu_blocks)
+        self.metrics.total_kv_blocks.set(0 if engines.level else cfg.num_gpu_blocks)
         self.gauges = EngineGauges(labels, [e.scheduler for e in self.engines])
         self.handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             self.engines, self.metrics, cfg.model_info.vocab_size, instance_id=self.instance_id,
@@ -82,6 +106,18 @@ class SimulatedWorker:
             context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             data_parallel_size=cfg.data_parallel_size, **self.events.card_fields())
+
+    # Its sleep (turbine/worker/sleep.py runs the sequence around it): the KV gauge shows it.
+    def sleep_refusal(self) -> str | None:
+        return None
+
+    async def sleep(self, level: int) -> None:
+        await self.worker_engines.sleep(level)
+        self.metrics.total_kv_blocks.set(0)
+
+    async def wake_up(self) -> None:
+        await self.worker_engines.wake_up()
+        self.metrics.total_kv_blocks.set(self.cfg.num_gpu_blocks)
 
     def _load_reporter(self, rank: int):
         return lambda scheduler: self._publish_load(rank, scheduler)
@@ -97,6 +133,8 @@ class SimulatedWorker:
 
     async def canary(self) -> str | None:
         """Generate one token on each of this worker's engines (not counted as served requests)."""
+        if self.worker_engines.level:
+            return None  # asleep: its cache is gone and nothing is routed here
         for rank, engine in enumerate(self.engines):
             req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
                                   stop=StopConditions(max_tokens=1), dp_rank=rank)
@@ -137,11 +175,13 @@ class SimulatedEngines:
 
     def __init__(self, cfg: MockerConfig):
         self.cfg = cfg
+        self.built: list[WorkerEngines] = []
+        self.instance_ids = [uuid.uuid4().hex[:16] for _ in range(cfg.num_workers)]
         self.workers: list[SimulatedWorker] = []
         self._tasks: list[asyncio.Task] = []
         self._gc_pacing: asyncio.Task | None = None
 
-    async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
+    async def build(self) -> None:
         cfg, info = self.cfg, self.cfg.model_info
         if cfg.startup_time > 0:
             # As a real engine loading its model: nothing is registered until this is over.
@@ -149,10 +189,33 @@ class SimulatedEngines:
             await asyncio.sleep(cfg.startup_time)
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
                                info.word_token_ids, reply_token_ids(cfg))
+        self.built = [WorkerEngines(cfg, sampler) for _ in range(cfg.num_workers)]
+        self._tasks = [asyncio.create_task(e.run()) for w in self.built for e in w.engines]
+
+    def checkpoint_refusal(self) -> str | None:
+        return None
+
+    async def quiesce(self) -> None:
+        for engines in self.built:
+            await engines.sleep(1)
+
+    async def resume(self) -> None:
+        for engines in self.built:
+            await engines.wake_up()
+
+    def restore_identity(self, identity: RestoredIdentity) -> None:
+        changes = {k: v for k, v in (("namespace", identity.namespace), ("component", identity.component)) if v}
+        if changes:
+            self.cfg = replace(self.cfg, **changes)
+        if identity.instance_id:  # several workers: the id, then -1, -2, ...
+            self.instance_ids = [identity.instance_id if i == 0 else f"{identity.instance_id}-{i}"
+                                 for i in range(self.cfg.num_workers)]
+
+    async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         # One event plane for all the workers here (nats: one connection).
-        self.workers = [SimulatedWorker(cfg, sampler, health, plane) for _ in range(cfg.num_workers)]
-        self._tasks = [asyncio.create_task(e.run()) for w in self.workers for e in w.engines]
-        return [Instance(w.server, w.card) for w in self.workers]
+        self.workers = [SimulatedWorker(self.cfg, engines, health, plane, instance_id)
+                        for engines, instance_id in zip(self.built, self.instance_ids)]
+        return [Instance(w.server, w.card, sleep=w) for w in self.workers]
 
     async def canary(self) -> str | None:
         for reason in await asyncio.gather(*(w.canary() for w in self.workers)):

@@ -18,7 +18,7 @@ import socket
 import ssl
 import struct
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from turbine.protocol import errors as codes
@@ -136,13 +136,15 @@ def _peer_name(transport: asyncio.BaseTransport) -> str:
 class StreamContext:
     """Per-stream information handed to a handler."""
 
-    __slots__ = ("stream_id", "endpoint", "cancelled")
+    __slots__ = ("stream_id", "endpoint", "cancelled", "failure")
 
     def __init__(self, stream_id: int, endpoint: str) -> None:
         self.stream_id = stream_id
         self.endpoint = endpoint
         # Set before the handler task is cancelled (client cancel or disconnect).
         self.cancelled = False
+        # Set before the server itself cancels the handler (fail_streams): what the caller is told.
+        self.failure: WorkerError | None = None
 
 
 class _Endpoint(NamedTuple):
@@ -326,9 +328,11 @@ class RequestPlaneServer:
         self._endpoints: dict[str, _Endpoint] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], StreamContext] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        # Endpoints answered with a typed error instead of their handler (e.g. a sleeping worker's).
+        self._refused: dict[str, WorkerError] = {}
 
     def register(self, endpoint: str, request_type: type, handler: Handler) -> None:
         """`handler(request, ctx)` returns an async iterator (normally an async generator)."""
@@ -355,6 +359,38 @@ class RequestPlaneServer:
     @property
     def inflight(self) -> int:
         return len(self._tasks)
+
+    def inflight_on(self, endpoints: Container[str]) -> int:
+        """Open streams of these endpoints."""
+        return sum(ctx.endpoint in endpoints for ctx in self._tasks.values())
+
+    async def drain_endpoints(self, endpoints: Container[str], timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait until no stream of `endpoints` is open; False if `timeout` passed first. (The
+        caller's own stream, e.g. a `sleep` request, is on another endpoint.)"""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight_on(endpoints):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    async def fail_streams(self, endpoints: Container[str], error: WorkerError) -> int:
+        """End every open stream of `endpoints` with `error` (its handler is cancelled, so its
+        `finally` frees what it held); returns how many."""
+        tasks = [task for task, ctx in self._tasks.items() if ctx.endpoint in endpoints]
+        for task in tasks:
+            self._tasks[task].failure = error
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
+    def refuse(self, endpoint: str, error: WorkerError | None) -> None:
+        """Answer new streams of `endpoint` with `error` (None: serve them again)."""
+        if error is None:
+            self._refused.pop(endpoint, None)
+        else:
+            self._refused[endpoint] = error
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until no stream is open; False if `timeout` passed first."""
@@ -386,13 +422,13 @@ class RequestPlaneServer:
 
     def _spawn(self, conn: _ServerConnection, ctx: StreamContext, payload: bytes) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._run(conn, ctx, payload))
-        self._tasks.add(task)
+        self._tasks[task] = ctx
         self._idle.clear()
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         if not self._tasks:
             self._idle.set()
 
@@ -400,6 +436,9 @@ class RequestPlaneServer:
         sid = ctx.stream_id
         try:
             endpoint = self._endpoints.get(ctx.endpoint)
+            if (refusal := self._refused.get(ctx.endpoint)) is not None:
+                _send_error(conn, sid, refusal)
+                return
             if endpoint is None:
                 known = ", ".join(sorted(self._endpoints)) or "none"
                 _send_error(conn, sid, WorkerError.of(
@@ -424,7 +463,9 @@ class RequestPlaneServer:
                     await aclose()
             conn.send(Frame(kind=END, stream_id=sid))
         except asyncio.CancelledError:
-            raise  # the client cancelled or went away: nobody to tell
+            if ctx.failure is None:
+                raise  # the client cancelled or went away: nobody to tell
+            _send_error(conn, sid, ctx.failure)  # the server ended it (fail_streams)
         except RequestFailed as exc:
             _send_error(conn, sid, exc.error)
         except Exception as exc:

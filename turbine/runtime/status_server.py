@@ -1,18 +1,19 @@
-"""A worker's status HTTP server: /live, /health (proved by a canary request), /metrics."""
+"""A worker's status HTTP server: /live, /health (proved by a canary request), /metrics, and
+whatever routes the process adds (a worker's /engine/sleep, /engine/wake_up, /engine/is_sleeping)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 # A real request that finished this recently proves the engine works; skip the canary.
 RECENT_SUCCESS_S = 10.0
@@ -27,6 +28,7 @@ class Health:
         self.last_success = 0.0
         self._canary: Canary | None = None
         self._failure: Callable[[], str | None] = lambda: None
+        self.sleeping = False  # every engine of the process is asleep: not ready, no canary
 
     @property
     def ready(self) -> bool:
@@ -48,10 +50,12 @@ class Health:
         self.last_success = time.monotonic()
 
     async def check(self) -> tuple[str, str | None]:
-        """(status, reason): status is "starting", "unhealthy" or "healthy"."""
+        """(status, reason): status is "starting", "sleeping", "unhealthy" or "healthy"."""
         canary = self._canary
         if canary is None:
             return "starting", None
+        if self.sleeping:
+            return "sleeping", None
         if reason := self._failure():
             return "unhealthy", reason
         if time.monotonic() - self.last_success > RECENT_SUCCESS_S:
@@ -61,7 +65,8 @@ class Health:
         return "healthy", None
 
 
-def make_app(health: Health, metrics_hook: Callable[[], None] | None = None) -> Starlette:
+def make_app(health: Health, metrics_hook: Callable[[], None] | None = None,
+             routes: Sequence[BaseRoute] = ()) -> Starlette:
     async def live(_: Request):
         return JSONResponse({"status": "live"})
 
@@ -75,7 +80,7 @@ def make_app(health: Health, metrics_hook: Callable[[], None] | None = None) -> 
             metrics_hook()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return Starlette(routes=[Route("/live", live), Route("/health", healthz), Route("/metrics", metrics)])
+    return Starlette(routes=[Route("/live", live), Route("/health", healthz), Route("/metrics", metrics), *routes])
 
 
 class _EmbeddedServer(uvicorn.Server):

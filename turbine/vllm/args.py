@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from turbine.config import check, flag
 from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
+from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 KV_EVENTS_CONFIG_REFUSED = (
@@ -93,6 +94,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         args.enable_prefix_caching = True
 
     _configure_connector(args, parser, serving)
+    if args.enable_sleep_mode and (reason := platform_sleep_refusal()):
+        parser.error(f"--enable-sleep-mode: {reason}")
     if args.dtype == "auto":
         args.dtype = cpu_dtype_default() or "auto"
 

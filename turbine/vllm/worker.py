@@ -28,6 +28,7 @@ from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 from turbine.vllm.load_metrics import stat_logger_factory
+from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
@@ -51,6 +52,24 @@ class VllmEngine:
         self._relay_task: asyncio.Task | None = None
         self._server: RequestPlaneServer | None = None
         self.pooling = False
+
+    async def build(self) -> None:
+        """Nothing: start() builds the engine, after the event plane its relay and load reports need."""
+
+    def checkpoint_refusal(self) -> str | None:
+        # Checkpoint mode quiesces the engine by sleeping it, and needs the engine built before
+        # any socket; neither is done for vLLM yet, so it is refused, never half-run.
+        reason = platform_sleep_refusal() or "the vLLM worker does not build its engine before its sockets yet"
+        return f"the vLLM worker cannot be checkpointed: {reason}"
+
+    async def quiesce(self) -> None:
+        raise NotImplementedError(self.checkpoint_refusal())
+
+    async def resume(self) -> None:
+        raise NotImplementedError(self.checkpoint_refusal())
+
+    def restore_identity(self, identity) -> None:
+        raise NotImplementedError(self.checkpoint_refusal())
 
     async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         cfg = self.cfg
@@ -104,7 +123,9 @@ class VllmEngine:
             model_input="text" if cfg.use_vllm_tokenizer else "tokens",
             accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
             endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
-        return [Instance(server, card)]
+        total_blocks = vcfg.cache_config.num_gpu_blocks or 0
+        sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))
+        return [Instance(server, card, sleep=sleep)]
 
     async def canary(self) -> str | None:
         return await (pooling_canary(self.engine) if self.pooling else engine_canary(self.engine))

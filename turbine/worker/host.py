@@ -1,11 +1,16 @@
 """The worker host: the one sequence every worker-kind process runs around its engine(s).
 
-Start: signal handling, status server, event plane, the engine's instances (built by the
-engine kind), their request-plane servers, then registration (instance records, then the
-model card: only then is an instance routed to) and readiness (a canary proves the engine).
-While serving: the engine's death ends the process (EXIT_ENGINE_DEAD).
+Start: signal handling, the engine kind builds its engine(s) (no socket yet), status server,
+event plane, the engine's instances (built by the engine kind), their request-plane servers,
+then registration (instance records, then the model card: only then is an instance routed
+to) and readiness (a canary proves the engine).
+While serving: the engine's death ends the process (EXIT_ENGINE_DEAD); an instance may sleep
+and wake (sleep.py: out of discovery while asleep).
 Stop (SIGTERM/SIGINT or engine death): not ready, unregister first so no new traffic comes,
 let in-flight requests finish within the grace period (none after engine death), close all.
+Checkpoint mode (TURBINE_SNAPSHOT_CONTROL_DIR, snapshot.py): after the build the engine is
+quiesced and the process waits to be checkpointed before it opens any socket; a restored
+copy wakes its engine, takes its new identity and goes on from the status server.
 """
 
 from __future__ import annotations
@@ -21,10 +26,17 @@ from turbine.protocol.discovery import ModelCard
 from turbine.runtime import cluster_auth
 from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
 from turbine.runtime.lifecycle import drain_and_stop, stop_on_signals
-from turbine.runtime.registration import advertised_address, register, unregister
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health, make_app, serve_status
 from turbine.worker.config import ServingConfig
+from turbine.worker.sleep import CannotSleep, EngineSleep, InstanceSleep, SleepControls
+from turbine.worker.snapshot import (
+    RESTORE_COMPLETE,
+    SNAPSHOT_CONTROL_DIR_ENV,
+    RestoredIdentity,
+    SnapshotControl,
+    SnapshotError,
+)
 
 log = logging.getLogger("turbine.worker")
 
@@ -34,15 +46,31 @@ EXIT_ENGINE_DEAD = 3
 
 @dataclass
 class Instance:
-    """One served instance: its request-plane server (endpoints registered, not started yet)
-    and its model card."""
+    """One served instance: its request-plane server (endpoints registered, not started yet),
+    its model card, and how its engine sleeps (None: it cannot)."""
 
     server: RequestPlaneServer
     card: ModelCard
+    sleep: EngineSleep | None = None
 
 
 class EngineKind(Protocol):
     """What an engine kind (vLLM, the mocker) gives the host."""
+
+    async def build(self) -> None:
+        """Build what needs no socket (checkpoint mode: before any is opened); may do nothing."""
+
+    def checkpoint_refusal(self) -> str | None:
+        """Why this engine kind cannot run in checkpoint mode, or None if it can."""
+
+    async def quiesce(self) -> None:
+        """Checkpoint mode, after build(): put the engine(s) to sleep (KV cache freed)."""
+
+    async def resume(self) -> None:
+        """Checkpoint mode, restored: wake the engine(s) up."""
+
+    def restore_identity(self, identity: RestoredIdentity) -> None:
+        """Checkpoint mode, restored: register under this identity (before start())."""
 
     async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         """Start the engine(s) and build the instances served (the plane is open already)."""
@@ -73,15 +101,63 @@ class WorkerHost:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self.health = Health()
+        self._engine_closed = False
 
     async def run(self) -> int:
-        cfg, engine, health = self.cfg, self.engine, self.health
-        cluster_auth.install(cfg.security.auth())  # before any plane opens
+        cluster_auth.install(self.cfg.security.auth())  # before any plane opens
         stop_on_signals(self.stopping)
+        try:
+            snapshot = SnapshotControl.from_env()
+        except SnapshotError as exc:
+            log.error("%s", exc)
+            return EXIT_BAD_CONFIG
+        if snapshot is not None and (reason := self.engine.checkpoint_refusal()):
+            log.error("%s is set but %s", SNAPSHOT_CONTROL_DIR_ENV, reason)
+            return EXIT_BAD_CONFIG
+        try:
+            await self.engine.build()
+            if snapshot is not None and not await self._checkpoint(snapshot):
+                return self.exit_code
+            return await self._serve()
+        finally:
+            await self._close_engine()
+
+    async def _close_engine(self) -> None:
+        if not self._engine_closed:
+            self._engine_closed = True
+            await self.engine.close()
+
+    async def _checkpoint(self, control: SnapshotControl) -> bool:
+        """Quiesce, say ready, wait for the verdict: True when restored (serve on), False when
+        the checkpoint was taken (or we were told to stop): exit without ever registering."""
+        await self.engine.quiesce()
+        try:
+            control.ready()
+            log.info("ready for checkpoint; waiting for snapshot-complete or restore-complete in %s", control.dir)
+            stop = asyncio.create_task(self.stopping.wait())
+            verdict = asyncio.create_task(control.wait())
+            await asyncio.wait([stop, verdict], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            verdict.cancel()
+            restored = verdict.done() and not verdict.cancelled() and verdict.result() == RESTORE_COMPLETE
+        finally:
+            control.clear()
+        if not restored:
+            log.info("checkpoint taken (or stopped while waiting): exiting")
+            return False
+        await self.engine.resume()
+        identity = control.restored_identity()
+        self.engine.restore_identity(identity)
+        log.info("restored: serving as %s", identity)
+        return True
+
+    async def _serve(self) -> int:
+        cfg, engine, health = self.cfg, self.engine, self.health
+        controls = SleepControls()
         status_server = None
         if cfg.system_port is not None:
-            status_server = await serve_status(make_app(health, engine.refresh_gauges), cfg.system_host,
-                                               cfg.system_port)
+            app = make_app(health, engine.refresh_gauges, routes=controls.routes())
+            status_server = await serve_status(app, cfg.system_host, cfg.system_port)
             log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
         plane = None
         registry = None
@@ -89,14 +165,18 @@ class WorkerHost:
             # Before the engine: an unreachable NATS server fails the start at once.
             plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
             instances = await engine.start(plane, health)
+            registry = make_registry(cfg.discovery)
+            await registry.backend.start()
+            on_change = lambda: setattr(health, "sleeping", controls.all_asleep)  # noqa: E731
+            for i in instances:
+                sleeper = InstanceSleep(i.server, i.card, i.sleep or CannotSleep("this engine kind cannot sleep"),
+                                        registry, cfg.graceful_shutdown_timeout, on_change)
+                sleeper.serve()
+                controls.instances.append(sleeper)
             servers = [i.server for i in instances]
             for server in servers:
                 await server.start()
-            registry = make_registry(cfg.discovery)
-            await registry.backend.start()
-            records = []
-            for instance in instances:
-                records += await register(registry, instance.card, advertised_address(instance.server.address))
+            await controls.register_all()
             health.set_ready(engine.canary, failure=engine.failure)
             monitor = asyncio.create_task(engine.died())
             monitor.add_done_callback(self._engine_died)
@@ -106,14 +186,14 @@ class WorkerHost:
             monitor.cancel()
             health.set_not_ready()
             # Unregister first so no new traffic arrives, then let in-flight requests finish.
-            await unregister(registry, records)
+            await controls.unregister_all()
             await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0)
         finally:
             if registry is not None:
                 await registry.backend.close()
             if status_server is not None:
                 status_server.should_exit = True
-            await engine.close()
+            await self._close_engine()  # before the plane its publishers use
             if plane is not None:
                 await plane.close()
         return self.exit_code

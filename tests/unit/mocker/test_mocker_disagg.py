@@ -23,7 +23,7 @@ from turbine.mocker.kv_transfer import KvTransferModel, kv_bytes_per_token
 from turbine.mocker.scheduler import FINISHED, PULLING, WAITING, Scheduler, Sequence
 from turbine.mocker.timing import TimingProfile
 from turbine.mocker.tokens import Choice, TokenSampler, prompt_seed
-from turbine.mocker.worker import SimulatedWorker
+from turbine.mocker.worker import SimulatedWorker, WorkerEngines
 from turbine.protocol.generate import GenerateRequest, SamplingOptions, StopConditions, StructuredOutputs
 from turbine.protocol.kv_events import BlockRemoved, BlockStored
 from turbine.runtime.errors import InvalidRequest
@@ -326,7 +326,8 @@ async def test_prefill_workers_publish_kv_events_and_decode_workers_only_load(mo
             cfg = parse_mocker_args(["--disaggregation-mode", mode, "--speedup-ratio", "0"])
             info = cfg.model_info
             sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, 0)
-            workers.append(SimulatedWorker(cfg, sampler, Health(), WorkerEventPlane("zmq", "127.0.0.1")))
+            workers.append(SimulatedWorker(cfg, WorkerEngines(cfg, sampler), Health(), WorkerEventPlane("zmq", "127.0.0.1"),
+                                           instance_id=f"w{mode}"))
         p, d = workers
         assert (p.card.disaggregation_mode, d.card.disaggregation_mode) == ("prefill", "decode")
         assert (p.card.component, d.card.component) == ("prefill", "backend")

@@ -16,7 +16,7 @@ from turbine.mocker.kv_cache import BlockPool
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.timing import TimingProfile
 from turbine.mocker.tokens import TokenSampler
-from turbine.mocker.worker import SimulatedWorker
+from turbine.mocker.worker import SimulatedWorker, WorkerEngines
 from turbine.protocol.generate import GenerateRequest, StopConditions
 from turbine.runtime.errors import InvalidRequest
 from turbine.runtime.event_plane import WorkerEventPlane
@@ -88,7 +88,7 @@ async def test_a_worker_publishes_kv_events_and_load_per_rank(model_dir):
     cfg = parse_mocker_args(["--data-parallel-size", "2", "--speedup-ratio", "0"])
     info = cfg.model_info
     sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, 0)
-    w = SimulatedWorker(cfg, sampler, Health(), WorkerEventPlane("zmq", "127.0.0.1"))
+    w = SimulatedWorker(cfg, WorkerEngines(cfg, sampler), Health(), WorkerEventPlane("zmq", "127.0.0.1"), "w")
     tasks = [asyncio.create_task(e.run()) for e in w.engines]
     try:
         assert w.card.data_parallel_size == 2 and len(w.engines) == 2

@@ -1,0 +1,70 @@
+"""Sleep / wake of the vLLM engine: the only code that puts an AsyncLLM to sleep or wakes it
+(the worker host's sleep sequence, turbine/worker/sleep.py, calls it once the instance is out
+of discovery and drained; a GPU benchmark can call `sleep_engine` / `wake_engine` directly).
+
+vLLM sleeps only where its platform has a sleep mode (CUDA, ROCm, XPU) and the engine was
+started with --enable-sleep-mode. vLLM's CPU build has none: its platform refuses
+--enable-sleep-mode ("Sleep mode is not supported on current platform."), and without the flag
+AsyncLLM.sleep() would pause the scheduler and clear the prefix cache while CPUWorker.sleep()
+only logs "sleep mode is not supported on CPU, ignore it." and frees nothing. So on CPU sleep is
+refused (`sleep_refusal`), never accepted and left inert."""
+
+from __future__ import annotations
+
+NO_SLEEP_MODE_PLATFORM = ("vLLM's {platform} platform has no sleep mode (vLLM sleeps on CUDA, ROCm and XPU only; "
+                          "on CPU --enable-sleep-mode is refused and CPUWorker.sleep() frees nothing)")
+NO_SLEEP_MODE_FLAG = "the engine was started without --enable-sleep-mode"
+
+
+def platform_sleep_refusal() -> str | None:
+    """Why no engine can sleep on this machine's vLLM platform, or None."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        return None
+    return NO_SLEEP_MODE_PLATFORM.format(platform=current_platform.device_type)
+
+
+def sleep_refusal(engine) -> str | None:
+    """Why this AsyncLLM cannot sleep, or None if it can."""
+    if reason := platform_sleep_refusal():
+        return reason
+    if not engine.vllm_config.model_config.enable_sleep_mode:
+        return NO_SLEEP_MODE_FLAG
+    return None
+
+
+async def sleep_engine(engine, level: int) -> None:
+    """Level 1: the KV cache is discarded (weights offloaded to host memory); level 2: the
+    weights are discarded too. Requests still in the engine are aborted (the caller drained
+    them first); the scheduler stays paused until `wake_engine`."""
+    await engine.sleep(level, mode="abort")
+
+
+async def wake_engine(engine) -> None:
+    """Everything sleep freed is back (level 2: weights reloaded) and the scheduler runs again."""
+    await engine.wake_up(tags=None)
+    if await engine.is_paused():  # wake_up resumes it when fully awake; make sure
+        await engine.resume_generation()
+
+
+class VllmSleep:
+    """The engine's sleep as the worker host uses it (turbine/worker/sleep.py's EngineSleep)."""
+
+    def __init__(self, engine, on_change=None):
+        self.engine = engine
+        self.on_change = on_change  # told the sleep level (0: awake), e.g. for the KV gauge
+
+    def sleep_refusal(self) -> str | None:
+        reason = sleep_refusal(self.engine)
+        return None if reason is None else f"this vLLM worker cannot sleep: {reason}"
+
+    async def sleep(self, level: int) -> None:
+        await sleep_engine(self.engine, level)
+        if self.on_change is not None:
+            self.on_change(level)
+
+    async def wake_up(self) -> None:
+        await wake_engine(self.engine)
+        if self.on_change is not None:
+            self.on_change(0)
