@@ -136,15 +136,13 @@ def _peer_name(transport: asyncio.BaseTransport) -> str:
 class StreamContext:
     """Per-stream information handed to a handler."""
 
-    __slots__ = ("stream_id", "endpoint", "cancelled", "failure")
+    __slots__ = ("stream_id", "endpoint", "cancelled")
 
     def __init__(self, stream_id: int, endpoint: str) -> None:
         self.stream_id = stream_id
         self.endpoint = endpoint
         # Set before the handler task is cancelled (client cancel or disconnect).
         self.cancelled = False
-        # Set before the server itself cancels the handler (fail_streams): what the caller is told.
-        self.failure: WorkerError | None = None
 
 
 class _Endpoint(NamedTuple):
@@ -248,13 +246,18 @@ class _ServerConnection(asyncio.Protocol):
         if out and transport is not None and not transport.is_closing():
             transport.write(out[0] if len(out) == 1 else b"".join(out))
 
-    def fail_streams(self, error: WorkerError) -> None:
-        """End every open stream with `error` and cancel its handler (which frees its engine work)."""
-        streams, self._streams = self._streams, {}
-        for stream_id, (task, ctx) in streams.items():
-            _send_error(self, stream_id, error)
-            ctx.cancelled = True
-            task.cancel()
+    def fail_streams(self, error: WorkerError, endpoints: Container[str] | None = None) -> list[asyncio.Task]:
+        """End every open stream (of `endpoints`, None: all) with `error` and cancel its handler
+        (which frees its engine work); returns the handlers' tasks."""
+        failed = []
+        for stream_id, (task, ctx) in list(self._streams.items()):
+            if endpoints is None or ctx.endpoint in endpoints:
+                del self._streams[stream_id]
+                _send_error(self, stream_id, error)
+                ctx.cancelled = True
+                task.cancel()
+                failed.append(task)
+        return failed
 
     def stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
@@ -378,10 +381,7 @@ class RequestPlaneServer:
     async def fail_streams(self, endpoints: Container[str], error: WorkerError) -> int:
         """End every open stream of `endpoints` with `error` (its handler is cancelled, so its
         `finally` frees what it held); returns how many."""
-        tasks = [task for task, ctx in self._tasks.items() if ctx.endpoint in endpoints]
-        for task in tasks:
-            self._tasks[task].failure = error
-            task.cancel()
+        tasks = [task for conn in list(self._connections) for task in conn.fail_streams(error, endpoints)]
         await asyncio.gather(*tasks, return_exceptions=True)
         return len(tasks)
 
@@ -463,9 +463,7 @@ class RequestPlaneServer:
                     await aclose()
             conn.send(Frame(kind=END, stream_id=sid))
         except asyncio.CancelledError:
-            if ctx.failure is None:
-                raise  # the client cancelled or went away: nobody to tell
-            _send_error(conn, sid, ctx.failure)  # the server ended it (fail_streams)
+            raise  # the client cancelled or went away, or the server failed it (fail_streams): nothing to send
         except RequestFailed as exc:
             _send_error(conn, sid, exc.error)
         except Exception as exc:
