@@ -10,7 +10,9 @@ Three ways to get a ready worker (GET /health = 200), each timed from its trigge
 
     .venv/bin/python benchmarks/checkpoint_restore.py --repeats 3 [--criu /path/to/criu]
 
-Rounds alternate the order (cold, marker, criu / criu, marker, cold); medians are reported.
+Rounds alternate the order (cold, marker, criu / criu, marker, cold); medians are reported
+(seconds; criu_image_mb: the dump's size). Checkpoint-mode mockers run on asyncio, not uvloop:
+uvloop's libuv maps io_uring rings, which CRIU cannot dump.
 Other helpers load this 2-core machine: read the ratios, not the absolute times.
 """
 
@@ -118,17 +120,18 @@ def criu_check(criu: str) -> str | None:
     return None if out.returncode == 0 else (out.stdout + out.stderr).strip()
 
 
-def criu_round(root: Path, criu: str) -> tuple[float, float]:
-    """(dump seconds, restore-to-ready seconds)."""
+def criu_round(root: Path, criu: str) -> tuple[float, float, int]:
+    """(dump seconds, restore-to-ready seconds, image bytes)."""
     proc, control, port = held(root)
     images = Path(tempfile.mkdtemp(dir=root))
     start = time.perf_counter()
     dump = subprocess.run([criu, "dump", "-t", str(proc.pid), "-D", str(images), "-o", "dump.log", "-v4"],
                           capture_output=True, text=True)
     dump_s = time.perf_counter() - start
-    proc.wait(30)  # criu dump ends the process
     if dump.returncode != 0:
+        stop(proc.pid)
         raise RuntimeError(f"criu dump failed:\n{dump.stderr}\n{_tail(images / 'dump.log')}")
+    proc.wait(30)  # criu dump ends the process
     (control / "ready-for-checkpoint").unlink(missing_ok=True)  # the dumped image wrote it already
     start = time.perf_counter()
     restore = subprocess.run([criu, "restore", "-D", str(images), "-d", "-o", "restore.log", "-v4",
@@ -136,12 +139,13 @@ def criu_round(root: Path, criu: str) -> tuple[float, float]:
     if restore.returncode != 0:
         raise RuntimeError(f"criu restore failed:\n{restore.stderr}\n{_tail(images / 'restore.log')}")
     pid = int((images / "pid").read_text())
+    image_bytes = sum(f.stat().st_size for f in images.iterdir() if f.suffix == ".img")
     try:
         (control / "restore-complete").touch()
         ready = wait_for(lambda: healthy(port), 60, "criu restore ready") - start
     finally:
         stop(pid)
-    return dump_s, ready
+    return dump_s, ready, image_bytes
 
 
 def _tail(path: Path, n: int = 25) -> str:
@@ -161,7 +165,7 @@ def main() -> None:
     problem = criu_check(args.criu)
     if problem:
         print(f"criu ({args.criu}) check failed; criu rounds skipped:\n{problem}\n")
-    results: dict[str, list[float]] = {"cold": [], "marker": [], "criu_dump": [], "criu": []}
+    results: dict[str, list[float]] = {"cold": [], "marker": [], "criu_dump": [], "criu": [], "criu_image_mb": []}
     for r in range(args.repeats):
         order = ["cold", "marker", "criu"]
         if r % 2:
@@ -172,12 +176,13 @@ def main() -> None:
             elif kind == "marker":
                 results["marker"].append(marker(root))
             elif not problem:
-                dump_s, ready_s = criu_round(root, args.criu)
+                dump_s, ready_s, image_bytes = criu_round(root, args.criu)
                 results["criu_dump"].append(dump_s)
                 results["criu"].append(ready_s)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in results.items() if v), flush=True)
+                results["criu_image_mb"].append(image_bytes / 1e6)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in results.items() if v), flush=True)
     medians = {k: statistics.median(v) for k, v in results.items() if v}
-    print("medians: " + ", ".join(f"{k} {v:.2f}s" for k, v in medians.items()))
+    print("medians: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
     for kind in ("marker", "criu"):
         if kind in medians:
             print(f"{kind} restore-to-ready / cold start: {medians[kind] / medians['cold']:.2f}")

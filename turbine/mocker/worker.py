@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import replace
 
@@ -35,7 +36,7 @@ from turbine.runtime.status_server import Health
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
-from turbine.worker.snapshot import RestoredIdentity
+from turbine.worker.snapshot import SNAPSHOT_CONTROL_DIR_ENV, RestoredIdentity
 
 log = logging.getLogger("turbine.mocker")
 
@@ -257,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = parse_mocker_args(argv)
     host = WorkerHost(cfg, SimulatedEngines(cfg))
-    # uvloop: the event loop is most of the work of 100+ simulated workers.
-    return run_host(host.run, runner=uvloop.run)
+    # uvloop: the event loop is most of the work of 100+ simulated workers. Not in checkpoint
+    # mode: uvloop's libuv (1.52) maps io_uring rings whatever UV_USE_IO_URING says, and CRIU
+    # cannot dump io_uring ("Unknown shit 600 (anon_inode:[io_uring])").
+    runner = asyncio.run if os.environ.get(SNAPSHOT_CONTROL_DIR_ENV) else uvloop.run
+    return run_host(host.run, runner=runner)
 
 
 def reply_token_ids(cfg: MockerConfig) -> list[int]:
