@@ -1,9 +1,10 @@
 """Sleep / wake of a served instance, the one place that orders it:
 
 sleep: refuse at once if the engine cannot sleep → unregister (no frontend routes here any
-more) → new requests that still arrive are refused as shutting_down → in-flight requests finish
-within the drain timeout; those still running then fail as shutting_down (retryable: a frontend
-re-issues them elsewhere) → the engine sleeps (level 1: KV cache freed; 2: weights too).
+more) → in-flight requests, and any routed here before the frontends noticed, finish within the
+drain timeout; those still running then fail as shutting_down (retryable: a frontend re-issues
+them elsewhere) → new requests are refused as shutting_down → the engine sleeps (level 1: KV
+cache freed; 2: weights too).
 wake: the engine wakes → requests are served again → register (routed to again).
 
 Served on each instance's request plane (`sleep`, `wake_up`, `is_sleeping`) and on the
@@ -88,10 +89,13 @@ class InstanceSleep:
                 return self.reply(f"already sleeping (level {self.level})")
             # Out of discovery first: routers stop sending here before anything else changes.
             await self.unregister()
+            # Requests routed here before the frontends saw us go are still served (the drain
+            # waits for them too); from here on none is routed here.
+            timeout = self.drain_timeout if drain_timeout is None else drain_timeout
+            drained = await self.server.drain_endpoints(self._served, timeout)
             for endpoint in self._served:
                 self.server.refuse(endpoint, WorkerError.of(codes.SHUTTING_DOWN, "the worker is asleep"))
-            timeout = self.drain_timeout if drain_timeout is None else drain_timeout
-            if not await self.server.drain_endpoints(self._served, timeout):
+            if not drained:
                 failed = await self.server.fail_streams(
                     self._served, WorkerError.of(codes.SHUTTING_DOWN, "the worker went to sleep"))
                 log.warning("instance %s: %d request(s) still running after %.1fs; failed as shutting_down",
