@@ -17,9 +17,9 @@ pstree -p $W | head -5
 grep -c io_uring /proc/$W/maps; for c in $(pgrep -P $W); do echo child $c io_uring: $(grep -c io_uring /proc/$c/maps); done
 $CRIU dump -t $W -D $D/img -o dump.log -v4 --tcp-established --ext-unix-sk --network-lock skip --link-remap --file-locks 2>&1 | tail -3
 grep -E "Error|Warn" $D/img/dump.log | head -15
-wait $W 2>/dev/null  # reap the dumped (killed) worker: its pid must be free for the restore
-sleep 2
 if grep -q "Dumping finished successfully" $D/img/dump.log; then
+  wait $W 2>/dev/null  # reap the dumped (killed) worker: its pid must be free for the restore
+  sleep 2
   du -sh $D/img
   sleep 1
   T0=$(date +%s.%N)
