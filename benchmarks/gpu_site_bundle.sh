@@ -1,0 +1,91 @@
+#!/bin/bash
+# Builds, on a machine with PyPI, the Python packages vLLM 0.26.0 needs on an offline GPU host that has
+# Python 3.12 and torch 2.11.0+cu130 but no vLLM (the device machines; shared/research/gpu_notes.md),
+# as one xz tarball cut into two pieces that each fit a 64 MiB device transfer:
+#   bash benchmarks/gpu_site_bundle.sh DIR  ->  DIR/site.tar.xz.part00, DIR/site.tar.xz.part01, DIR/site.tar.xz.sha256
+# On the host: cat the pieces, check the sha256, `xz -dc site.tar.xz | tar -x -C SITE`, PYTHONPATH=SITE.
+# Dropped from vLLM's wheel to save transfers (each import is optional in vLLM 0.26.0): FlashAttention 2
+# (Hopper runs FlashAttention 3), the MoE kernels (dense models only), the vllm-rs frontend binary and
+# deep_gemm's bindings for other Pythons. 304 MB of wheels + deps -> 106 MB of xz.
+set -euo pipefail
+DIR=${1:?usage: gpu_site_bundle.sh DIR}
+PY=${PYTHON:-python3}
+mkdir -p "$DIR/wheels"
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any)
+for n in 17 24 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
+PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+# Versions: vLLM 0.26.0's pins where it has them; xgrammar 0.2.7 is the newest that runs on the
+# apache-tvm-ffi 0.1.10 that vLLM pins (0.2.8 needs >= 0.1.11: "load_lib_module() got an unexpected
+# keyword argument 'extra_lib_paths'"); the rest as in the project's CPU venv.
+cat > "$DIR/requirements.txt" <<'EOF'
+vllm==0.26.0
+pydantic==2.14.4
+pydantic_core==2.50.5
+annotated-types==0.8.0
+typing-inspection==0.4.5
+msgspec==0.22.0
+pyzmq==27.3.0
+blake3==1.0.11
+cbor2==6.3.0
+gguf==0.19.0
+compressed-tensors==0.17.0
+xgrammar==0.2.7
+llguidance==1.7.6
+outlines_core==0.2.14
+lark==1.2.2
+interegular==0.3.3
+partial-json-parser==0.2.1.1.post7
+pybase64==1.5.1
+setproctitle==1.3.8
+cachetools==8.0.2
+depyf==0.20.0
+astor==0.8.1
+dill==0.4.1
+python-json-logger==4.2.0
+mistral_common==1.13.1
+jsonschema==4.26.0
+jsonschema-specifications==2025.9.1
+referencing==0.37.0
+rpds-py==2026.9.1
+pycountry==26.2.16
+pydantic-extra-types==2.11.1
+openai==3.57.0
+jiter==0.19.0
+openai-harmony==0.0.8
+fastapi==0.136.3
+starlette==1.10.0
+uvicorn==0.54.0
+httptools==0.9.0
+sse-starlette==3.7.0
+python-multipart==0.0.34
+watchfiles==1.3.0
+prometheus-fastapi-instrumentator==8.1.0
+flashinfer-python==0.6.14
+apache-tvm-ffi==0.1.10
+sniffio==1.3.1
+distro==1.9.0
+httpx2==2.16.2
+httpcore2==2.16.2
+mcp==2.3.0
+mcp-types==2.3.0
+anthropic==2.14.0
+docstring_parser==0.18.0
+model-hosting-container-standards==0.1.16
+jmespath==1.1.0
+loguru==0.7.3
+supervisor==4.3.0
+ijson==3.6.0
+lm-format-enforcer==0.11.3
+nats-py==2.16.0
+pydantic-settings==2.16.3
+python-dotenv==1.2.4
+truststore==0.10.5
+EOF
+"$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/wheels" -r "$DIR/requirements.txt"
+rm -rf "$DIR/site"
+"$PY" -m pip install -q --no-deps --no-compile "${PLAT[@]}" --target "$DIR/site" "$DIR"/wheels/*.whl
+rm -f "$DIR"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$DIR"/site/vllm/vllm-rs \
+  "$DIR"/site/vllm/_moe_C_stable_libtorch.abi3.so "$DIR"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
+tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$DIR/site.tar.xz"
+(cd "$DIR" && split -n 2 -d site.tar.xz site.tar.xz.part && sha256sum site.tar.xz > site.tar.xz.sha256)
+ls -l "$DIR"/site.tar.xz.part*
