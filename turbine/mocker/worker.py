@@ -109,7 +109,7 @@ class SimulatedWorker:
             data_parallel_size=cfg.data_parallel_size, **self.events.card_fields())
 
     # Its sleep (turbine/worker/sleep.py runs the sequence around it): the KV gauge shows it.
-    def sleep_refusal(self) -> str | None:
+    def sleep_refusal(self, level: int) -> str | None:
         return None
 
     async def sleep(self, level: int) -> None:

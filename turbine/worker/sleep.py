@@ -44,8 +44,8 @@ class SleepUnsupported(Exception):
 class EngineSleep(Protocol):
     """What an engine kind gives the host for one instance's engine."""
 
-    def sleep_refusal(self) -> str | None:
-        """Why this engine cannot sleep, or None if it can."""
+    def sleep_refusal(self, level: int) -> str | None:
+        """Why this engine cannot sleep at `level`, or None if it can."""
 
     async def sleep(self, level: int) -> None:
         """Free the KV cache (level 1) and the weights (level 2); no request is running."""
@@ -82,7 +82,7 @@ class InstanceSleep:
             raise ValueError(f"level {level}: choose from {', '.join(map(str, SLEEP_LEVELS))}")
         if drain_timeout is not None and drain_timeout < 0:
             raise ValueError(f"drain_timeout {drain_timeout}: must be >= 0")
-        if reason := self.engine.sleep_refusal():
+        if reason := self.engine.sleep_refusal(level):
             raise SleepUnsupported(reason)
         async with self._lock:
             if self.level:
@@ -162,7 +162,7 @@ class CannotSleep:
     def __init__(self, reason: str):
         self.reason = reason
 
-    def sleep_refusal(self) -> str | None:
+    def sleep_refusal(self, level: int) -> str | None:
         return self.reason
 
     async def sleep(self, level: int) -> None:

@@ -24,7 +24,7 @@ class RecordingEngine:
         self.registry = registry
         self.seen: list[tuple[str, int]] = []
 
-    def sleep_refusal(self):
+    def sleep_refusal(self, level):
         return None
 
     async def sleep(self, level):
