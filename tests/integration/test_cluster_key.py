@@ -174,3 +174,29 @@ def test_the_router_service_serves_keyed_clients_only(keyed):
                    "the router drops the other-key worker's events", [router])
     finally:
         router.stop()
+
+
+def test_sleep_and_wake_on_the_status_port_need_the_key(keyed):
+    # Anyone who reaches a status port could take a keyed worker out of service: its sleep and
+    # wake routes act only for a caller that presents the cluster key.
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(route: str, key: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(f"{keyed['rogue'].url}/engine/{route}", data=b"{}", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            assert "cluster key" in json.loads(exc.read())["message"]
+            return exc.code
+
+    assert post("sleep", None) == 401
+    assert post("sleep", KEY) == 401  # not this worker's key
+    assert post("sleep", OTHER_KEY) == 200
+    assert post("wake_up", None) == 401
+    assert post("wake_up", OTHER_KEY) == 200

@@ -89,6 +89,14 @@ class ClusterAuth:
     def enabled(self) -> bool:
         return self.key is not None
 
+    def allows_control(self, authorization: str | None) -> bool:
+        """Whether an HTTP control request (a worker's status-port /engine/* routes that change
+        state) may act: with a key, its `Authorization: Bearer <cluster key>` must match."""
+        if self.key is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.key)
+
     # -- request plane ----------------------------------------------------------------
     def server_hello(self) -> tuple[bytes, bytes]:
         """(our nonce, the bytes to send)."""

@@ -28,6 +28,7 @@ from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.embed import EMBED_ENDPOINT
 from turbine.protocol.errors import WorkerError
 from turbine.protocol.sleep import SLEEP_LEVELS, IsSleepingRequest, SleepReply, SleepRequest, WakeUpRequest
+from turbine.runtime import cluster_auth
 from turbine.runtime.discovery.registry import Registry
 from turbine.runtime.registration import advertised_address, register, unregister
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -195,8 +196,8 @@ class SleepControls:
         return bool(self.instances) and all(i.level for i in self.instances)
 
     def routes(self) -> list[Route]:
-        return [Route("/engine/sleep", self._sleep, methods=["POST"]),
-                Route("/engine/wake_up", self._wake_up, methods=["POST"]),
+        return [Route("/engine/sleep", _keyed(self._sleep), methods=["POST"]),
+                Route("/engine/wake_up", _keyed(self._wake_up), methods=["POST"]),
                 Route("/engine/is_sleeping", self._is_sleeping, methods=["GET"])]
 
     def _chosen(self, instance_id: str | None) -> list[InstanceSleep]:
@@ -243,6 +244,16 @@ class SleepControls:
         return JSONResponse({"status": "success" if status == 200 else "error",
                              "instances": {i.instance_id: msgspec.to_builtins(r) for i, r in zip(chosen, replies)}},
                             status_code=status)
+
+
+def _keyed(handler):
+    """A state-changing route: with a cluster key, only a caller that presents it (as a bearer
+    token) may act; anyone who can reach the status port could otherwise take a worker out."""
+    async def checked(request: Request) -> JSONResponse:
+        if not cluster_auth.current().allows_control(request.headers.get("authorization")):
+            return _error(401, "this worker has a cluster key: send it as 'Authorization: Bearer <key>'")
+        return await handler(request)
+    return checked
 
 
 async def _body(request: Request) -> tuple[dict, str | None, JSONResponse | None]:
