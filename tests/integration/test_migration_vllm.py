@@ -6,7 +6,9 @@ with migration off run when the worker holding the first three is killed:
 - the greedy stream's text equals an unbroken run's, its usage too, and no error reaches the client;
 - the constrained stream fails with a clear error event (it cannot go on mid-grammar);
 - with migration off, the stream on the killed worker gets an SSE error event then [DONE], no hang;
-- the surviving worker holds no KV blocks once the streams are over."""
+- the surviving worker holds no KV blocks once the streams are over;
+- the killed worker leaves both frontends' instances within the discovery TTL, and new requests
+  (through the frontend with migration off too, where one sent to it would fail) all succeed."""
 
 from __future__ import annotations
 
@@ -119,13 +121,17 @@ def killed(tmp_path_factory, model_dir):
                    120, "every stream under way", procs)
         assert greedy.is_alive(), "the greedy stream ended before the kill: make TOKENS larger"
         victim.stop(signal.SIGKILL)
+        # Its heartbeat stopped with it: gone from discovery within the TTL, while the streams go on.
+        ttl = float(env["TURBINE_DISCOVERY_TTL"])
+        wait_until(lambda: instances_of(migrating, MODEL) == 1 and instances_of(off, MODEL) == 1, ttl + 5,
+                   "the killed worker dropped from both frontends", [migrating, off])
         for t in (greedy, constrained, *threads):
             t.join(300)
             assert not t.is_alive()
         wait_until(lambda: worker_metric(survivor, "turbine_worker_active_kv_blocks") == 0, 30,
                    "the survivor's blocks freed", [survivor])
         yield {"reference": reference, "greedy": greedy, "constrained": constrained, "off": results,
-               "migrating": migrating, "survivor": survivor}
+               "migrating": migrating, "off_frontend": off, "survivor": survivor}
     finally:
         for p in procs:
             p.stop()
@@ -157,3 +163,13 @@ def test_no_kv_blocks_left_on_the_survivor(killed):
     # (the fixture waited for it; a leak would have failed it there)
     assert worker_metric(killed["survivor"], "turbine_worker_active_kv_blocks") == 0
     assert worker_metric(killed["survivor"], "turbine_worker_engine_unfinished_requests") == 0
+
+
+def test_the_killed_worker_leaves_discovery_and_traffic_goes_on(killed):
+    # (the fixture waited at most the TTL + 5 s for it to leave both frontends)
+    for frontend in (killed["migrating"], killed["off_frontend"]):
+        assert instances_of(frontend, MODEL) == 1
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+        for _ in range(6):  # round-robin: a dead worker still listed would get half of them
+            r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+            assert r.choices[0].text is not None
