@@ -27,12 +27,15 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory, model_dir):
-    """Frontend + workers A and B sharing a private file-discovery directory."""
+    """Frontend + workers A and B (tool-call and reasoning parsers, --enable-prompt-embeds) sharing a
+    private file-discovery directory."""
     root = tmp_path_factory.mktemp("cluster")
     env = base_env(str(root / "discovery"))
     # The parsers: hermes tool calls, qwen3 reasoning (output without <think> stays content).
     parsers = ("--dyn-tool-call-parser", "hermes", "--dyn-reasoning-parser", "qwen3")
-    workers = [start_worker(n, env, root, *parsers) for n in ("worker-a", "worker-b")]
+    # Prompt embeddings on too (test_prompt_embeds.py), rather than an engine of their own: token
+    # prompts then enter the model as their embedding rows, the same numbers (test_vllm_parity.py).
+    workers = [start_worker(n, env, root, *parsers, "--enable-prompt-embeds") for n in ("worker-a", "worker-b")]
     frontend = start_frontend("frontend", env, root)
     procs = [*workers, frontend]
     try:

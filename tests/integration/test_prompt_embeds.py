@@ -1,7 +1,8 @@
-"""Prompt embeddings end to end: a vLLM worker started with --enable-prompt-embeds, its frontend,
-and the official openai client. Embeddings taken from the model's own embedding table give the
-same greedy text as the token prompt; every bad tensor gets its 400 naming prompt_embeds and
-the server keeps serving. A model whose workers do not take embeddings (a mocker) refuses them."""
+"""Prompt embeddings end to end: the shared cluster's vLLM workers (started with
+--enable-prompt-embeds), its frontend, and the official openai client. Embeddings taken from the
+model's own embedding table give the same greedy text as the token prompt; every bad tensor gets
+its 400 naming prompt_embeds and the server keeps serving. A model whose workers do not take
+embeddings (a mocker this module adds to the cluster's discovery) refuses them."""
 
 from __future__ import annotations
 
@@ -19,16 +20,8 @@ from openai import OpenAI
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
-from tests.integration.procs import (
-    base_env,
-    instances_of,
-    start_frontend,
-    start_mocker,
-    start_worker,
-    wait_until,
-    worker_ready,
-)
+from tests.integration.conftest import MODEL
+from tests.integration.procs import instances_of, start_mocker, wait_until, worker_ready
 
 MOCK_MODEL = "mock-without-embeds"
 PROMPT = "The capital of France is"
@@ -36,26 +29,22 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def embeds_cluster(tmp_path_factory, model_dir):
-    root = tmp_path_factory.mktemp("prompt-embeds")
-    env = base_env(str(root / "discovery"))
-    worker = start_worker("embeds-worker", env, root, "--enable-prompt-embeds")
-    mocker = start_mocker("mocker", env, root, "--served-model-name", MOCK_MODEL, "--speedup-ratio", "0")
-    frontend = start_frontend("frontend", env, root)
-    procs = [worker, mocker, frontend]
+def embeds_cluster(cluster):
+    """The shared cluster, plus a mocker serving another model (its card takes no embeddings)."""
+    mocker = start_mocker("mocker-without-embeds", cluster["env"], cluster["root"], "--served-model-name",
+                          MOCK_MODEL, "--speedup-ratio", "0")
     try:
-        wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, "worker ready", procs)
-        wait_until(lambda: instances_of(frontend, MODEL) == 1 and instances_of(frontend, MOCK_MODEL) == 1, 30,
-                   "frontend sees both models", procs)
-        yield {"frontend": frontend, "worker": worker}
+        wait_until(lambda: worker_ready(mocker), 60, "mocker ready", [mocker])
+        wait_until(lambda: instances_of(cluster["frontend"], MOCK_MODEL) == 1, 30, "frontend sees the mocker",
+                   [mocker])
+        yield cluster
     finally:
-        for p in procs:
-            p.stop()
+        mocker.stop()
 
 
 @pytest.fixture(scope="module")
-def oai(embeds_cluster) -> OpenAI:
-    return OpenAI(base_url=f"{embeds_cluster['frontend'].url}/v1", api_key="unused", max_retries=0, timeout=120)
+def oai(embeds_cluster, client) -> OpenAI:
+    return client
 
 
 @pytest.fixture(scope="module")
