@@ -8,7 +8,10 @@ with migration off run when the worker holding the first three is killed:
 - with migration off, the stream on the killed worker gets an SSE error event then [DONE], no hang;
 - the surviving worker holds no KV blocks once the streams are over;
 - the killed worker leaves both frontends' instances within the discovery TTL, and new requests
-  (through the frontend with migration off too, where one sent to it would fail) all succeed."""
+  (through the frontend with migration off too, where one sent to it would fail) all succeed.
+
+Last, the survivor's engine process is killed: the worker sees its engine dead, unregisters and
+exits nonzero (a worker lifecycle case, here because this module's workers are ended anyway)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import signal
 import threading
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -173,3 +177,18 @@ def test_the_killed_worker_leaves_discovery_and_traffic_goes_on(killed):
         for _ in range(6):  # round-robin: a dead worker still listed would get half of them
             r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
             assert r.choices[0].text is not None
+
+
+def test_engine_death_unregisters_the_worker_and_it_exits_nonzero(killed):
+    # Last in this module: it ends the survivor.
+    worker = killed["survivor"]
+    engine_procs = [p for p in psutil.Process(worker.popen.pid).children(recursive=True)
+                    if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    assert engine_procs, [p.cmdline() for p in psutil.Process(worker.popen.pid).children(recursive=True)]
+    for p in engine_procs:
+        p.kill()
+    code = worker.popen.wait(90)
+    assert code not in (0, None), worker.log_tail()
+    assert "engine is dead" in worker.log_path.read_text(errors="replace")
+    frontends = (killed["migrating"], killed["off_frontend"])
+    wait_until(lambda: all(instances_of(f, MODEL) == 0 for f in frontends), 15, "dead worker gone from discovery", [])

@@ -1,5 +1,6 @@
-"""Worker lifecycle on real engines: graceful SIGTERM, engine death, and the `turbine serve`
-command. (A SIGKILLed worker leaving discovery and traffic: test_migration_vllm.py, which kills one.)"""
+"""Worker lifecycle on real engines: a custom chat template, graceful SIGTERM, and the `turbine serve`
+command. (A SIGKILLed worker leaving discovery and traffic, and engine death: test_migration_vllm.py,
+whose workers are ended anyway.)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.integration.procs import (
     free_port,
     http_text,
     instances_of,
+    metric,
     start_frontend,
     start_worker,
     wait_until,
@@ -43,71 +45,62 @@ def _isolated(cluster, name: str, discovery_flags=(), worker_flags=()):
     return worker, frontend
 
 
-def test_sigterm_unregisters_then_finishes_inflight_requests(cluster, etcd_endpoint):
-    # Through a real etcd: registration, the frontend's watch, and unregistration on SIGTERM.
-    worker, frontend = _isolated(cluster, "graceful",
-                                 discovery_flags=("--discovery-backend", "etcd", "--etcd-endpoints", etcd_endpoint))
-    try:
-        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
-        result = {}
-
-        def consume():
-            stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=80,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
-            chunks = [c for c in stream]
-            result["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
-            result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-
-        t = threading.Thread(target=consume)
-        t.start()
-        wait_until(lambda: _engine_busy(worker), 30, "request running on the worker", [worker])
-        worker.popen.send_signal(signal.SIGTERM)
-        # Unregistered first: the frontend stops offering the model while the request still runs.
-        wait_until(lambda: instances_of(frontend, MODEL) == 0, 10, "worker unregistered", [])
-        t.join(120)
-        assert result.get("finish") == "length", result
-        assert worker.popen.wait(60) == 0, worker.log_tail()
-    finally:
-        worker.stop(signal.SIGKILL)
-        frontend.stop()
-
-
-def _engine_busy(worker) -> bool:
-    from tests.integration.procs import http_text, metric
-
-    return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_inflight_requests") > 0
-
-
 CUSTOM_TEMPLATE = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}### assistant:"
 
 
-def test_custom_template_then_engine_death_unregisters_and_exits_nonzero(cluster, model_dir):
+@pytest.fixture(scope="module")
+def graceful(cluster, etcd_endpoint):
+    """One isolated worker (with a custom chat template) through a real etcd: registration, the
+    frontend's watch, and unregistration on SIGTERM; the SIGTERM test ends it, so it runs last."""
     template = cluster["root"] / "custom.jinja"
     template.write_text(CUSTOM_TEMPLATE)
-    worker, frontend = _isolated(cluster, "enginedeath", worker_flags=("--custom-jinja-template", str(template)))
+    worker, frontend = _isolated(cluster, "graceful",
+                                 discovery_flags=("--discovery-backend", "etcd", "--etcd-endpoints", etcd_endpoint),
+                                 worker_flags=("--custom-jinja-template", str(template)))
     try:
-        # The worker's --custom-jinja-template reaches the frontend through the model card.
-        from transformers import AutoTokenizer
-
-        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                           max_tokens=2)
-        expected = AutoTokenizer.from_pretrained(model_dir)("### user: Say hi\n### assistant:",
-                                                            add_special_tokens=False)["input_ids"]
-        assert r.usage.prompt_tokens == len(expected)
-
-        engine_procs = [p for p in psutil.Process(worker.popen.pid).children(recursive=True)
-                        if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
-        assert engine_procs, [p.cmdline() for p in psutil.Process(worker.popen.pid).children(recursive=True)]
-        for p in engine_procs:
-            p.kill()
-        code = worker.popen.wait(90)
-        assert code not in (0, None), worker.log_tail()
-        assert "engine is dead" in worker.log_path.read_text(errors="replace")
-        wait_until(lambda: instances_of(frontend, MODEL) == 0, 15, "dead worker gone from discovery", [])
+        yield worker, frontend
     finally:
         worker.stop(signal.SIGKILL)
         frontend.stop()
+
+
+def test_the_workers_custom_template_reaches_the_frontend(graceful, model_dir):
+    # The worker's --custom-jinja-template reaches the frontend through the model card.
+    from transformers import AutoTokenizer
+
+    _, frontend = graceful
+    client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=2)
+    expected = AutoTokenizer.from_pretrained(model_dir)("### user: Say hi\n### assistant:",
+                                                        add_special_tokens=False)["input_ids"]
+    assert r.usage.prompt_tokens == len(expected)
+
+
+def test_sigterm_unregisters_then_finishes_inflight_requests(graceful):
+    worker, frontend = graceful
+    client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=120)
+    result = {}
+
+    def consume():
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=80,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = [c for c in stream]
+        result["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
+        result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    t = threading.Thread(target=consume)
+    t.start()
+    wait_until(lambda: _engine_busy(worker), 30, "request running on the worker", [worker])
+    worker.popen.send_signal(signal.SIGTERM)
+    # Unregistered first: the frontend stops offering the model while the request still runs.
+    wait_until(lambda: instances_of(frontend, MODEL) == 0, 10, "worker unregistered", [])
+    t.join(120)
+    assert result.get("finish") == "length", result
+    assert worker.popen.wait(60) == 0, worker.log_tail()
+
+
+def _engine_busy(worker) -> bool:
+    return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_inflight_requests") > 0
 
 
 @pytest.mark.parametrize("mode,stop_signal", [([], signal.SIGINT), (["--disagg"], signal.SIGTERM)],
