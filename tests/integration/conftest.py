@@ -11,6 +11,7 @@ from tests.integration.procs import (
     instances_of,
     start_frontend,
     start_worker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -43,8 +44,7 @@ def cluster(tmp_path_factory, model_dir):
         wait_until(lambda: instances_of(frontend, MODEL) == 2, 30, "frontend sees 2 workers", procs)
         yield {"env": env, "root": root, "frontend": frontend, "workers": workers}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="session")

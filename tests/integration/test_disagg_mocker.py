@@ -17,6 +17,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_mocker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -43,8 +44,7 @@ def fleet(tmp_path_factory):
                    30, "the frontend sees 3 prefill workers and the decode worker", procs)
         yield {"frontend": frontend, "prefill": prefill, "decode": decode}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def unique(question: str) -> str:

@@ -28,6 +28,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_worker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -78,8 +79,7 @@ def pd(tmp_path_factory, model_dir):
                "cores": {"prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
                          "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND")}}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def prefill_workers(frontend) -> int:

@@ -18,6 +18,7 @@ from tests.integration.procs import (
     start_frontend,
     start_mocker,
     start_worker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -44,8 +45,7 @@ def pooling(tmp_path_factory, model_dir):
                    "frontend sees both models", procs)
         yield frontend
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_mocker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -44,8 +45,7 @@ def fleet(tmp_path_factory):
                    procs)
         yield frontend
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def warnings_of(frontend, model: str, kind: str) -> float:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from tests.integration.procs import base_env, instances_of, start_frontend, start_mocker, wait_until, worker_ready
+from tests.integration.procs import (
+    base_env,
+    instances_of,
+    start_frontend,
+    start_mocker,
+    stop_all,
+    wait_until,
+    worker_ready,
+)
 from turbine.model.prepare import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
@@ -30,8 +38,7 @@ def fleet(tmp_path_factory):
                    "frontends see the fleet", procs)
         yield {"kv": kv, "approx": approx, "rr": rr, "env": env, "root": root}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def cached_tokens_of_followups(frontend, tag: str) -> list[int]:

@@ -17,6 +17,7 @@ from tests.integration.procs import (
     instances_of,
     start_frontend,
     start_mocker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -43,8 +44,7 @@ def fleet(tmp_path_factory):
         wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, "frontend sees the worker", procs)
         yield frontend
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def per_rank(text: str, name: str) -> dict[str, float]:

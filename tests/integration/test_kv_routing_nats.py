@@ -17,6 +17,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_mocker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -45,8 +46,7 @@ def fleet(tmp_path_factory, nats_url):
         wait_until(lambda: instances_of(kv, MODEL) == WORKERS, 30, "frontend sees the fleet", procs)
         yield {"kv": kv, "env": env, "root": root, "procs": procs}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def ask(frontend, question: str) -> int:

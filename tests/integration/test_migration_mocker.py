@@ -22,6 +22,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_mocker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -122,8 +123,7 @@ def fleet(tmp_path_factory):
         yield {"env": env, "root": root, "workers": workers, **frontends, "procs": procs,
                "prompt_tokens": reference.usage.prompt_tokens}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def test_sigkilled_worker_streams_complete_elsewhere_or_fail_cleanly(fleet):
@@ -209,5 +209,4 @@ def test_disaggregated_stream_is_prefilled_again_after_its_decode_worker_dies(tm
         wait_until(lambda: blocks_in_use(survivor) == 0 and blocks_in_use(prefill) == 0, 10,
                    "the survivor's and the prefill worker's blocks freed", procs[:1])
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)

@@ -31,6 +31,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_worker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -137,8 +138,7 @@ def killed(tmp_path_factory, model_dir):
         yield {"reference": reference, "greedy": greedy, "constrained": constrained, "off": results,
                "migrating": migrating, "off_frontend": off, "survivor": survivor}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def test_greedy_stream_goes_on_unbroken_after_its_worker_is_killed(killed):

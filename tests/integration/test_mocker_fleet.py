@@ -23,6 +23,7 @@ from tests.integration.procs import (
     metric,
     start_frontend,
     start_mocker,
+    stop_all,
     wait_until,
     worker_ready,
 )
@@ -55,8 +56,7 @@ def mockers(tmp_path_factory):
                    "frontend sees every simulated worker", procs)
         yield {"env": env, "fleet": fleet, "slow": slow, "frontend": frontend}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from tests.integration.procs import _start, base_env, http_text, start_mocker, wait_until, worker_ready
+from tests.integration.procs import _start, base_env, http_text, start_mocker, stop_all, wait_until, worker_ready
 from turbine.config import DiscoveryConfig, make_registry
 from turbine.model.prepare import DEFAULT_MODEL
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StatusReply, StopConditions
@@ -53,8 +53,7 @@ def fleet(tmp_path_factory):
                    "router registered", procs)
         yield {"env": env, "router": router, "mockers": mockers}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 async def router_address(env) -> str:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.integration.procs import base_env, start_mocker, wait_until, worker_ready
+from tests.integration.procs import base_env, start_mocker, stop_all, wait_until, worker_ready
 from turbine.config import DiscoveryConfig, make_registry
 from turbine.router.config import KvRouterConfig
 from turbine.router.indexer import WorkerKey
@@ -31,8 +31,7 @@ def fleet(tmp_path_factory):
             wait_until(lambda p=p: worker_ready(p), 60, f"{p.name} ready", procs)
         yield str(root / "discovery")
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 async def card_of(discovery_dir: str, model: str):
