@@ -49,9 +49,10 @@ CUSTOM_TEMPLATE = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }
 
 
 @pytest.fixture(scope="module")
-def graceful(cluster, etcd_endpoint):
+def graceful(cluster, etcd_endpoint, aggregated_serve):
     """One isolated worker (with a custom chat template) through a real etcd: registration, the
-    frontend's watch, and unregistration on SIGTERM; the SIGTERM test ends it, so it runs last."""
+    frontend's watch, and unregistration on SIGTERM; the SIGTERM test ends it, so it runs last.
+    (`turbine serve` of a later test starts first: their engines start side by side.)"""
     template = cluster["root"] / "custom.jinja"
     template.write_text(CUSTOM_TEMPLATE)
     worker, frontend = _isolated(cluster, "graceful",
@@ -103,45 +104,76 @@ def _engine_busy(worker) -> bool:
     return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_inflight_requests") > 0
 
 
+class Serve:
+    """A `turbine serve` process (its own frontend and workers, private discovery) and its log."""
+
+    def __init__(self, cluster, log_path, mode: list[str]):
+        self.port, self.log_path = free_port(), log_path
+        env = dict(cluster["env"])
+        env.pop("TURBINE_DISCOVERY_DIR")
+        self.log = open(log_path, "w+b")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(self.port), *mode,
+             "--enforce-eager", "--max-model-len", "1024"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            # Ctrl-C works as in a terminal even when the test runner itself was
+            # started in the background (which leaves SIGINT ignored, and inherited).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def output(self) -> bytes:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT
+        while b"ready: OpenAI API at" not in self.output():
+            assert self.popen.poll() is None and time.monotonic() < deadline, self.log_path.read_text()
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        """After a failed test: its children are in their own process groups, so kill them too."""
+        if self.popen.poll() is None:
+            children = psutil.Process(self.popen.pid).children(recursive=True)
+            self.popen.kill()
+            for child in children:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+
+
+@pytest.fixture(scope="module")
+def aggregated_serve(cluster, tmp_path_factory):
+    """Started with the module (the graceful worker asks for it), so that its engine starts
+    alongside that worker's: an engine's start is mostly single-threaded, and there are 2 cores."""
+    serve = Serve(cluster, tmp_path_factory.mktemp("serve-aggregated") / "serve.log", [])
+    try:
+        yield serve
+    finally:
+        serve.kill()
+
+
 @pytest.mark.parametrize("mode,stop_signal", [([], signal.SIGINT), (["--disagg"], signal.SIGTERM)],
                          ids=["aggregated-ctrl-c", "disaggregated-sigterm"])
-def test_turbine_serve_answers_and_stops_on_ctrl_c_or_sigterm(cluster, tmp_path, mode, stop_signal):
-    port = free_port()
-    env = dict(cluster["env"])
-    env.pop("TURBINE_DISCOVERY_DIR")
-    log = open(tmp_path / "serve.log", "w+b")
-    serve = subprocess.Popen([sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(port), *mode,
-                              "--enforce-eager", "--max-model-len", "1024"],
-                             env=env, stdout=log, stderr=subprocess.STDOUT,
-                             # Ctrl-C works as in a terminal even when the test runner itself was
-                             # started in the background (which leaves SIGINT ignored, and inherited).
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+def test_turbine_serve_answers_and_stops_on_ctrl_c_or_sigterm(cluster, tmp_path, request, mode, stop_signal):
+    serve = Serve(cluster, tmp_path / "serve.log", mode) if mode else request.getfixturevalue("aggregated_serve")
     try:
-        def ready():
-            log.seek(0)
-            return b"ready: OpenAI API at" in log.read()
-
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT
-        while not ready():
-            assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        serve.wait_ready()
+        client = OpenAI(base_url=f"http://127.0.0.1:{serve.port}/v1", api_key="x", max_retries=0, timeout=60)
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
                                            max_tokens=8)
         assert r.choices[0].message.content
         if mode:  # a long prompt goes through the prefill worker
             r = client.completions.create(model=MODEL, prompt="A long story about a river. " * 60, max_tokens=4)
             assert r.choices[0].finish_reason == "length"
-            remote = [line for line in http_text(f"http://127.0.0.1:{port}/metrics").splitlines()
+            remote = [line for line in http_text(f"http://127.0.0.1:{serve.port}/metrics").splitlines()
                       if line.startswith("turbine_frontend_prefills_total") and 'where="remote"' in line]
             assert remote and float(remote[0].rsplit(" ", 1)[1]) == 1
-        children = psutil.Process(serve.pid).children(recursive=True)
-        serve.send_signal(stop_signal)  # Ctrl-C in a terminal, SIGTERM from a service manager
-        assert serve.wait(90) == 0
+        children = psutil.Process(serve.popen.pid).children(recursive=True)
+        serve.popen.send_signal(stop_signal)  # Ctrl-C in a terminal, SIGTERM from a service manager
+        assert serve.popen.wait(90) == 0
         gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
-        log.seek(0)
-        assert re.search(rb"stopping", log.read())
+        assert re.search(rb"stopping", serve.output())
     finally:
-        if serve.poll() is None:
-            serve.kill()
+        serve.kill()
