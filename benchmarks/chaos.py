@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Proc, default_model, free_port, http_get_json, log, tail, turbine_origin  # noqa: E402
+from common import Proc, default_model, free_port, http_get_json, log, sse_chunks, tail, turbine_origin  # noqa: E402
 
 MODEL_NAME = "chaos"
 
@@ -180,21 +180,11 @@ async def one_request(client, url: str, a: argparse.Namespace, rng: random.Rando
     times = []
     sent = time.monotonic()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:160]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or "[DONE]" in line:
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])[:160]
-                    continue
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    times.append(time.monotonic())
-                if chunk.get("usage"):
-                    rec["tokens"] = chunk["usage"]["completion_tokens"]
+        async for chunk in sse_chunks(client, f"{url}/v1/completions", body):
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                times.append(time.monotonic())
+            if chunk.get("usage"):
+                rec["tokens"] = chunk["usage"]["completion_tokens"]
     except Exception as exc:  # a broken stream is what this benchmark counts; record how it broke
         rec["error"] = f"{type(exc).__name__}: {exc}"[:160]
     if rec["error"] is None and rec["tokens"] != a.osl:

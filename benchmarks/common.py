@@ -57,9 +57,9 @@ async def sse_chunks(client, url: str, body: dict):
         if resp.status_code != 200:
             raise StreamError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
+            if not line.startswith("data:"):
                 continue
-            data = line[6:]
+            data = line[5:].strip()  # "data: x" or "data:x": both are SSE
             if data == "[DONE]":
                 return
             chunk = json.loads(data)

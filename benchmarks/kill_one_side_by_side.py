@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Proc, default_model, free_port, http_get_json, log, tail, turbine_origin  # noqa: E402
+from common import Proc, default_model, free_port, http_get_json, log, sse_chunks, tail, turbine_origin  # noqa: E402
 
 MODEL_NAME = "smol"
 PROMPT = "tell me a story " * 20
@@ -123,25 +123,15 @@ async def one_stream(client, url: str, max_tokens: int, progress: list[int], i: 
             "stream_options": {"include_usage": True}}
     rec = {"completion_tokens": 0, "error": None, "finish_reason": None, "ids": set()}
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or "[DONE]" in line:
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])[:200]
-                    continue
-                rec["ids"].add(chunk.get("id"))
-                for choice in chunk.get("choices") or []:
-                    if choice.get("text"):
-                        progress[i] += 1  # chunks with text: a lower bound on tokens streamed
-                    if choice.get("finish_reason"):
-                        rec["finish_reason"] = choice["finish_reason"]
-                if chunk.get("usage"):
-                    rec["completion_tokens"] = chunk["usage"]["completion_tokens"]
+        async for chunk in sse_chunks(client, f"{url}/v1/completions", body):
+            rec["ids"].add(chunk.get("id"))
+            for choice in chunk.get("choices") or []:
+                if choice.get("text"):
+                    progress[i] += 1  # chunks with text: a lower bound on tokens streamed
+                if choice.get("finish_reason"):
+                    rec["finish_reason"] = choice["finish_reason"]
+            if chunk.get("usage"):
+                rec["completion_tokens"] = chunk["usage"]["completion_tokens"]
     except Exception as exc:  # the benchmark's point: record how a stream broke, whatever broke it
         rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
     return rec
