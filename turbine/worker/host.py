@@ -1,7 +1,7 @@
 """The worker host: the one sequence every worker-kind process runs around its engine(s).
 
-Start: signal handling, the engine kind builds its engine(s) (no socket yet), status server,
-event plane, the engine's instances (built by the engine kind), their request-plane servers,
+Start: signal handling, status server (/live answers while the engine builds), the engine kind
+builds its engine(s), event plane, the engine's instances (built by the engine kind), their request-plane servers,
 then registration (instance records, then the model card: only then is an instance routed
 to) and readiness (a canary proves the engine).
 While serving: the engine's death ends the process (EXIT_ENGINE_DEAD); an instance may sleep
@@ -9,8 +9,9 @@ and wake (sleep.py: out of discovery while asleep).
 Stop (SIGTERM/SIGINT or engine death): not ready, unregister first so no new traffic comes,
 let in-flight requests finish within the grace period (none after engine death), close all.
 Checkpoint mode (TURBINE_SNAPSHOT_CONTROL_DIR, snapshot.py): after the build the engine is
-quiesced and the process waits to be checkpointed before it opens any socket; a restored
-copy wakes its engine, takes its new identity and goes on from the status server.
+quiesced and the process waits to be checkpointed before it opens any socket (the status
+server too); a restored copy wakes its engine, takes its new identity and goes on from the
+status server.
 """
 
 from __future__ import annotations
@@ -114,13 +115,32 @@ class WorkerHost:
         if snapshot is not None and (reason := self.engine.checkpoint_refusal()):
             log.error("%s is set but %s", SNAPSHOT_CONTROL_DIR_ENV, reason)
             return EXIT_BAD_CONFIG
+        controls = SleepControls()
+        status_server = None
         try:
+            # /live answers while a (long) engine build runs, except in checkpoint mode, where no
+            # socket may be open before the checkpoint.
+            if snapshot is None:
+                status_server = await self._serve_status(controls)
             await self.engine.build()
-            if snapshot is not None and not await self._checkpoint(snapshot):
-                return self.exit_code
-            return await self._serve()
+            if snapshot is not None:
+                if not await self._checkpoint(snapshot):
+                    return self.exit_code
+                status_server = await self._serve_status(controls)
+            return await self._serve(controls)
         finally:
+            if status_server is not None:
+                status_server.should_exit = True
             await self._close_engine()
+
+    async def _serve_status(self, controls: SleepControls):
+        cfg = self.cfg
+        if cfg.system_port is None:
+            return None
+        app = make_app(self.health, self.engine.refresh_gauges, routes=controls.routes())
+        status_server = await serve_status(app, cfg.system_host, cfg.system_port)
+        log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
+        return status_server
 
     async def _close_engine(self) -> None:
         if not self._engine_closed:
@@ -151,14 +171,8 @@ class WorkerHost:
         log.info("restored: serving as %s", identity)
         return True
 
-    async def _serve(self) -> int:
+    async def _serve(self, controls: SleepControls) -> int:
         cfg, engine, health = self.cfg, self.engine, self.health
-        controls = SleepControls()
-        status_server = None
-        if cfg.system_port is not None:
-            app = make_app(health, engine.refresh_gauges, routes=controls.routes())
-            status_server = await serve_status(app, cfg.system_host, cfg.system_port)
-            log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
         plane = None
         registry = None
         try:
@@ -191,8 +205,6 @@ class WorkerHost:
         finally:
             if registry is not None:
                 await registry.backend.close()
-            if status_server is not None:
-                status_server.should_exit = True
             await self._close_engine()  # before the plane its publishers use
             if plane is not None:
                 await plane.close()
