@@ -73,8 +73,9 @@ def pd(tmp_path_factory, model_dir):
     try:
         wait_until(lambda: worker_ready(prefill) and worker_ready(decode), ENGINE_START_TIMEOUT,
                    "prefill and decode workers ready", procs)
-        wait_until(lambda: instances_of(disagg, MODEL) == 1 and prefill_workers(disagg) == 1, 30,
-                   "frontend sees the decode and the prefill worker", procs)
+        # Both frontends: each follows discovery on its own (the local one was once asked too early: 404).
+        wait_until(lambda: all(instances_of(f, MODEL) == 1 and prefill_workers(f) == 1 for f in (disagg, local)), 30,
+                   "both frontends see the decode and the prefill worker", procs)
         yield {"prefill": prefill, "decode": decode, "disagg": disagg, "local": local, "env": env, "root": root,
                "cores": {"prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
                          "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND")}}
