@@ -1,4 +1,4 @@
-"""Shared fixtures: a real etcd server, and Python child processes to kill."""
+"""Shared fixtures: a real etcd server, the NATS server's address, and Python child processes to kill."""
 
 from __future__ import annotations
 
@@ -56,3 +56,9 @@ def python_child():
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> str:
+    """The real NATS server the tests use ($TURBINE_TEST_NATS; scripts/run_tests.sh starts one if none listens)."""
+    return os.environ.get("TURBINE_TEST_NATS", "nats://127.0.0.1:4222")

@@ -4,7 +4,6 @@ blocks learns them from the workers (recovery) before it routes anything."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 from openai import OpenAI
@@ -26,11 +25,6 @@ from turbine.model.prepare import DEFAULT_MODEL
 MODEL = DEFAULT_MODEL
 WORKERS = 2
 SYSTEM = "You are a careful assistant who answers briefly. " * 30  # several 16-token blocks
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> str:
-    return os.environ.get("TURBINE_TEST_NATS", "nats://127.0.0.1:4222")
 
 
 @pytest.fixture(scope="module")

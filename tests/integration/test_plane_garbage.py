@@ -47,11 +47,6 @@ CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def nats_url() -> str:
-    return os.environ.get("TURBINE_TEST_NATS", "nats://127.0.0.1:4222")
-
-
-@pytest.fixture(scope="module")
 def planes(tmp_path_factory, nats_url):
     root = tmp_path_factory.mktemp("plane-garbage")
     env = base_env(str(root / "discovery"))

@@ -5,7 +5,6 @@ publishers, and an unreachable server or a bad flag is a clear error naming the 
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 
@@ -41,11 +40,6 @@ TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
 class Ping(msgspec.Struct, kw_only=True):
     n: int
     v: int = 1
-
-
-@pytest.fixture
-def nats_url() -> str:
-    return os.environ.get("TURBINE_TEST_NATS", "nats://127.0.0.1:4222")
 
 
 @pytest.fixture
