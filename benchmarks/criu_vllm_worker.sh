@@ -2,7 +2,7 @@
 # CRIU dump + restore of a plain running vLLM CPU worker (not checkpoint mode: the vLLM worker refuses
 # it on CPU). Run under the engine lock without passing it on: flock -o /tmp/turbine-engine.lock bash $0
 # CRIU: a 4.x build (Debian bookworm's 3.17.1 cannot start on kernel 6.13+); set CRIU=/path/to/criu.
-CRIU=${CRIU:-/tmp/h3-criu/src/criu/criu}
+CRIU=${CRIU:-criu}  # the criu on PATH unless told
 set -u
 cd "$(dirname "$0")/.."
 D=$(mktemp -d /tmp/vllm-criu.XXXX); mkdir -p $D/img
