@@ -1,0 +1,93 @@
+"""How the planner changes the fleet: a `Connector` turns a decision (workers per role) into
+running workers. The planner only ever talks to this interface; the connectors that start
+processes, patch Kubernetes Deployments or hand decisions to an outside orchestrator live in
+their own modules and register here by name.
+
+Roles: "agg" (aggregated workers), "prefill", "decode". A decision names only the roles the
+planner's mode manages; a connector refuses a role it cannot scale (`ValueError`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal, Protocol, runtime_checkable
+
+Role = Literal["agg", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("agg", "prefill", "decode")
+
+log = logging.getLogger("turbine.planner")
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """What the planner needs of whoever runs the workers.
+
+    - `start()` once before any other call (connect, find what it manages).
+    - `current_replicas()`: role -> workers of that role that are up and serving (ready), as the
+      connector sees them. A role the connector does not manage is absent.
+    - `set_replicas(targets, decision_id)`: make each named role have that many workers. Returns
+      once the change is applied or acknowledged (a scale-down only after the removed workers have
+      drained: no request may fail because of it); raises on failure. `decision_id` grows by one per
+      decision, so an outside party can tell decisions apart and acknowledge the one it applied.
+    - `close()`: release what `start()` took; the workers it started may stay or go (its docs say).
+    """
+
+    async def start(self) -> None: ...
+
+    async def current_replicas(self) -> dict[str, int]: ...
+
+    async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class AdvisoryConnector:
+    """`--advisory`: log each decision, change nothing. It reports the counts it is given by
+    `observe` (the planner feeds it the workers it sees in discovery), so decisions are computed
+    against the real fleet."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+        self.decisions: list[tuple[int, dict[str, int]]] = []  # (decision_id, targets), newest last
+
+    def observe(self, counts: dict[str, int]) -> None:
+        self._seen = dict(counts)
+
+    async def start(self) -> None:
+        return None
+
+    async def current_replicas(self) -> dict[str, int]:
+        return dict(self._seen)
+
+    async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
+        self.decisions.append((decision_id, dict(targets)))
+        log.info("advisory: decision %d would set %s (now %s); nothing changed", decision_id,
+                 targets, self._seen)
+
+    async def close(self) -> None:
+        return None
+
+
+# name -> factory(planner config) -> Connector. Connector modules add themselves with
+# `register_connector`; `--connector NAME` picks one.
+ConnectorFactory = Callable[..., Connector]
+_CONNECTORS: dict[str, ConnectorFactory] = {}
+
+
+def register_connector(name: str, factory: ConnectorFactory) -> None:
+    """Make `--connector name` build `factory(config)` (config: the planner's `PlannerConfig`)."""
+    _CONNECTORS[name] = factory
+
+
+def connector_names() -> tuple[str, ...]:
+    return ("advisory", *sorted(_CONNECTORS))
+
+
+def make_connector(name: str, config: object) -> Connector:
+    if name == "advisory":
+        return AdvisoryConnector()
+    try:
+        factory = _CONNECTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown connector {name!r}; choose from {', '.join(connector_names())}") from None
+    return factory(config)
