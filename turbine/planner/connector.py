@@ -8,7 +8,10 @@ planner's mode manages; a connector refuses a role it cannot scale (`ValueError`
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
+import pkgutil
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
@@ -68,8 +71,9 @@ class AdvisoryConnector:
         return None
 
 
-# name -> factory(planner config) -> Connector. Connector modules add themselves with
-# `register_connector`; `--connector NAME` picks one.
+# Connectors by name. A connector module is `turbine/planner/connectors/NAME.py` and calls
+# `register_connector("NAME", factory)` when imported; `--connector NAME` imports it on demand, so a
+# connector's own dependencies (the kubernetes client ...) load only when it is chosen.
 ConnectorFactory = Callable[..., Connector]
 _CONNECTORS: dict[str, ConnectorFactory] = {}
 
@@ -80,12 +84,20 @@ def register_connector(name: str, factory: ConnectorFactory) -> None:
 
 
 def connector_names() -> tuple[str, ...]:
-    return ("advisory", *sorted(_CONNECTORS))
+    """"advisory" plus every module in turbine/planner/connectors/ (found without importing them)."""
+    names = set(_CONNECTORS)
+    with contextlib.suppress(ModuleNotFoundError):
+        import turbine.planner.connectors as pkg
+
+        names.update(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    return ("advisory", *sorted(names - {"advisory"}))
 
 
 def make_connector(name: str, config: object) -> Connector:
     if name == "advisory":
         return AdvisoryConnector()
+    if name not in _CONNECTORS and name in connector_names():
+        importlib.import_module(f"turbine.planner.connectors.{name}")
     try:
         factory = _CONNECTORS[name]
     except KeyError:
