@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from turbine.router.metrics import RouterMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Tokens per request: powers of two up to 128k (a planner reads _sum / _count for the mean).
+_SEQUENCE_BUCKETS = tuple(float(2 ** k) for k in range(0, 18))
 
 
 class FrontendMetrics:
@@ -26,6 +28,14 @@ class FrontendMetrics:
         self.output_tokens = Counter("turbine_frontend_output_tokens", "generated tokens", ["model"], registry=r)
         self.cached_tokens = Counter("turbine_frontend_cached_tokens", "prompt tokens served from KV cache",
                                      ["model"], registry=r)
+        # Per finished request (the counters above count tokens, not requests): the planner's
+        # request rate, mean ISL and OSL per interval come from these histograms' _count and _sum.
+        self.input_sequence = Histogram("turbine_frontend_input_sequence_tokens",
+                                        "prompt tokens of each finished request", ["model"],
+                                        buckets=_SEQUENCE_BUCKETS, registry=r)
+        self.output_sequence = Histogram("turbine_frontend_output_sequence_tokens",
+                                         "generated tokens of each finished request", ["model"],
+                                         buckets=_SEQUENCE_BUCKETS, registry=r)
         self.router = RouterMetrics(r)  # the kv routers' metrics, in this registry
         self.disconnects = Counter("turbine_frontend_disconnected_clients", "clients gone before the end",
                                    ["model"], registry=r)
@@ -71,6 +81,8 @@ class ModelMetrics:
         self.input_tokens = m.input_tokens.labels(model)
         self.output_tokens = m.output_tokens.labels(model)
         self.cached_tokens = m.cached_tokens.labels(model)
+        self.input_sequence = m.input_sequence.labels(model)
+        self.output_sequence = m.output_sequence.labels(model)
         self.disconnects = m.disconnects.labels(model)
         self.remote_prefills = m.prefills.labels(model, "remote")
         self.local_prefills = m.prefills.labels(model, "local_fallback")

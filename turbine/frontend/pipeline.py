@@ -49,3 +49,5 @@ class Pipeline:
             self.metrics.input_tokens.inc(usage.prompt_tokens)
         self.metrics.output_tokens.inc(usage.completion_tokens)
         self.metrics.cached_tokens.inc(usage.cached_tokens)
+        self.metrics.input_sequence.observe(usage.prompt_tokens)
+        self.metrics.output_sequence.observe(usage.completion_tokens)

@@ -118,3 +118,22 @@ async def test_auth_limits_and_methods(stack):
     response = await http.post("/v1/completions", json={"model": "nope", "prompt": "x"},
                                headers={"authorization": "Bearer sekrit"})
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+
+
+async def test_metrics_count_each_finished_requests_prompt_and_output_tokens(stack):
+    """The planner's inputs: per finished request, its prompt and generated tokens (histograms
+    whose _count is the requests and _sum the tokens)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    worker, client, http = stack
+    prompts = []
+    for prompt in ("hi", "a somewhat longer prompt than that"):
+        reply = await client.completions.create(model="m", prompt=prompt)
+        prompts.append(reply.usage.prompt_tokens)
+    samples = {(s.name, s.labels.get("model")): s.value
+               for f in text_string_to_metric_families((await http.get("/metrics")).text) for s in f.samples
+               if not s.labels.get("le")}
+    assert samples[("turbine_frontend_input_sequence_tokens_count", "m")] == 2
+    assert samples[("turbine_frontend_input_sequence_tokens_sum", "m")] == sum(prompts)
+    assert samples[("turbine_frontend_output_sequence_tokens_count", "m")] == 2
+    assert samples[("turbine_frontend_output_sequence_tokens_sum", "m")] == 2 * len(worker.hello)
