@@ -1,4 +1,4 @@
-"""The `turbine` command: serve, frontend, worker, mocker, router, model."""
+"""The `turbine` command: serve, frontend, worker, mocker, router, model, planner, profile."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ commands:
   router     the standalone KV router service: best_worker over the request plane
              (same as python -m turbine.router)
   model      prepare [NAME]: fetch and convert an embedded model into the cache
+  planner    the SLA planner: sizes the fleet per role to meet TTFT / ITL targets
+             (same as python -m turbine.planner)
+  profile    sweep a running worker and write the engine profile the planner (and the mocker's
+             --profile) reads (the same sweep as mocker calibrate)
 
 Run 'turbine COMMAND --help' for the flags of a command.
 """
@@ -66,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         return router_main(rest)
     if command == "model":
         return _model(rest)
+    if command == "planner":
+        from turbine.planner.service import main as planner_main
+
+        return planner_main(rest)
+    if command == "profile":
+        from turbine.mocker.calibrate import main as calibrate_main
+
+        return calibrate_main(rest, prog="turbine profile")
     print(f"turbine: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

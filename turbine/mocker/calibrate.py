@@ -9,7 +9,10 @@ directly over the request plane, so the frontend's overhead is not counted as th
 - decode: B requests at once with P-token prompts, ignore_eos; once all B decode together,
   the median gap between tokens is one step with B sequences and K = B x their context.
 A least-squares fit (on relative error) of TimingProfile's coefficients (kept >= 0) over all measurements is
-written as a profile JSON for `--profile`. Run it on an otherwise idle worker.
+written, with the measurements themselves and the worker's limits, as an engine profile
+(turbine/planner/profile.py, "turbine-profile/1"): the mocker's `--profile` reads its `timing`, the
+planner interpolates its points. `turbine profile` is this same command. Run it on an otherwise
+idle worker.
 
 With `--url`, the same requests go through a frontend's OpenAI API with a streaming client
 instead. Where the engine shares its cores with the serving path (a small CPU host), it runs
@@ -40,6 +43,13 @@ from turbine.config import (
 )
 from turbine.mocker.model_info import read_model_info
 from turbine.mocker.timing import TimingProfile, attention_pairs
+from turbine.planner.profile import (
+    DecodePoint,
+    EngineLimits,
+    EngineProfile,
+    PrefillPoint,
+    write_engine_profile,
+)
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
 from turbine.runtime.errors import RemoteError
@@ -209,7 +219,7 @@ async def find_instance(args) -> tuple[ModelCard, InstanceRecord]:
     raise LookupError(f"no live worker serves the model {args.model!r}")
 
 
-async def calibrate(args) -> TimingProfile:
+async def calibrate(args) -> EngineProfile:
     card, record = await find_instance(args)
     vocab = read_model_info(card.tokenizer_path).vocab_size
     prober = HttpProber(args.url, card.name, record, vocab) if args.url else Prober(record, vocab)
@@ -237,7 +247,21 @@ async def calibrate(args) -> TimingProfile:
     via = f" through the frontend at {args.url}" if args.url else ""
     source = (f"turbine mocker calibrate: model {card.name!r} ({card.engine}) instance {card.instance_id}{via}, "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
-    return TimingProfile(**fit(measurements), source=source)
+    timing = TimingProfile(**fit(measurements), source=source)
+    return engine_profile(card, measurements, timing)
+
+
+def engine_profile(card: ModelCard, measurements: list[Measurement], timing: TimingProfile) -> EngineProfile:
+    """The sweep as the file both the planner and the mocker read."""
+    return EngineProfile(
+        source=timing.source,
+        engine=EngineLimits(max_num_seqs=card.max_num_seqs, max_num_batched_tokens=card.max_num_batched_tokens,
+                            kv_tokens=card.total_kv_blocks * card.kv_block_size, context_length=card.context_length),
+        prefill=[PrefillPoint(prompt_tokens=m.prefill_tokens, ms=round(m.ms, 3), cached_tokens=m.cached_tokens)
+                 for m in measurements if m.prefill_tokens],
+        decode=[DecodePoint(batch=m.decode_seqs, kv_tokens=m.decode_kv_tokens, ms=round(m.ms, 3))
+                for m in measurements if m.decode_seqs],
+        timing=msgspec.structs.asdict(timing))
 
 
 def _int_list(text: str) -> list[int]:
@@ -250,9 +274,9 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="turbine mocker calibrate",
-                                description="Measure a running worker and write a mocker timing profile (JSON).")
+def build_parser(prog: str = "turbine mocker calibrate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Measure a running worker and write its engine profile (JSON): "
+                                                       "the planner's performance model and the mocker's --profile.")
     p.add_argument("--model", required=True, help="served model name of the worker to measure")
     p.add_argument("--namespace", default=None, help="only instances of this namespace")
     p.add_argument("--output", required=True, help="where to write the profile JSON")
@@ -276,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "turbine mocker calibrate") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -292,9 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = asyncio.run(calibrate(args))
     except (LookupError, ValueError, RuntimeError) as exc:
-        print(f"turbine mocker calibrate: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-    with open(args.output, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
+    write_engine_profile(profile, args.output)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

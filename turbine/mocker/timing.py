@@ -47,9 +47,18 @@ def attention_pairs(new_tokens: int, cached_tokens: int) -> float:
 
 
 def load_profile(path: str | Path) -> TimingProfile:
-    """Read a profile JSON: an object with any of TimingProfile's fields (others are errors)."""
+    """Read a profile JSON: an object with any of TimingProfile's fields (others are errors), or
+    an engine profile ("format": "turbine-profile/1", turbine/planner/profile.py, what `turbine
+    mocker calibrate` / `turbine profile` write), whose `timing` object is that."""
     try:
         raw = msgspec.json.decode(Path(path).read_bytes())
+        if isinstance(raw, dict) and "format" in raw:
+            if raw["format"] != "turbine-profile/1":
+                raise ValueError(f"{path}: unknown profile format {raw['format']!r}")
+            if not isinstance(raw.get("timing"), dict):
+                raise ValueError(f"{path}: this engine profile has no 'timing' coefficients (write it with "
+                                 f"`turbine mocker calibrate` or `turbine profile`)")
+            raw = raw["timing"]
         if isinstance(raw, dict) and "prefill_ms_per_token_squared" in raw:
             # Profiles fitted before 2026-11-26 charged P² for a step's P prompt tokens; they
             # were measured on one prompt at a time, where P² = 2 × its attention pairs.

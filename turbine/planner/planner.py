@@ -1,0 +1,176 @@
+"""The planner's decisions, apart from any I/O (so tests drive it with known numbers).
+
+Two paths (docs: the README's Planner section):
+- **throughput** (every `--adjustment-interval`): the interval's observed traffic feeds one
+  predictor per quantity (requests finished, mean ISL, mean OSL, KV hit rate); the predicted
+  next interval is sized (replicas.py) and clamped. Without the load path this is the decision.
+- **load** (every `--fast-interval`, when on): each engine's latest load report gives estimates
+  of the TTFT a new request would see there, `(waiting + 1) x prefill_ms(effective ISL)`, and of
+  its ITL, `decode_ms(running, KV tokens in use)`. A role gets +1 worker when ALL its engines are
+  over target (prefill: TTFT; decode: ITL, or requests waiting for a batch slot; agg: either
+  signal), and -1 when ALL are under `--scale-down-sensitivity` x the targets (agg: both).
+  With this path on, the throughput path's result is a lower bound: a role never goes below
+  it, and rises to it at once, but only the load path brings a role down (so the two do not
+  undo each other every interval).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from turbine.planner.config import PlannerConfig
+from turbine.planner.load_reports import EngineLoad
+from turbine.planner.metrics import PlannerMetrics
+from turbine.planner.observe import Observation
+from turbine.planner.predictors import make_predictor
+from turbine.planner.profile import PerformanceModel
+from turbine.planner.replicas import Load, Sizing, clamp, size
+
+log = logging.getLogger("turbine.planner")
+
+
+@dataclass(frozen=True)
+class EngineEstimate:
+    role: str
+    ttft_ms: float | None  # None: no ISL observed yet
+    itl_ms: float
+    waiting: int
+
+
+def estimate(engine: EngineLoad, model: PerformanceModel, isl_eff: float | None) -> EngineEstimate:
+    r = engine.report
+    itl = model.decode_ms(r.num_running, r.kv_active_blocks * engine.block_size) if r.num_running else 0.0
+    ttft = (r.num_waiting + 1) * model.prefill_ms(isl_eff) if isl_eff else None
+    return EngineEstimate(engine.role, ttft, itl, r.num_waiting)
+
+
+def direction(role: str, engines: list[EngineEstimate], ttft_ms: float, itl_ms: float, sensitivity: float) -> int:
+    """+1, -1 or 0 for a role from its engines' estimates (the rule in the module's docstring)."""
+    if not engines:
+        return 0
+    ttfts = [e.ttft_ms for e in engines]
+    known = None not in ttfts
+    ttft_over = known and all(t > ttft_ms for t in ttfts)
+    ttft_under = known and all(t < sensitivity * ttft_ms for t in ttfts)
+    itl_over = all(e.itl_ms > itl_ms or e.waiting > 0 for e in engines)
+    itl_under = all(e.itl_ms < sensitivity * itl_ms and e.waiting == 0 for e in engines)
+    if role == "prefill":
+        over, under = ttft_over, ttft_under
+    elif role == "decode":
+        over, under = itl_over, itl_under
+    else:
+        over, under = ttft_over or itl_over, ttft_under and itl_under
+    return 1 if over else -1 if under else 0
+
+
+@dataclass
+class Planner:
+    cfg: PlannerConfig
+    model: PerformanceModel
+    metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
+
+    def __post_init__(self):
+        self._predictors = {q: make_predictor(self.cfg.predictor) for q in ("requests", "isl", "osl", "kv_hit_rate")}
+        self.predicted: Load | None = None
+        self.lower: dict[str, int] = {}  # the throughput path's last result
+        self.targets: dict[str, int] = {}  # the last decision
+        self.last_sizing: Sizing | None = None
+
+    # -- bounds -------------------------------------------------------------------------
+    def _clamp(self, wanted: dict[str, int], lower: dict[str, int] | None = None) -> dict[str, int]:
+        roles = self.cfg.roles
+        minimum = {r: max(self.cfg.minimum(r), (lower or {}).get(r, 0)) for r in roles}
+        minimum = {r: min(n, self.cfg.maximum(r)) for r, n in minimum.items()}
+        maximum = {r: self.cfg.maximum(r) for r in roles}
+        try:
+            return clamp(wanted, minimum, maximum, self.cfg.max_workers)
+        except ValueError:  # the lower bounds alone exceed the budget: share it from the configured minimums
+            return clamp(wanted, {r: self.cfg.minimum(r) for r in roles}, maximum, self.cfg.max_workers)
+
+    # -- throughput path -------------------------------------------------------------------
+    def observe(self, obs: Observation) -> Load | None:
+        """Feed the predictors one interval; return the predicted next one (None: no traffic seen yet)."""
+        m = self.metrics.observed
+        m.labels("request_rate").set(obs.request_rate)
+        for name, value in (("isl", obs.isl), ("osl", obs.osl), ("ttft_seconds", obs.ttft_s),
+                            ("itl_seconds", obs.itl_s), ("kv_hit_rate", obs.kv_hit_rate)):
+            if value is not None:
+                m.labels(name).set(value)
+        p = self._predictors
+        p["requests"].add(obs.requests)
+        # Means exist only for intervals where requests finished; an idle interval keeps them.
+        if obs.isl is not None:
+            p["isl"].add(obs.isl)
+            p["osl"].add(obs.osl or 0.0)
+            p["kv_hit_rate"].add(obs.kv_hit_rate or 0.0)
+        if self.predicted is None and obs.isl is None:
+            return None
+        interval = self.cfg.adjustment_interval_s
+        self.predicted = Load(request_rate=p["requests"].predict() / interval, isl=p["isl"].predict(),
+                              osl=p["osl"].predict(), kv_hit_rate=min(1.0, p["kv_hit_rate"].predict()))
+        pm = self.metrics.predicted
+        pm.labels("request_rate").set(self.predicted.request_rate)
+        pm.labels("isl").set(self.predicted.isl)
+        pm.labels("osl").set(self.predicted.osl)
+        pm.labels("kv_hit_rate").set(self.predicted.kv_hit_rate)
+        return self.predicted
+
+    def throughput_step(self, obs: Observation, current: dict[str, int]) -> dict[str, int]:
+        """The throughput path's decision after one interval (the current counts when nothing was seen yet)."""
+        load = self.observe(obs)
+        base = self.targets or current
+        if load is None:
+            return self._clamp({r: base.get(r, 0) for r in self.cfg.roles})
+        sizing = size(self.cfg.mode, self.model, load, self.cfg.ttft_ms, self.cfg.itl_ms)
+        self.last_sizing = sizing
+        for role, rate in (("prefill", sizing.prefill), ("decode", sizing.decode)):
+            if rate is None:
+                continue
+            label = f"agg_{role}" if self.cfg.mode == "agg" else role  # an agg engine's prefill / decode share
+            self.metrics.engine_rate.labels(label).set(rate.requests_per_s)
+            self.metrics.reachable.labels(label).set(1 if rate.reachable else 0)
+            if not rate.reachable:
+                target = "TTFT" if role == "prefill" else "ITL"
+                log.warning("the %s target cannot be met by one engine even unloaded (%s step %.1f ms); planning "
+                            "for the least delay the profile allows", target, role, rate.step_ms)
+        self.lower = self._clamp(sizing.replicas)
+        for role, n in self.lower.items():
+            self.metrics.throughput_replicas.labels(role).set(n)
+        if self.cfg.fast_interval_s > 0:
+            # A lower bound for the load path: rise to it now, come down only through the load path.
+            return self._clamp({r: max(self.lower[r], base.get(r, 0)) for r in self.cfg.roles}, self.lower)
+        return self.lower
+
+    # -- load path -------------------------------------------------------------------------
+    def isl_eff(self) -> float | None:
+        if self.predicted is None:
+            return None
+        return max(1.0, self.predicted.isl * (1.0 - self.predicted.kv_hit_rate))
+
+    def load_step(self, engines: list[EngineLoad], current: dict[str, int]) -> dict[str, int] | None:
+        """The load path's decision from the engines' latest reports (None: no change)."""
+        base = self.targets or current
+        isl_eff = self.isl_eff()
+        wanted = {}
+        for role in self.cfg.roles:
+            estimates = [estimate(e, self.model, isl_eff) for e in engines if e.role == role]
+            if estimates:
+                known = [e.ttft_ms for e in estimates if e.ttft_ms is not None]
+                if known:
+                    self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
+                self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
+            step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
+            wanted[role] = base.get(role, 0) + step
+        targets = self._clamp(wanted, self.lower)
+        return None if all(targets[r] == base.get(r, 0) for r in targets) else targets
+
+    def decided(self, targets: dict[str, int], path: str) -> None:
+        """Record a decision that is being applied."""
+        before = self.targets
+        for role, n in targets.items():
+            was = before.get(role)
+            if was is not None and n != was:
+                self.metrics.decisions.labels(path, role, "up" if n > was else "down").inc()
+            self.metrics.target_replicas.labels(role).set(n)
+        self.targets = dict(targets)
