@@ -1,0 +1,178 @@
+"""The planner's decisions on known numbers: observations from the frontend's own metrics
+registry, the throughput path (sizing of the predicted interval, clamps), the load path (+-1 from
+the engines' load reports, bounded below by the throughput path), and its config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import generate_latest
+
+from tests.unit.planner.test_replicas import PROFILE
+from turbine.config import ConfigError
+from turbine.frontend.metrics import FrontendMetrics
+from turbine.planner.config import PlannerConfig, parse_planner_args
+from turbine.planner.load_reports import EngineLoad, LoadReports
+from turbine.planner.observe import Observation, deltas, parse_totals
+from turbine.planner.planner import EngineEstimate, Planner, direction
+from turbine.planner.profile import PerformanceModel, write_engine_profile
+from turbine.protocol.discovery import ModelCard
+from turbine.protocol.load_metrics import LoadMetrics
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "profile.json"
+    write_engine_profile(PROFILE, path)
+    return str(path)
+
+
+def planner(profile_path, **kw) -> Planner:
+    kw.setdefault("adjustment_interval_s", 10.0)
+    kw.setdefault("predictor", "constant")
+    cfg = PlannerConfig(profile=profile_path, ttft_ms=1000, itl_ms=30, **kw)
+    return Planner(cfg, PerformanceModel(PROFILE))
+
+
+def test_an_interval_observed_from_the_frontends_metrics():
+    fm = FrontendMetrics()
+    before = parse_totals(generate_latest(fm.registry).decode(), model="m")
+    m, other = fm.of("m"), fm.of("other")
+    for isl, osl, cached in ((1000, 200, 400), (600, 100, 100)):
+        m.input_sequence.observe(isl)
+        m.output_sequence.observe(osl)
+        m.cached_tokens.inc(cached)
+        m.ttft.observe(0.5)
+    m.itl.observe(0.02)
+    m.itl.observe(0.04)
+    other.input_sequence.observe(99999)  # another model: not counted
+    after = parse_totals(generate_latest(fm.registry).decode(), model="m")
+    obs = Observation.of(10.0, deltas(before, after))
+    assert obs.requests == 2 and obs.request_rate == pytest.approx(0.2)
+    assert obs.isl == 800 and obs.osl == 150 and obs.kv_hit_rate == pytest.approx(500 / 1600)
+    assert obs.ttft_s == pytest.approx(0.5) and obs.itl_s == pytest.approx(0.03)
+    # A restarted frontend: its counters start again from zero, and count from there.
+    assert deltas({"x": 10.0}, {"x": 3.0}) == {"x": 3.0}
+    assert parse_totals(generate_latest(fm.registry).decode(), model=None)[
+        "turbine_frontend_input_sequence_tokens_count"] == 3
+
+
+def test_the_throughput_path_sizes_the_predicted_interval(profile_path):
+    # 50 requests in 10 s = 5/s of ISL 1000, OSL 200, half cached: 4 prefill + 8 decode workers
+    # (test_replicas.py works these out); max 6 decode.
+    p = planner(profile_path, mode="disagg", fast_interval_s=0, max_replicas={"prefill": 8, "decode": 6})
+    obs = Observation(seconds=10, requests=50, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
+    assert p.throughput_step(obs, {"prefill": 1, "decode": 1}) == {"prefill": 4, "decode": 6}
+    assert p.predicted.request_rate == pytest.approx(5.0)
+    # An idle interval: no requests, the means kept; the minimum of one each.
+    idle = Observation(seconds=10, requests=0, isl=None, osl=None, ttft_s=None, itl_s=None, kv_hit_rate=None)
+    assert p.throughput_step(idle, {"prefill": 4, "decode": 6}) == {"prefill": 1, "decode": 1}
+    # A budget of 6 workers: 4 + 6 wanted, minimums 1 + 1, spare 4 shared 3:5 -> 1.5, 2.5 -> 1, 2,
+    # the unit left to prefill (tie on .5: the role named first) -> 3 + 3.
+    p = planner(profile_path, mode="disagg", fast_interval_s=0, max_replicas={"prefill": 8, "decode": 6},
+                max_workers=6)
+    assert p.throughput_step(obs, {}) == {"prefill": 3, "decode": 3}
+
+
+def test_nothing_observed_yet_keeps_the_fleet_within_its_bounds(profile_path):
+    p = planner(profile_path, mode="agg", fast_interval_s=0, min_replicas={"agg": 2})
+    idle = Observation(seconds=10, requests=0, isl=None, osl=None, ttft_s=None, itl_s=None, kv_hit_rate=None)
+    assert p.throughput_step(idle, {"agg": 1}) == {"agg": 2}
+    assert p.throughput_step(idle, {"agg": 5}) == {"agg": 5}
+
+
+def engine(role, running=0, waiting=0, blocks=0):
+    report = LoadMetrics(instance_id="w", kv_active_blocks=blocks, kv_total_blocks=1000, num_running=running,
+                         num_waiting=waiting)
+    return EngineLoad(role=role, block_size=100, report=report, at=0.0)
+
+
+def test_load_direction_needs_every_engine_over_or_under():
+    over, mid, under = (EngineEstimate("decode", None, itl, 0) for itl in (40.0, 28.0, 10.0))
+    assert direction("decode", [over, over], 1000, 30, 0.8) == 1
+    assert direction("decode", [over, mid], 1000, 30, 0.8) == 0
+    assert direction("decode", [under, under], 1000, 30, 0.8) == -1
+    assert direction("decode", [under, mid], 1000, 30, 0.8) == 0  # 28 ms is not under 0.8 x 30
+    waiting = EngineEstimate("decode", None, 10.0, 3)  # fast steps, but requests wait for a slot
+    assert direction("decode", [waiting, over], 1000, 30, 0.8) == 1
+    assert direction("prefill", [EngineEstimate("prefill", None, 0, 9)], 1000, 30, 0.8) == 0  # no ISL seen yet
+    slow_prefill = EngineEstimate("agg", 1500.0, 10.0, 2)
+    fast_both = EngineEstimate("agg", 500.0, 10.0, 0)
+    assert direction("agg", [slow_prefill, slow_prefill], 1000, 30, 0.8) == 1  # TTFT alone is enough to add
+    assert direction("agg", [fast_both, fast_both], 1000, 30, 0.8) == -1
+    assert direction("agg", [fast_both, EngineEstimate("agg", 500.0, 29.0, 0)], 1000, 30, 0.8) == 0  # ITL not under
+
+
+def test_the_load_path_steps_by_one_above_the_throughput_bound(profile_path):
+    p = planner(profile_path, mode="disagg", fast_interval_s=2, max_replicas={"prefill": 8, "decode": 8})
+    obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
+    # 1/s: prefill 1 / (4/3) -> 1; decode 1 / 0.7 -> 2. From 1 + 1 it rises to the bound at once.
+    assert p.throughput_step(obs, {"prefill": 1, "decode": 1}) == {"prefill": 1, "decode": 2}
+    p.decided({"prefill": 1, "decode": 2}, "throughput")
+    # Decode engines: 8 running, 8 x 1100 tokens -> t = 20 + 7 x 20/7 = 40 ms > 30: over. Prefill: 2 waiting,
+    # isl_eff 500 -> (2 + 1) x 500 = 1500 ms > 1000: over.
+    busy = [engine("decode", running=8, blocks=88), engine("decode", running=8, blocks=88),
+            engine("prefill", waiting=2)]
+    assert p.load_step(busy, {"prefill": 1, "decode": 2}) == {"prefill": 2, "decode": 3}
+    p.decided({"prefill": 2, "decode": 3}, "load")
+    # All idle: -1 each, but never below the throughput path's 1 and 2.
+    idle = [engine("decode"), engine("decode"), engine("decode"), engine("prefill"), engine("prefill")]
+    assert p.load_step(idle, {"prefill": 2, "decode": 3}) == {"prefill": 1, "decode": 2}
+    p.decided({"prefill": 1, "decode": 2}, "load")
+    assert p.load_step(idle, {"prefill": 1, "decode": 2}) is None  # at the bound: no change
+    # The next interval keeps what the load path added (a lower bound, not a reset).
+    p.decided({"prefill": 1, "decode": 4}, "load")
+    assert p.throughput_step(obs, {"prefill": 1, "decode": 4}) == {"prefill": 1, "decode": 4}
+
+
+def test_load_reports_follow_only_the_planned_workers_and_their_ranks():
+    reports = LoadReports()
+    card = ModelCard(name="m", namespace="turbine", component="backend", endpoint="generate", instance_id="w1",
+                     tokenizer_path="/x", context_length=2048, kv_block_size=64, total_kv_blocks=100,
+                     max_num_seqs=8, max_num_batched_tokens=2048, disaggregation_mode="decode",
+                     data_parallel_size=2)
+    reports._cards = {"w1": card}  # as sync() leaves them, without opening a subscription
+    reports.apply(LoadMetrics(instance_id="w1", dp_rank=1, kv_active_blocks=3, kv_total_blocks=100, num_running=2,
+                              num_waiting=0), now=100.0)
+    reports.apply(LoadMetrics(instance_id="w1", dp_rank=5, kv_active_blocks=3, kv_total_blocks=100, num_running=2,
+                              num_waiting=0), now=100.0)
+    reports.apply(LoadMetrics(instance_id="stranger", kv_active_blocks=3, kv_total_blocks=100, num_running=2,
+                              num_waiting=0), now=100.0)
+    assert reports.received == 1 and reports.rejected == 2
+    (e,) = reports.engines(max_age_s=5, now=104.0)
+    assert e.role == "decode" and e.block_size == 64 and e.report.dp_rank == 1
+    assert reports.engines(max_age_s=5, now=106.0) == []  # stale
+
+
+def test_config_checks_itself_and_names_the_flag(profile_path, tmp_path):
+    with pytest.raises(ConfigError, match=r"--profile"):
+        PlannerConfig(profile=str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match=r"--min-replicas.*not planned in mode 'agg'"):
+        PlannerConfig(profile=profile_path, min_replicas={"decode": 1})
+    with pytest.raises(ConfigError, match=r"--max-workers.*need 4 workers"):
+        PlannerConfig(profile=profile_path, mode="disagg", min_replicas={"prefill": 2, "decode": 2}, max_workers=3)
+    with pytest.raises(ConfigError, match=r"--fast-interval"):
+        PlannerConfig(profile=profile_path, adjustment_interval_s=5, fast_interval_s=10)
+    with pytest.raises(ConfigError, match=r"--connector-option.*takes no options"):
+        PlannerConfig(profile=profile_path, connector_options={"x": "1"})
+    with pytest.raises(ConfigError, match=r"--connector.*advisory"):
+        PlannerConfig(profile=profile_path, connector="nonesuch")
+
+
+def test_flags_override_a_config_file(profile_path, tmp_path, capsys):
+    path = tmp_path / "planner.yaml"
+    path.write_text(f"profile: {profile_path}\nmode: disagg\nttft-ms: 300\nmin_replicas: {{prefill: 2}}\n"
+                    "max_replicas: 4\nadjustment_interval: 30\n")
+    cfg = parse_planner_args(["--config", str(path), "--ttft-ms", "250", "--predictor", "kalman"])
+    assert (cfg.mode, cfg.ttft_ms, cfg.predictor, cfg.adjustment_interval_s) == ("disagg", 250.0, "kalman", 30)
+    assert cfg.min_replicas == {"prefill": 2} and cfg.max_replicas == {"prefill": 4, "decode": 4}
+    assert cfg.minimum("decode") == 1 and cfg.roles == ("prefill", "decode")
+    json_path = tmp_path / "planner.json"
+    json_path.write_text(json.dumps({"profile": profile_path, "itl_ms": 20, "typo": 1}))
+    with pytest.raises(SystemExit) as info:
+        parse_planner_args(["--config", str(json_path)])
+    assert info.value.code == 2 and "unknown setting 'typo'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_planner_args(["--profile", profile_path, "--ttft-ms", "-1"])
+    assert "--ttft-ms" in capsys.readouterr().err
