@@ -11,12 +11,18 @@ Two paths (docs: the README's Planner section):
   signal), and -1 when ALL are under `--scale-down-sensitivity` x the targets (agg: both).
   With this path on, the throughput path's result is a lower bound: a role never goes below
   it, and rises to it at once, but only the load path brings a role down (so the two do not
-  undo each other every interval).
+  undo each other every interval). After a role changed, the load path waits for a report
+  from every worker of it that came after the change (new workers included), so it does not
+  add again while the last one is still starting or taking its share.
+
+The throughput path keeps the last decision above its bound; the load path steps from the last
+decision, or, in advisory mode (nothing is applied), from the workers running now.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from turbine.planner.config import PlannerConfig
@@ -76,6 +82,11 @@ class Planner:
         self.lower: dict[str, int] = {}  # the throughput path's last result
         self.targets: dict[str, int] = {}  # the last decision
         self.last_sizing: Sizing | None = None
+        self.changed_at: dict[str, float] = {}  # role -> when its target last changed (monotonic)
+
+    def _base(self, current: dict[str, int]) -> dict[str, int]:
+        """What a decision steps from: the last decision, or what runs when nothing is applied."""
+        return (self.targets or current) if self.cfg.applies else current
 
     # -- bounds -------------------------------------------------------------------------
     def _clamp(self, wanted: dict[str, int], lower: dict[str, int] | None = None) -> dict[str, int]:
@@ -150,11 +161,17 @@ class Planner:
 
     def load_step(self, engines: list[EngineLoad], current: dict[str, int]) -> dict[str, int] | None:
         """The load path's decision from the engines' latest reports (None: no change)."""
-        base = self.targets or current
+        base = self._base(current)
         isl_eff = self.isl_eff()
         wanted = {}
         for role in self.cfg.roles:
-            estimates = [estimate(e, self.model, isl_eff) for e in engines if e.role == role]
+            mine = [e for e in engines if e.role == role]
+            since = self.changed_at.get(role)
+            if since is not None and (any(e.at < since for e in mine)
+                                      or len({e.report.instance_id for e in mine}) < current.get(role, 0)):
+                wanted[role] = base.get(role, 0)  # not every worker has reported since the change
+                continue
+            estimates = [estimate(e, self.model, isl_eff) for e in mine]
             if estimates:
                 known = [e.ttft_ms for e in estimates if e.ttft_ms is not None]
                 if known:
@@ -165,11 +182,13 @@ class Planner:
         targets = self._clamp(wanted, self.lower)
         return None if all(targets[r] == base.get(r, 0) for r in targets) else targets
 
-    def decided(self, targets: dict[str, int], path: str) -> None:
-        """Record a decision that is being applied."""
-        before = self.targets
+    def decided(self, targets: dict[str, int], path: str, current: dict[str, int] | None = None) -> None:
+        """Record a decision that is being applied (`current`: what ran, for the first decision)."""
+        before = self.targets or current or {}
         for role, n in targets.items():
             was = before.get(role)
+            if n != was:
+                self.changed_at[role] = time.monotonic()
             if was is not None and n != was:
                 self.metrics.decisions.labels(path, role, "up" if n > was else "down").inc()
             self.metrics.target_replicas.labels(role).set(n)

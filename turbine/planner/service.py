@@ -123,7 +123,7 @@ class PlannerService:
         self.metrics.decision_id.set(self.decision_id)
         log.info("decision %d (%s path): %s -> %s; predicted %s", self.decision_id, path, current, targets,
                  self.planner.predicted)
-        self.planner.decided(targets, path)
+        self.planner.decided(targets, path, current)
         if not self.cfg.applies and not isinstance(self.connector, AdvisoryConnector):
             log.info("advisory: decision %d not applied", self.decision_id)
             return
@@ -245,5 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     from turbine.planner.config import parse_planner_args
 
     setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
     cfg = parse_planner_args(argv)
     return asyncio.run(serve(cfg))

@@ -5,6 +5,7 @@ the engines' load reports, bounded below by the throughput path), and its config
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -82,10 +83,11 @@ def test_nothing_observed_yet_keeps_the_fleet_within_its_bounds(profile_path):
     assert p.throughput_step(idle, {"agg": 5}) == {"agg": 5}
 
 
-def engine(role, running=0, waiting=0, blocks=0):
-    report = LoadMetrics(instance_id="w", kv_active_blocks=blocks, kv_total_blocks=1000, num_running=running,
+def engine(role, running=0, waiting=0, blocks=0, name="w", at=None):
+    """An engine's latest load report, received now unless `at`."""
+    report = LoadMetrics(instance_id=name, kv_active_blocks=blocks, kv_total_blocks=1000, num_running=running,
                          num_waiting=waiting)
-    return EngineLoad(role=role, block_size=100, report=report, at=0.0)
+    return EngineLoad(role=role, block_size=100, report=report, at=time.monotonic() if at is None else at)
 
 
 def test_load_direction_needs_every_engine_over_or_under():
@@ -112,15 +114,26 @@ def test_the_load_path_steps_by_one_above_the_throughput_bound(profile_path):
     p.decided({"prefill": 1, "decode": 2}, "throughput")
     # Decode engines: 8 running, 8 x 1100 tokens -> t = 20 + 7 x 20/7 = 40 ms > 30: over. Prefill: 2 waiting,
     # isl_eff 500 -> (2 + 1) x 500 = 1500 ms > 1000: over.
-    busy = [engine("decode", running=8, blocks=88), engine("decode", running=8, blocks=88),
-            engine("prefill", waiting=2)]
-    assert p.load_step(busy, {"prefill": 1, "decode": 2}) == {"prefill": 2, "decode": 3}
+    def busy():
+        return [engine("decode", running=8, blocks=88, name="d1"), engine("decode", running=8, blocks=88, name="d2"),
+                engine("prefill", waiting=2, name="p1")]
+
+    def idle():
+        return [engine("decode", name=f"d{i}") for i in (1, 2, 3)] + [engine("prefill", name=f"p{i}") for i in (1, 2)]
+
+    assert p.load_step(busy(), {"prefill": 1, "decode": 2}) == {"prefill": 2, "decode": 3}
     p.decided({"prefill": 2, "decode": 3}, "load")
+    # Until every worker of a changed role has reported since the change, no further step.
+    assert p.load_step(busy(), {"prefill": 2, "decode": 3}) is None  # p2 and d3 have not reported yet
+    before_change = idle()
+    time.sleep(0.01)
+    p.decided({"prefill": 2, "decode": 3}, "load")  # no change: the clocks stay
     # All idle: -1 each, but never below the throughput path's 1 and 2.
-    idle = [engine("decode"), engine("decode"), engine("decode"), engine("prefill"), engine("prefill")]
-    assert p.load_step(idle, {"prefill": 2, "decode": 3}) == {"prefill": 1, "decode": 2}
+    assert p.load_step(idle(), {"prefill": 2, "decode": 3}) == {"prefill": 1, "decode": 2}
+    assert p.load_step(before_change, {"prefill": 2, "decode": 3}) == {"prefill": 1, "decode": 2}
     p.decided({"prefill": 1, "decode": 2}, "load")
-    assert p.load_step(idle, {"prefill": 1, "decode": 2}) is None  # at the bound: no change
+    assert p.load_step(before_change, {"prefill": 1, "decode": 2}) is None  # reports older than the change
+    assert p.load_step(idle(), {"prefill": 1, "decode": 2}) is None  # at the bound: no change
     # The next interval keeps what the load path added (a lower bound, not a reset).
     p.decided({"prefill": 1, "decode": 4}, "load")
     assert p.throughput_step(obs, {"prefill": 1, "decode": 4}) == {"prefill": 1, "decode": 4}
