@@ -2,7 +2,8 @@
 # Runs the whole test suite. Makes sure the servers the tests need are there: etcd (Debian's
 # etcd-server; the tests start a private instance on free ports, or use $TURBINE_TEST_ETCD)
 # and NATS on 127.0.0.1:4222 (started here when nothing listens there; the outage tests also
-# start private nats-servers of their own, so the binary is needed either way).
+# start private nats-servers of their own, so the binary is needed either way), and Prometheus
+# (Debian's prometheus: the planner's --prometheus-url test starts a private one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -16,6 +17,10 @@ fi
 if ! command -v nats-server >/dev/null 2>&1; then
   echo "nats-server not found: installing Debian's nats-server" >&2
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server) >/dev/null
+fi
+if ! command -v prometheus >/dev/null 2>&1; then
+  echo "prometheus not found: installing Debian's prometheus" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null
 fi
 if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
   nats-server -a 127.0.0.1 -p 4222 >/tmp/turbine-test-nats.log 2>&1 &
