@@ -126,6 +126,11 @@ def start_frontend(name: str, env: dict, log_dir: Path, *extra: str, port: int |
     return _start(name, env, log_dir, "turbine.frontend", "--http-port", *extra, port=port)
 
 
+def start_planner(name: str, env: dict, log_dir: Path, *extra: str, port: int | None = None) -> Proc:
+    """`port`: the planner's status port (/health, /metrics)."""
+    return _start(name, env, log_dir, "turbine.planner", "--system-port", *extra, port=port)
+
+
 def wait_until(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -30,6 +30,7 @@ from tests.integration.procs import (
     instances_of,
     start_frontend,
     start_mocker,
+    start_planner,
     stop_all,
     wait_until,
     worker_ready,
@@ -74,7 +75,7 @@ def stack(tmp_path_factory):
              "64,512", "--decode-tokens", "16", "--cached-prefix-lens", "256"],
             env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
-        planner = start_planner(env, root, profile, planner_port, frontend_port)
+        planner = advisory_planner(env, root, profile, planner_port, frontend_port)
         procs.append(planner)
         yield {"env": env, "root": root, "workers": workers, "planner": planner, "profile": profile,
                "frontend_port": frontend_port, "procs": procs}
@@ -82,13 +83,11 @@ def stack(tmp_path_factory):
         stop_all(procs)
 
 
-def start_planner(env, root, profile, port, frontend_port):
-    from tests.integration.procs import _start
-
-    return _start("planner", env, root, "turbine.planner", "--system-port", "--profile", str(profile),
-                  "--mode", "agg", "--model", MODEL, "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-                  "--adjustment-interval", "4", "--fast-interval", "1", "--predictor", "constant", "--advisory",
-                  "--frontend-url", f"http://127.0.0.1:{frontend_port}", "--max-replicas", "10", port=port)
+def advisory_planner(env, root, profile, port, frontend_port):
+    return start_planner("planner", env, root, "--profile", str(profile), "--mode", "agg", "--model", MODEL,
+                         "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS), "--adjustment-interval", "4",
+                         "--fast-interval", "1", "--predictor", "constant", "--advisory",
+                         "--frontend-url", f"http://127.0.0.1:{frontend_port}", "--max-replicas", "10", port=port)
 
 
 def drive(client: OpenAI, rate: float, seconds: float, isl: int, osl: int) -> int:

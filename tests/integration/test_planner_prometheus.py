@@ -20,6 +20,7 @@ from tests.integration.procs import (
     instances_of,
     start_frontend,
     start_mocker,
+    start_planner,
     stop_all,
     wait_until,
     worker_ready,
@@ -95,14 +96,12 @@ def test_prometheus_and_the_frontend_give_the_same_interval(stack):
 
 
 def test_a_planner_with_prometheus_url_plans_from_it(stack):
-    from tests.integration.procs import _start
-
     profile = stack["root"] / "profile.json"
     write_engine_profile(PROFILE, profile)
-    planner = _start("prom-planner", stack["env"], stack["root"], "turbine.planner", "--system-port",
-                     "--profile", str(profile), "--model", MODEL, "--adjustment-interval", "3", "--fast-interval", "0",
-                     "--predictor", "constant", "--advisory", "--prometheus-url", stack["prometheus"],
-                     "--frontend-url", "http://127.0.0.1:9")  # never read: Prometheus is the source
+    planner = start_planner("prom-planner", stack["env"], stack["root"], "--profile", str(profile), "--model", MODEL,
+                            "--adjustment-interval", "3", "--fast-interval", "0", "--predictor", "constant",
+                            "--advisory", "--prometheus-url", stack["prometheus"],
+                            "--frontend-url", "http://127.0.0.1:9")  # never read: Prometheus is the source
     stack["procs"].append(planner)
     client = OpenAI(base_url=f"{stack['frontend'].url}/v1", api_key="unused", max_retries=0, timeout=60)
     wait_until(lambda: http_json(f"{planner.url}/health")[0] == 200, 30, "planner healthy", [planner])

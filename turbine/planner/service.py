@@ -102,9 +102,10 @@ class PlannerService:
                     return True
                 if time.monotonic() - said > 10:
                     said = time.monotonic()
-                    log.info("waiting for %s", " and ".join(
-                        (["the frontend's metrics at " + (self.cfg.prometheus_url or self.cfg.frontend_url)]
-                         if not frontend else []) + ([f"{', '.join(missing)} workers in discovery"] if missing else [])))
+                    source = self.cfg.prometheus_url or self.cfg.frontend_url
+                    waits = [] if frontend else [f"the frontend's metrics at {source}"]
+                    waits += [f"{', '.join(missing)} workers in discovery"] if missing else []
+                    log.info("waiting for %s", " and ".join(waits))
                 await _wait(stopping, 0.5)
         return False
 

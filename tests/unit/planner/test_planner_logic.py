@@ -189,3 +189,28 @@ def test_flags_override_a_config_file(profile_path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_planner_args(["--profile", profile_path, "--ttft-ms", "-1"])
     assert "--ttft-ms" in capsys.readouterr().err
+
+
+def test_connectors_by_name_and_the_advisory_one():
+    import asyncio
+
+    from turbine.planner.connector import AdvisoryConnector, Connector, make_connector, register_connector
+
+    advisory = make_connector("advisory", None)
+    assert isinstance(advisory, AdvisoryConnector) and isinstance(advisory, Connector)
+    advisory.observe({"agg": 2})
+    assert asyncio.run(advisory.current_replicas()) == {"agg": 2}
+    asyncio.run(advisory.set_replicas({"agg": 3}, 7))
+    assert advisory.decisions == [(7, {"agg": 3})] and asyncio.run(advisory.current_replicas()) == {"agg": 2}
+    with pytest.raises(ValueError, match="unknown connector 'nope'"):
+        make_connector("nope", None)
+    register_connector("test-made", lambda cfg: AdvisoryConnector())
+    assert isinstance(make_connector("test-made", None), AdvisoryConnector)
+
+
+def test_the_turbine_command_runs_the_planner_and_names_a_bad_flag(tmp_path, capsys):
+    from turbine.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["planner", "--profile", str(tmp_path / "none.json")])
+    assert info.value.code == 2 and "--profile" in capsys.readouterr().err
