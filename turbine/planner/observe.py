@@ -126,9 +126,12 @@ class PrometheusSource:
         self.url = prometheus_url.rstrip("/") + "/api/v1/query"
         self.model = model
         self.http = http or httpx.AsyncClient(timeout=10.0)
+        self._last: float | None = None  # the end of the previous interval (unix time)
 
     async def start(self) -> None:
-        await self.query("vector(1)")  # reachable and answering
+        """Reachable and answering; the next `observe` covers the time from now."""
+        await self.query("vector(1)")
+        self._last = time.time()
 
     async def query(self, promql: str, at: float | None = None) -> float:
         params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
@@ -149,9 +152,12 @@ class PrometheusSource:
         return {k: (v if math.isfinite(v) else 0.0) for k, v in values.items()}
 
     async def observe(self, interval_s: float) -> Observation:
+        """The traffic since the previous observe (or start); the first time, the last `interval_s`."""
         at = time.time()
-        before, after = await self.totals(at - interval_s), await self.totals(at)
-        return Observation.of(interval_s, deltas(before, after))
+        since = self._last if self._last is not None else at - interval_s
+        self._last = at
+        before, after = await self.totals(since), await self.totals(at)
+        return Observation.of(at - since, deltas(before, after))
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -2,7 +2,7 @@
 
 Two paths (docs: the README's Planner section):
 - **throughput** (every `--adjustment-interval`): the interval's observed traffic feeds one
-  predictor per quantity (requests finished, mean ISL, mean OSL, KV hit rate); the predicted
+  predictor per quantity (request rate, mean ISL, mean OSL, KV hit rate); the predicted
   next interval is sized (replicas.py) and clamped. Without the load path this is the decision.
 - **load** (every `--fast-interval`, when on): each engine's latest load report gives estimates
   of the TTFT a new request would see there, `(waiting + 1) x prefill_ms(effective ISL)`, and of
@@ -77,7 +77,7 @@ class Planner:
     metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
 
     def __post_init__(self):
-        self._predictors = {q: make_predictor(self.cfg.predictor) for q in ("requests", "isl", "osl", "kv_hit_rate")}
+        self._predictors = {q: make_predictor(self.cfg.predictor) for q in ("request_rate", "isl", "osl", "kv_hit_rate")}
         self.predicted: Load | None = None
         self.lower: dict[str, int] = {}  # the throughput path's last result
         self.targets: dict[str, int] = {}  # the last decision
@@ -109,7 +109,7 @@ class Planner:
             if value is not None:
                 m.labels(name).set(value)
         p = self._predictors
-        p["requests"].add(obs.requests)
+        p["request_rate"].add(obs.request_rate)  # a rate: intervals may differ in length
         # Means exist only for intervals where requests finished; an idle interval keeps them.
         if obs.isl is not None:
             p["isl"].add(obs.isl)
@@ -117,8 +117,7 @@ class Planner:
             p["kv_hit_rate"].add(obs.kv_hit_rate or 0.0)
         if self.predicted is None and obs.isl is None:
             return None
-        interval = self.cfg.adjustment_interval_s
-        self.predicted = Load(request_rate=p["requests"].predict() / interval, isl=p["isl"].predict(),
+        self.predicted = Load(request_rate=p["request_rate"].predict(), isl=p["isl"].predict(),
                               osl=p["osl"].predict(), kv_hit_rate=min(1.0, p["kv_hit_rate"].predict()))
         pm = self.metrics.predicted
         pm.labels("request_rate").set(self.predicted.request_rate)

@@ -138,15 +138,17 @@ class PlannerService:
         cfg = self.cfg
         tick = cfg.fast_interval_s or cfg.adjustment_interval_s
         next_throughput = time.monotonic() + cfg.adjustment_interval_s
-        if isinstance(self.source, FrontendScraper):
-            await self.source.start()
+        await self.source.start()
         while not stopping.is_set():
             await _wait(stopping, min(tick, max(0.0, next_throughput - time.monotonic())))
             if stopping.is_set():
                 return
             current = await self.current()
             if time.monotonic() >= next_throughput:
-                next_throughput += cfg.adjustment_interval_s
+                # Intervals missed while a decision was applied are not made up for: the next
+                # observation covers the whole time since the last one.
+                next_throughput = max(next_throughput + cfg.adjustment_interval_s,
+                                      time.monotonic() + cfg.adjustment_interval_s / 2)
                 try:
                     obs = await self.source.observe(cfg.adjustment_interval_s)
                 except Exception as exc:
