@@ -177,3 +177,44 @@ def test_advisory_decisions_follow_the_load_and_change_nothing(stack):
     assert "advisory: decision" in planner.log_tail(400)
     assert instances_of(frontend, MODEL) == 2
     assert gauge(http_text(f"{planner.url}/metrics"), "turbine_planner_current_replicas", role="agg") == 2
+
+
+def test_disaggregated_roles_are_planned_apart(tmp_path):
+    """Prefill and decode workers (simulated) behind a frontend: the planner in disagg mode counts
+    each role from its workers' cards and sizes both from the traffic it observed."""
+    from tests.unit.planner.test_replicas import PROFILE
+    from turbine.planner.profile import write_engine_profile
+
+    env = base_env(str(tmp_path / "discovery"))
+    profile = tmp_path / "profile.json"
+    write_engine_profile(PROFILE, profile)
+    prefill = start_mocker("disagg-prefill", env, tmp_path, "--disaggregation-mode", "prefill", "--speedup-ratio", "0")
+    decode = start_mocker("disagg-decode", env, tmp_path, "--disaggregation-mode", "decode", "--speedup-ratio", "0")
+    frontend = start_frontend("disagg-frontend", env, tmp_path)
+    planner = start_planner("disagg-planner", env, tmp_path, "--profile", str(profile), "--mode", "disagg",
+                            "--model", MODEL, "--ttft-ms", "1000", "--itl-ms", "30", "--adjustment-interval", "3",
+                            "--fast-interval", "0", "--predictor", "constant", "--advisory",
+                            "--frontend-url", frontend.url, "--max-replicas", "prefill=20,decode=20")
+    procs = [prefill, decode, frontend, planner]
+    try:
+        wait_until(lambda: http_json(f"{planner.url}/health")[0] == 200, 60, "planner healthy", procs)
+        assert http_json(f"{planner.url}/health")[1]["workers"] == {"prefill": 1, "decode": 1}
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = PerformanceModel(load_engine_profile(profile))
+
+        def sized() -> bool:
+            drive(client, rate=10, seconds=1, isl=1000, osl=200)
+            text = http_text(f"{planner.url}/metrics")
+            rate = gauge(text, "turbine_planner_predicted", quantity="request_rate")
+            if not rate or gauge(text, "turbine_planner_predicted", quantity="isl") != 1000:
+                return False
+            load = Load(rate, 1000, gauge(text, "turbine_planner_predicted", quantity="osl"),
+                        gauge(text, "turbine_planner_predicted", quantity="kv_hit_rate"))
+            want = clamp(size("disagg", model, load, 1000, 30).replicas, {"prefill": 1, "decode": 1},
+                         {"prefill": 20, "decode": 20}, None)
+            return (gauge(text, "turbine_planner_throughput_replicas", role="prefill") == want["prefill"]
+                    and gauge(text, "turbine_planner_throughput_replicas", role="decode") == want["decode"]
+                    and want["decode"] > 1)
+        wait_until(sized, 60, "both roles sized from the observed traffic", procs)
+    finally:
+        stop_all(procs)
