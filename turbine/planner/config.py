@@ -34,7 +34,7 @@ class PlannerConfig:
     profile: str = flag("--profile", default="")  # required: the engine profile JSON (turbine profile)
     mode: str = flag("--mode", default="agg")
     namespace: str = flag("--namespace", default=DEFAULT_NAMESPACE)
-    model: str | None = flag("--model", default=None)  # served model name; None: the namespace's only one
+    model: str | None = flag("--model", default=None)  # served model name; None: all of the namespace, together
     ttft_ms: float = flag("--ttft-ms", default=500.0)
     itl_ms: float = flag("--itl-ms", default=50.0)
     adjustment_interval_s: float = flag("--adjustment-interval", default=60.0)
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="which roles to plan: agg, disagg (prefill + decode), prefill, "
                                                  "decode (default agg)")
     p.add_argument("--namespace", help="the workers' namespace (default turbine)")
-    p.add_argument("--model", help="served model name to plan for (default: the namespace's only model)")
+    p.add_argument("--model", help="served model name to plan for (default: every model of the namespace, counted together)")
     p.add_argument("--ttft-ms", type=float, help="time-to-first-token target, ms (default 500)")
     p.add_argument("--itl-ms", type=float, help="inter-token latency target, ms (default 50)")
     p.add_argument("--adjustment-interval", type=float,
