@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="which roles to plan: agg, disagg (prefill + decode), prefill, "
                                                  "decode (default agg)")
     p.add_argument("--namespace", help="the workers' namespace (default turbine)")
-    p.add_argument("--model", help="served model name to plan for (default: every model of the namespace, counted together)")
+    p.add_argument("--model", help="served model name to plan for (default: every model of the namespace, "
+                                   "counted together)")
     p.add_argument("--ttft-ms", type=float, help="time-to-first-token target, ms (default 500)")
     p.add_argument("--itl-ms", type=float, help="inter-token latency target, ms (default 50)")
     p.add_argument("--adjustment-interval", type=float,

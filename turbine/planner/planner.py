@@ -77,7 +77,8 @@ class Planner:
     metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
 
     def __post_init__(self):
-        self._predictors = {q: make_predictor(self.cfg.predictor) for q in ("request_rate", "isl", "osl", "kv_hit_rate")}
+        quantities = ("request_rate", "isl", "osl", "kv_hit_rate")
+        self._predictors = {q: make_predictor(self.cfg.predictor) for q in quantities}
         self.predicted: Load | None = None
         self.lower: dict[str, int] = {}  # the throughput path's last result
         self.targets: dict[str, int] = {}  # the last decision
