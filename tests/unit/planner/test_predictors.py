@@ -59,7 +59,7 @@ def test_trend_predictors_continue_a_ramp(predictor):
 def test_arima_follows_a_sine_far_better_than_the_last_value():
     arima_error = one_step_errors(ArimaPredictor(), SINE, skip=44)
     constant_error = one_step_errors(ConstantPredictor(), SINE, skip=44)
-    assert constant_error > 15  # the swing between intervals
+    assert constant_error > 10  # the swing between intervals
     assert arima_error < 0.1 * constant_error
 
 
