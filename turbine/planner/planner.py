@@ -84,6 +84,7 @@ class Planner:
         self.targets: dict[str, int] = {}  # the last decision
         self.last_sizing: Sizing | None = None
         self.changed_at: dict[str, float] = {}  # role -> when its target last changed (monotonic)
+        self._unreachable: set[str] = set()  # roles whose target one engine cannot meet (warned)
 
     def _base(self, current: dict[str, int]) -> dict[str, int]:
         """What a decision steps from: the last decision, or what runs when nothing is applied."""
@@ -141,7 +142,10 @@ class Planner:
             label = f"agg_{role}" if self.cfg.mode == "agg" else role  # an agg engine's prefill / decode share
             self.metrics.engine_rate.labels(label).set(rate.requests_per_s)
             self.metrics.reachable.labels(label).set(1 if rate.reachable else 0)
-            if not rate.reachable:
+            if rate.reachable:
+                self._unreachable.discard(role)
+            elif role not in self._unreachable:  # said once until it is reachable again
+                self._unreachable.add(role)
                 target = "TTFT" if role == "prefill" else "ITL"
                 log.warning("the %s target cannot be met by one engine even unloaded (%s step %.1f ms); planning "
                             "for the least delay the profile allows", target, role, rate.step_ms)
