@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from turbine.protocol import errors as codes
@@ -28,6 +27,7 @@ from turbine.protocol.generate import (
     Usage,
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
+from turbine.vllm.compat import CLIENT_ERRORS
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
 from turbine.vllm.prompt_embeds import load_prompt_embeds
 from turbine.worker.admission import Admission
@@ -81,7 +81,7 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int, pr
         fields = {k: v for k, v in msgspec.structs.asdict(req.structured_outputs).items() if v is not None}
         try:
             kwargs["structured_outputs"] = StructuredOutputsParams(**fields)
-        except (ValueError, VLLMClientError) as exc:  # pydantic's and vLLM's own validation errors
+        except (ValueError, *CLIENT_ERRORS) as exc:  # pydantic's and vLLM's own validation errors
             raise InvalidRequest(f"structured outputs: {exc}", param=STRUCTURED) from None
     kwargs["detokenize"] = False
     kwargs["output_kind"] = RequestOutputKind.DELTA
@@ -91,7 +91,7 @@ def sampling_kwargs(req: GenerateRequest, defaults: dict, max_model_len: int, pr
 def sampling_params(kwargs: dict) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
-    except (TypeError, ValueError, VLLMClientError) as exc:
+    except (TypeError, ValueError, *CLIENT_ERRORS) as exc:
         raise InvalidRequest(str(exc)) from exc
 
 
@@ -258,7 +258,7 @@ class Handlers:
                                 code=codes.ENGINE_FAILURE) from exc
         except RequestFailed:
             raise
-        except VLLMClientError as exc:
+        except CLIENT_ERRORS as exc:
             # vLLM checks the request when adding it, before its engine core sees it; the checks
             # other than the constraint's we made above, so an error without a parameter is the
             # constraint's (a schema or grammar the backend cannot compile).

@@ -10,9 +10,10 @@ import io
 
 import torch
 from vllm.exceptions import VLLMValidationError
-from vllm.utils.sparse_utils import check_sparse_tensor_invariants_threadsafe, safe_to_dense
+from vllm.utils.sparse_utils import check_sparse_tensor_invariants_threadsafe
 
 from turbine.runtime.errors import InvalidRequest
+from turbine.vllm.compat import safe_to_dense
 
 PARAM = "prompt_embeds"
 _MAX_REASON = 200  # torch's reason is built from the caller's bytes: bounded, not echoed whole

