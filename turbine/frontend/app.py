@@ -25,6 +25,7 @@ MIN_REQUEST_BYTES = 1024
 # Far above what one frontend process streams at speed (benchmarks/RESULTS.md, frontend ceiling),
 # so it bites only on a flood.
 DEFAULT_MAX_INFLIGHT_REQUESTS = 4096
+MAX_PROCESSES = 256  # --frontend-processes
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class FrontendConfig:
     # (seconds) of every 503 'overloaded' answer.
     max_inflight_requests: int = flag("--max-inflight-requests", default=DEFAULT_MAX_INFLIGHT_REQUESTS)
     overload_retry_after: int = flag("--overload-retry-after", default=1)
+    # Processes serving the one HTTP port (SO_REUSEPORT: the kernel spreads connections over them).
+    # Each is a whole frontend (its own discovery watch, router, counters, in-flight limit).
+    processes: int = flag("--frontend-processes", default=1)
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
@@ -58,6 +62,9 @@ class FrontendConfig:
         check(self, self.api_key is None or bool(self.api_key.strip()), "api_key", "is empty")
         check(self, self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
         check(self, self.overload_retry_after >= 0, "overload_retry_after", "must be >= 0 (seconds)")
+        check(self, 1 <= self.processes <= MAX_PROCESSES, "processes", f"must be between 1 and {MAX_PROCESSES}")
+        check(self, self.processes == 1 or self.http_port != 0, "processes",
+              "several processes need a fixed --http-port (0 would give each its own port)")
 
 
 class Frontend:

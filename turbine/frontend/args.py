@@ -47,6 +47,9 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--overload-retry-after", type=int, default=int(env("TURBINE_OVERLOAD_RETRY_AFTER", "1")),
                    help="seconds in the Retry-After header of a 503 'overloaded' (every worker refused the "
                         "request, or --max-inflight-requests was reached)")
+    g.add_argument("--frontend-processes", type=int, default=int(env("TURBINE_FRONTEND_PROCESSES", "1")),
+                   help="processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend with its own "
+                        "router, metrics and --max-inflight-requests (env TURBINE_FRONTEND_PROCESSES)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
@@ -81,6 +84,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               ignore_unknown_fields=args.ignore_unknown_fields,
                               max_inflight_requests=args.max_inflight_requests,
                               overload_retry_after=args.overload_retry_after,
+                              processes=args.frontend_processes,
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,

@@ -1,8 +1,15 @@
-"""Runs the frontend app under uvicorn (which handles SIGTERM/SIGINT gracefully)."""
+"""Runs the frontend app under uvicorn (which handles SIGTERM/SIGINT gracefully): in this process,
+or with --frontend-processes N in N child processes that each listen on the same port with
+SO_REUSEPORT (the kernel spreads new connections over them), so the HTTP, SSE and detokenizing work
+of one port can use N cores."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import socket
 
 import uvicorn
 
@@ -18,11 +25,83 @@ GRACEFUL_SHUTDOWN_S = 30
 KEEP_ALIVE_S = 75
 
 
-def run_frontend(cfg: FrontendConfig) -> None:
+def run_frontend(cfg: FrontendConfig) -> int:
+    if cfg.processes > 1:
+        return _run_processes(cfg)
     app = Frontend(cfg).app()
     log.info("OpenAI API on http://%s:%d/v1", cfg.http_host, cfg.http_port)
     uvicorn.run(app, host=cfg.http_host, port=cfg.http_port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S)
+    return 0
+
+
+def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    if listen:
+        sock.listen(2048)  # uvicorn's default backlog
+    return sock
+
+
+def _serve_one(cfg: FrontendConfig, index: int) -> None:
+    from turbine.logging_setup import setup_logging
+
+    setup_logging()
+    sock = reuse_port_socket(cfg.http_host, cfg.http_port)
+    config = uvicorn.Config(Frontend(cfg).app(), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S)
+    log.info("frontend process %d of %d serving", index + 1, cfg.processes)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _run_processes(cfg: FrontendConfig) -> int:
+    """The parent: holds the port (bound, not listening, so a port already taken fails here, once),
+    starts the children, passes SIGTERM/SIGINT on, and if one child dies stops the rest and exits 1:
+    a frontend that serves some connections and refuses others is not left running."""
+    try:
+        guard = reuse_port_socket(cfg.http_host, cfg.http_port, listen=False)
+    except OSError as exc:
+        log.error("--http-port %d on %s: %s", cfg.http_port, cfg.http_host, exc)
+        return 1
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: nothing of this one's state is shared
+    procs = [ctx.Process(target=_serve_one, args=(cfg, i), name=f"turbine-frontend-{i}", daemon=False)
+             for i in range(cfg.processes)]
+    stopping = False
+
+    def stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: uvicorn's graceful shutdown
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for p in procs:
+            p.start()
+        log.info("OpenAI API on http://%s:%d/v1 (%d processes)", cfg.http_host, cfg.http_port, cfg.processes)
+        live = list(procs)
+        code = 0
+        while live:
+            for sentinel in multiprocessing.connection.wait([p.sentinel for p in live]):
+                dead = next(p for p in live if p.sentinel == sentinel)
+                dead.join()
+                live.remove(dead)
+                if not stopping:
+                    log.error("frontend process %s exited (code %s): stopping the others", dead.name, dead.exitcode)
+                    code = 1
+                    stop(None, None)
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        guard.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,5 +109,4 @@ def main(argv: list[str] | None = None) -> int:
     from turbine.logging_setup import setup_logging
 
     setup_logging()
-    run_frontend(parse_frontend_args(argv))
-    return 0
+    return run_frontend(parse_frontend_args(argv))
