@@ -12,6 +12,15 @@ table says which release has which:
 | client errors (4xx) | `ValueError` subclasses (`VLLMValidationError`, ...) | `VLLMClientError` |
 | densify a caller's sparse prompt embeddings within a memory budget | (none: done here) | `safe_to_dense` |
 
+Checked the same in both (source of 0.26.0 against 0.32.0): the KV event structs the relay reads
+(`vllm.distributed.kv_events`, decoded by the installed vLLM's own types, so their field order may
+differ), the stat-logger `record` signature, `AsyncLLM.sleep` / `wake_up` / `resume_generation` (0.32's
+`wake_up` returns whether it is fully awake, 0.26's returns None: `turbine.vllm.sleep` uses neither),
+`ChatParams` and `render_messages_async`, `KVTransferConfig.kv_load_failure_policy`, and the NIXL
+glue's `base_worker.nixl_agent_config` and `NixlConnector`. On a GPU, the worker (relay, load reports,
+handlers) served with 0.26.0 (benchmarks/RESULTS.md, "Serving speed on one H100"); its NIXL path there
+has not run yet.
+
 A release outside KNOWN_RELEASES is not refused (newer ones usually keep these names), but the
 worker says at start that it was not tested on it.
 """
