@@ -40,6 +40,10 @@ class MockerConfig(ServingConfig):
     # Every answer is this text's tokens (then EOS) instead of random words; None: random words.
     reply_text: str | None = flag("--reply-text", default=None)
     kv_events_drop_after: int | None = flag("--kv-events-drop-after", default=None)  # test hook
+    # LoRA adapters (as vLLM's flags): loaded by the shared worker host (turbine/worker/lora.py);
+    # the mocker checks and records them, and serves requests naming one it holds.
+    enable_lora: bool = flag("--enable-lora", default=False)
+    max_lora_rank: int = flag("--max-lora-rank", default=16)
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,6 +72,8 @@ class MockerConfig(ServingConfig):
               f"--max-model-len {self.max_model_len}")
         check(self, not self.is_decode or self.kv_transfer.bytes_per_token >= 1, "kv_bytes_per_token",
               "the model's config.json does not give its KV size; give it")
+        check(self, self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        check(self, self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")
 
     @property
     def kv_transfer(self) -> KvTransferModel:
@@ -126,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     disagg.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, metavar="GB_PER_S",
                         help="KV transfer bandwidth between prefill and decode workers, in GB/s (default "
                              f"{DEFAULT_BANDWIDTH_GB_S:g}: a 200 Gb/s RDMA link); scaled by --speedup-ratio")
+    lora = p.add_argument_group("LoRA adapters (as vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="take LoRA adapters (load_lora / POST /v1/loras, --lora-modules): each is checked "
+                           "(adapter_config.json, safetensors, the model's shapes) and recorded")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank taken")
     hooks = p.add_argument_group("test hooks")
     hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
                        help="publish only the first N KV event batches, then drop the rest silently while "
@@ -162,4 +173,5 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         speedup_ratio=args.speedup_ratio, startup_time=args.startup_time, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
         kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
+        enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
     )

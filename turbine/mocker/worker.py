@@ -102,6 +102,8 @@ class SimulatedWorker:
         self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
         self.events.serve_replay(self.server)
+        self.adapters: dict[str, int] = {}  # LoRA adapter name -> id (what requests may name)
+        self.handlers.adapters = self.adapters
         self.card = cfg.model_card(
             self.instance_id, engine="mocker", tokenizer_path=cfg.tokenizer_path,
             context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
@@ -119,6 +121,24 @@ class SimulatedWorker:
     async def wake_up(self) -> None:
         await self.worker_engines.wake_up()
         self.metrics.total_kv_blocks.set(self.cfg.num_gpu_blocks)
+
+    # Its LoRA adapters (turbine/worker/lora.py checks them and runs the load / unload sequence).
+    def lora_refusal(self) -> str | None:
+        return None if self.cfg.enable_lora else "this worker takes no LoRA adapters: start it with --enable-lora"
+
+    @property
+    def max_lora_rank(self) -> int | None:
+        return self.cfg.max_lora_rank
+
+    @property
+    def base_model_dir(self) -> str | None:
+        return self.cfg.tokenizer_path  # the model's folder (config and, for real models, weights)
+
+    async def add(self, name: str, lora_id: int, path: str) -> None:
+        self.adapters[name] = lora_id
+
+    async def remove(self, name: str, lora_id: int) -> None:
+        self.adapters.pop(name, None)
 
     def _load_reporter(self, rank: int):
         return lambda scheduler: self._publish_load(rank, scheduler)
@@ -216,7 +236,7 @@ class SimulatedEngines:
         # One event plane for all the workers here (nats: one connection).
         self.workers = [SimulatedWorker(self.cfg, engines, health, plane, instance_id)
                         for engines, instance_id in zip(self.built, self.instance_ids)]
-        return [Instance(w.server, w.card, sleep=w) for w in self.workers]
+        return [Instance(w.server, w.card, sleep=w, lora=w, metrics=w.metrics) for w in self.workers]
 
     async def canary(self) -> str | None:
         for reason in await asyncio.gather(*(w.canary() for w in self.workers)):

@@ -7,6 +7,7 @@ from flags); `serving_fields_from_args` only reads the flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -24,6 +25,7 @@ from turbine.config import (
     flag,
 )
 from turbine.model.prepare import DEFAULT_MODEL, resolve
+from turbine.protocol.lora import lora_name_problem
 from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
@@ -76,6 +78,9 @@ class ServingConfig:
     # with OVERLOADED and the frontend tries another worker. 0 turns a bound off.
     max_waiting_requests: int = flag("--max-waiting-requests", default=DEFAULT_MAX_WAITING_REQUESTS)
     max_queued_prefill_tokens: int = flag("--max-queued-prefill-tokens", default=DEFAULT_MAX_QUEUED_PREFILL_TOKENS)
+    # LoRA adapters loaded at start, (name, source URI) pairs (turbine/worker/lora.py); those
+    # loaded at run time are not brought back by a restart.
+    lora_modules: tuple[tuple[str, str], ...] = flag("--lora-modules", default=())
 
     def __post_init__(self):
         for name in ("namespace", "component", "endpoint"):
@@ -110,6 +115,12 @@ class ServingConfig:
         self.security.check_listen(self, "host", self.host)  # the request plane and the zmq event plane
         for name in ("max_waiting_requests", "max_queued_prefill_tokens"):
             check(self, getattr(self, name) >= 0, name, "must be >= 0 (0: no bound)")
+        names = [name for name, _ in self.lora_modules]
+        for name in names:
+            problem = lora_name_problem(name)
+            check(self, problem is None, "lora_modules", problem or "")
+            check(self, name != self.served_model_name, "lora_modules", f"{name!r} is the served model's name")
+        check(self, len(set(names)) == len(names), "lora_modules", "an adapter name is given twice")
 
     def admission(self, metrics: WorkerMetrics | None = None) -> Admission:
         """The worker's overload control with these bounds."""
@@ -208,8 +219,32 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        default=int(env("TURBINE_MAX_QUEUED_PREFILL_TOKENS", str(DEFAULT_MAX_QUEUED_PREFILL_TOKENS))),
                        help="refuse new requests ('overloaded') whose prompt would take the prompt tokens "
                             "waiting to be computed past this; 0: no bound")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to load at start (as vLLM spells it): NAME=SOURCE (a folder, "
+                            "file:// or hf:// URI) or JSON {\"name\": ..., \"path\": ...}; needs an engine that "
+                            "takes adapters (vLLM: --enable-lora)")
     add_discovery_args(parser)
     add_cluster_security_args(parser)
+
+
+def lora_modules_from_args(values: list[str] | None, parser: argparse.ArgumentParser) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=SOURCE or JSON {"name", "path"} (vLLM's two spellings)."""
+    modules = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                obj = json.loads(value)
+                name, path = obj["name"], obj["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                parser.error(f"--lora-modules {value!r}: JSON must be an object with 'name' and 'path'")
+            if not isinstance(name, str) or not isinstance(path, str):
+                parser.error(f"--lora-modules {value!r}: 'name' and 'path' must be strings")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                parser.error(f"--lora-modules {value!r}: expected NAME=SOURCE")
+        modules.append((name, path))
+    return tuple(modules)
 
 
 def disaggregation_mode_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -277,6 +312,7 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
         security=cluster_security_from_args(args, parser),
         max_waiting_requests=args.max_waiting_requests, max_queued_prefill_tokens=args.max_queued_prefill_tokens,
+        lora_modules=lora_modules_from_args(getattr(args, "lora_modules", None), parser),
     )
 
 
