@@ -93,6 +93,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
 
+    if serving.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     _configure_connector(args, parser, serving)
     if args.enable_sleep_mode and (reason := platform_sleep_refusal()):
         parser.error(f"--enable-sleep-mode: {reason}")

@@ -28,6 +28,7 @@ from turbine.protocol.generate import (
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.compat import CLIENT_ERRORS
+from turbine.vllm.lora import NO_LORA, VllmLora
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
 from turbine.vllm.prompt_embeds import load_prompt_embeds
 from turbine.worker.admission import Admission
@@ -35,7 +36,6 @@ from turbine.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
 
-LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
 STRUCTURED = "structured_outputs"  # the GenerateRequest field named in its errors
 
 # What a prefill worker asks of its KV connector: keep the prompt's KV for a decode worker to pull.
@@ -129,8 +129,9 @@ class Handlers:
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
                  data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, loras: VllmLora | None = None):
         self.engine = engine
+        self.loras = loras  # the LoRA adapters loaded (None: the worker takes none)
         self.admission = admission or Admission(None, None)  # overload control (no bounds by default)
         self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
         self.chat_template = chat_template  # text mode: --custom-jinja-template's text (None: the model's)
@@ -148,8 +149,7 @@ class Handlers:
 
     def sampling_params(self, req: GenerateRequest, prompt_len: int | None = None) -> SamplingParams:
         """The request checked and turned into the engine's SamplingParams (InvalidRequest if bad)."""
-        if req.lora_name is not None:
-            raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
+        self.lora_request(req)  # an adapter that is not loaded here: refused before any work
         if req.dp_rank is not None and not 0 <= req.dp_rank < self.data_parallel_size:
             raise InvalidRequest(f"dp_rank {req.dp_rank} out of range: this worker has data-parallel ranks "
                                  f"0..{self.data_parallel_size - 1}")
@@ -186,11 +186,20 @@ class Handlers:
             dtype=self.model_config.dtype, max_model_len=self.max_model_len)
         return {"prompt_embeds": embeds}
 
+    def lora_request(self, req: GenerateRequest):
+        """The engine's LoRARequest for the request's adapter (None: the base model)."""
+        if req.lora_name is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequest(f"lora_name {req.lora_name!r}: {NO_LORA}", param="lora_name")
+        return self.loras.request(req.lora_name)
+
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         return kwargs
 
     def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
-        return self.engine.generate(prompt, params, engine_id, data_parallel_rank=req.dp_rank)
+        return self.engine.generate(prompt, params, engine_id, lora_request=self.lora_request(req),
+                                    data_parallel_rank=req.dp_rank)
 
     async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
         """The engine's outputs for the request, and the engine-side id they run under."""
