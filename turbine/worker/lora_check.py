@@ -61,9 +61,12 @@ def check_adapter(path: str, *, max_rank: int | None, model_dir: str | None) -> 
                                f"save the adapter as safetensors (save_pretrained's default)")
         raise AdapterError(f"{path}: no {WEIGHTS}")
     tensors = safetensors_shapes(str(weights))
-    loras = _lora_shapes(tensors, rank)
+    loras, largest = _lora_shapes(tensors)
     if not loras:
         raise AdapterError(f"{path}/{WEIGHTS} holds no LoRA weights (lora_A / lora_B)")
+    rank = max(rank, largest)  # peft's rank_pattern may give modules ranks of their own
+    if max_rank is not None and rank > max_rank:
+        raise AdapterError(f"the adapter's rank is {rank}, above this worker's --max-lora-rank {max_rank}")
     if model_dir is not None:
         _check_base(loras, model_dir)
     targets = config.get("target_modules") or ()
@@ -108,20 +111,23 @@ def safetensors_shapes(file: str) -> dict[str, list[int]]:
     return shapes
 
 
-def _lora_shapes(tensors: dict[str, list[int]], rank: int) -> dict[str, tuple[int, int]]:
-    """Base weight name -> (out, in) that the adapter's lora_A / lora_B pair expects."""
+def _lora_shapes(tensors: dict[str, list[int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Base weight name -> (out, in) that the adapter's lora_A / lora_B pair expects, and the
+    largest rank among them."""
     out: dict[str, tuple[int, int]] = {}
+    largest = 0
     for name, shape in tensors.items():
         if ".lora_A." not in name:
             continue
         b = tensors.get(name.replace(".lora_A.", ".lora_B."))
         if b is None:
             raise AdapterError(f"{name} has no lora_B partner")
-        if len(shape) != 2 or len(b) != 2 or shape[0] != rank or b[1] != rank:
-            raise AdapterError(f"{name}: shapes {shape} / {b} do not match the rank {rank} of adapter_config.json")
+        if len(shape) != 2 or len(b) != 2 or shape[0] != b[1]:
+            raise AdapterError(f"{name}: lora_A {shape} and lora_B {b} do not make a low-rank pair")
+        largest = max(largest, shape[0])
         base = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
         out[base] = (b[0], shape[1])
-    return out
+    return out, largest
 
 
 def _check_base(loras: dict[str, tuple[int, int]], model_dir: str) -> None:
