@@ -94,8 +94,6 @@ class ModelTable:
             model.instances.append(rec)
             model.cards[card.instance_id] = card
         self._attach_prefill_workers(models, prefill)
-        for name in self.models.keys() - models.keys():
-            log.info("model %r has no live worker any more", name)
         for name, model in models.items():
             model.router.instances_changed(model.instances, model.cards)
             if name not in self.models or len(self.models[name].instances) != len(model.instances):
@@ -106,6 +104,8 @@ class ModelTable:
             old = self.models.get(name)
             if old is None or len(old.instances) != len(model.instances):
                 log.info("adapter %r of model %r served by %d worker(s)", name, model.parent, len(model.instances))
+        for name in self.models.keys() - models.keys():
+            log.info("model %r has no live worker any more", name)
         self.models = models
 
     def _adapters(self, models: dict[str, ServedModel], cards: list[ModelCard],
@@ -134,7 +134,7 @@ class ModelTable:
             model = adapters.get(name)
             if model is None:
                 model = adapters[name] = ServedModel(name, card, base.tokenizer, base.router, lora_name=name,
-                                                     parent=base.name, decode_caches=base.decode_caches)
+                                                     parent=base.name)
             elif model.parent != base.name:
                 log.warning("adapter %r on worker %s adapts model %r, on other workers %r: skipped", name,
                             card.instance_id, base.name, model.parent)
@@ -149,8 +149,17 @@ class ModelTable:
             model.prefill_instances.append(rec)
             model.prefill_cards[card.instance_id] = card
             model.prefill_router, model.prefill_queued_tokens = base.prefill_router, base.prefill_queued_tokens
-        for model in adapters.values():
-            model.lora_fallback = bool(models[model.parent].prefill_instances) and not model.prefill_instances
+        for name, model in adapters.items():
+            base = models[model.parent]
+            model.lora_fallback = bool(base.prefill_instances) and not model.prefill_instances
+            if model.prefill_instances:  # the decode workers' likely caches of this adapter's prompts
+                caches = self._decode_caches.get(name)
+                if caches is None or caches.block_size != base.card.kv_block_size:
+                    caches = self._decode_caches[name] = DecodeCaches(base.card.kv_block_size)
+                caches.keep_only({i.instance_id for i in model.instances})
+                model.decode_caches = caches
+            else:
+                self._decode_caches.pop(name, None)
         return adapters
 
     def _attach_prefill_workers(self, models: dict[str, ServedModel],
