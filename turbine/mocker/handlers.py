@@ -106,7 +106,7 @@ class Handlers:
                          choice=Choice(seed=seed, index=i, min_tokens=min_tokens, stop_token_ids=stop_ids,
                                        ignore_eos=stop.ignore_eos),
                          tokens=list(prompt), num_prompt_tokens=len(prompt), max_tokens=max_tokens,
-                         kv_to_pull=pull)
+                         kv_to_pull=pull, lora_name=req.lora_name)
                 for i in range(n)]
 
     def _role_limits(self, n: int, max_tokens: int, min_tokens: int) -> tuple[int, int, int]:

@@ -49,6 +49,7 @@ class Sequence:
     num_preemptions: int = 0
     kv_to_pull: bool = False  # decode side: the prompt's KV is to be pulled from a prefill worker
     num_pull_tokens: int = 0  # tokens pulled: the prompt less what the local prefix cache had
+    lora_name: str | None = None  # the LoRA adapter it runs under: its blocks are another cache
 
     @property
     def num_output_tokens(self) -> int:
@@ -123,7 +124,8 @@ class Scheduler:
             # Cached only now that their contents are there (vLLM delays caching them too).
             num_full = seq.num_computed // self.pool.block_size
             if num_full > seq.num_cached_blocks:
-                self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
+                self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens,
+                                         seq.lora_name)
                 seq.num_cached_blocks = num_full
         self._requeue_at_head(seqs)
 
@@ -253,7 +255,8 @@ class Scheduler:
         # Like vLLM, full blocks are cached when allocated, before the step computes them.
         num_full = min(num_computed + num_new, len(seq.tokens)) // bs
         if cache and num_full > seq.num_cached_blocks:
-            pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
+            pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens,
+                                         seq.lora_name)
             seq.num_cached_blocks = num_full
         return True
 
@@ -284,4 +287,4 @@ class Scheduler:
         bs, tokens, hashes = self.pool.block_size, seq.tokens, seq.hashes
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs]))
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs], seq.lora_name))

@@ -179,14 +179,14 @@ def _pool_events(publisher: KvEventPublisher, drop_after: int | None):
     publishes that many and silently drops the rest, to exercise routers' warnings."""
     publish = publisher.publish
     if drop_after is None:
-        return lambda event: publish([event])
+        return lambda event, lora_name=None: publish([event], lora_name=lora_name)
     left = drop_after
 
-    def publish_then_drop(event) -> None:
+    def publish_then_drop(event, lora_name=None) -> None:
         nonlocal left
         if left > 0:
             left -= 1
-            publish([event])
+            publish([event], lora_name=lora_name)
 
     return publish_then_drop
 
