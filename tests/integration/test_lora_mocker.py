@@ -6,12 +6,15 @@ remotely only where a prefill worker holds the adapter (otherwise aggregated, co
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
 from openai import OpenAI
 
 from tests.integration.procs import (
+    _start,
     base_env,
     http_json,
     http_text,
@@ -23,7 +26,11 @@ from tests.integration.procs import (
     wait_until,
     worker_ready,
 )
+from tests.integration.test_router_service import router_address
 from tests.lora_adapters import build_adapter, corrupt_copy
+from turbine.protocol.router import BEST_WORKER, BestWorkerReply, BestWorkerRequest
+from turbine.runtime.cluster_auth import ClusterAuth
+from turbine.runtime.request_plane import RequestPlaneClient
 from turbine.model.prepare import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
@@ -47,10 +54,13 @@ def fleet(tmp_path_factory, adapter):
     a = start_mocker("mocker-a", env, root, *common)
     b = start_mocker("mocker-b", env, root, *common, "--lora-modules", f"boot={adapter['good']}")
     frontend = start_frontend("frontend", env, root)
-    procs = [a, b, frontend]
+    router = _start("router", env, root, "turbine.router", "--system-port")
+    procs = [a, b, frontend, router]
     try:
         wait_until(lambda: all(worker_ready(p) for p in (a, b)), 60, "mockers ready", procs)
         wait_until(lambda: instances_of(frontend, MODEL) == 2, 30, "the frontend sees both", procs)
+        wait_until(lambda: "serving best_worker" in router.log_path.read_text(errors="replace"), 30,
+                   "router registered", procs)
         yield {"a": a, "b": b, "frontend": frontend, "env": env, "root": root, "procs": procs}
     finally:
         stop_all(procs)
@@ -123,6 +133,38 @@ def test_a_corrupt_adapter_is_refused_and_listed_nowhere(fleet, adapter):
     bad = httpx.post(f"{a.url}/v1/loras", headers=AUTH, json={"lora_name": "x", "source": {"uri": "s3://b/k"}})
     assert bad.status_code == 400 and "not supported" in bad.json()["message"]
     assert httpx.post(f"{a.url}/v1/loras", headers=AUTH, json={"lora_name": "x"}).status_code == 400
+
+
+def test_kv_routing_keeps_adapter_prefixes_apart(fleet):
+    """The simulated workers' KV events name the adapter; the router service counts the base
+    prompt's cached prefix only for the base model, the adapter's only for the adapter, and sends
+    the adapter only to its holder."""
+    b, frontend = fleet["b"], fleet["frontend"]
+    b_id = next(iter(http_json(f"{b.url}/engine/is_sleeping")[1]["instances"]))
+    ids = list(range(1000, 1000 + 12 * 16))  # 12 full blocks
+
+    async def ask(model: str) -> BestWorkerReply:
+        rp = RequestPlaneClient(auth=ClusterAuth(KEY.encode()))
+        try:
+            address = await router_address(fleet["env"])
+            return [r async for r in rp.stream(address, BEST_WORKER, BestWorkerRequest(model=model, token_ids=ids),
+                                               BestWorkerReply)][0]
+        finally:
+            await rp.close()
+
+    def best(model: str) -> BestWorkerReply:
+        reply = asyncio.run(ask(model))
+        assert not reply.error, reply.error
+        return reply
+
+    assert best(MODEL).overlap_blocks == 0
+    client(frontend).completions.create(model=MODEL, prompt=ids, max_tokens=1)
+    wait_until(lambda: best(MODEL).overlap_blocks == 12, 10, "the base prompt's blocks indexed", fleet["procs"])
+    adapter = best("boot")
+    assert adapter.overlap_blocks == 0 and adapter.instance_id == b_id
+    client(frontend).completions.create(model="boot", prompt=ids, max_tokens=1)
+    wait_until(lambda: best("boot").overlap_blocks == 12, 10, "the adapter prompt's blocks indexed", fleet["procs"])
+    assert best("boot").instance_id == b_id
 
 
 def test_a_restart_brings_back_only_the_start_adapters(fleet, adapter):
