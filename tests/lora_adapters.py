@@ -15,7 +15,6 @@ def build_adapter(model_dir: str, out: Path, *, rank: int = 8, seed: int = 0,
     if (out / "adapter_config.json").is_file():
         return out
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -26,7 +25,6 @@ def build_adapter(model_dir: str, out: Path, *, rank: int = 8, seed: int = 0,
 def build_tiny_adapter(out: Path, *, rank: int = 8) -> Path:
     """A LoRA adapter for a tiny Llama of another hidden size than SmolLM2 (a 'wrong base')."""
     import torch
-    from peft import LoraConfig  # noqa: F401 (peft present)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
