@@ -66,7 +66,8 @@ def reference(adapters, model_dir, tokenizer, tmp_path_factory):
     out = subprocess.run([sys.executable, "-m", "tests.integration.lora_reference", model_dir, str(adapters["good"]),
                           json.dumps(ids), str(MAX_TOKENS)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    return {"ids": ids, **json.loads(out.stdout.strip().splitlines()[-1])}
+    line = next(line for line in out.stdout.splitlines() if line.startswith('{"base"'))  # vLLM logs there too
+    return {"ids": ids, **json.loads(line)}
 
 
 @pytest.fixture(scope="module")
