@@ -143,17 +143,17 @@ def test_kv_routing_keeps_adapter_prefixes_apart(fleet):
     b_id = next(iter(http_json(f"{b.url}/engine/is_sleeping")[1]["instances"]))
     ids = list(range(1000, 1000 + 12 * 16))  # 12 full blocks
 
-    async def ask(model: str) -> BestWorkerReply:
+    async def ask(model: str, lora_name: str | None) -> BestWorkerReply:
         rp = RequestPlaneClient(auth=ClusterAuth(KEY.encode()))
         try:
             address = await router_address(fleet["env"])
-            return [r async for r in rp.stream(address, BEST_WORKER, BestWorkerRequest(model=model, token_ids=ids),
-                                               BestWorkerReply)][0]
+            request = BestWorkerRequest(model=model, token_ids=ids, lora_name=lora_name)
+            return [r async for r in rp.stream(address, BEST_WORKER, request, BestWorkerReply)][0]
         finally:
             await rp.close()
 
-    def best(model: str) -> BestWorkerReply:
-        reply = asyncio.run(ask(model))
+    def best(model: str, lora_name: str | None = None) -> BestWorkerReply:
+        reply = asyncio.run(ask(model, lora_name))
         assert not reply.error, reply.error
         return reply
 
@@ -165,6 +165,10 @@ def test_kv_routing_keeps_adapter_prefixes_apart(fleet):
     client(frontend).completions.create(model="boot", prompt=ids, max_tokens=1)
     wait_until(lambda: best("boot").overlap_blocks == 12, 10, "the adapter prompt's blocks indexed", fleet["procs"])
     assert best("boot").instance_id == b_id
+    # the base model's name with lora_name is the same question
+    same = best(MODEL, lora_name="boot")
+    assert (same.instance_id, same.overlap_blocks) == (b_id, 12)
+    assert "holds the LoRA adapter 'nope'" in asyncio.run(ask(MODEL, "nope")).error
 
 
 def test_a_restart_brings_back_only_the_start_adapters(fleet, adapter):
