@@ -197,13 +197,13 @@ class Handlers:
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         return kwargs
 
-    def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
-        return self.engine.generate(prompt, params, engine_id, lora_request=self.lora_request(req),
-                                    data_parallel_rank=req.dp_rank)
+    def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str,
+                         lora=None):
+        return self.engine.generate(prompt, params, engine_id, lora_request=lora, data_parallel_rank=req.dp_rank)
 
-    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
+    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str, lora=None):
         """The engine's outputs for the request, and the engine-side id they run under."""
-        return self._engine_generate(req, prompt, params, engine_id), engine_id
+        return self._engine_generate(req, prompt, params, engine_id, lora), engine_id
 
     def _finished(self, chunk: GenerateOutput, out) -> None:
         """The role's additions to a choice's last chunk."""
@@ -219,11 +219,14 @@ class Handlers:
         completion_tokens = [0] * params.n
         prompt_len = len(prompt["prompt_embeds"]) if "prompt_embeds" in prompt else len(req.token_ids)
         # Refused (OVERLOADED) here, before the engine sees it: nothing to abort or free.
+        lora = self.lora_request(req)  # checked in _prepared, with no await since
         ticket = self.admission.admit(0 if req.kv_transfer_params is not None else prompt_len)
+        # The adapter is held until the request ends: an unload waits for it (VllmLora.remove).
+        held = self.loras.hold(req.lora_name) if lora is not None else None
         finished = False
         self.metrics.inflight.inc()
         try:
-            outputs, engine_id = await self._outputs(req, prompt, params, engine_id)
+            outputs, engine_id = await self._outputs(req, prompt, params, engine_id, lora)
             prompt_sent = False
             async for out in outputs:
                 ticket.started()
@@ -279,6 +282,8 @@ class Handlers:
             raise InvalidRequest(str(exc)) from exc
         finally:
             ticket.release()
+            if held is not None:
+                held()
             self.metrics.inflight.dec()
             if not finished:
                 # Caller cancelled or went away: free the engine's KV blocks now.
@@ -331,11 +336,11 @@ class DecodeHandlers(Handlers):
             kwargs["extra_args"] = {"kv_transfer_params": checked_kv_transfer_params(req.kv_transfer_params)}
         return kwargs
 
-    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
+    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str, lora=None):
         """Waits for the first output of a request whose KV comes from a prefill worker. If the
         KV does not arrive within --kv-transfer-timeout (prefill worker hung or gone), the
         request is aborted and computed here from scratch: slower, never stuck."""
-        outputs = self._engine_generate(req, prompt, params, engine_id)
+        outputs = self._engine_generate(req, prompt, params, engine_id, lora)
         if not params.extra_args:
             return outputs, engine_id
         try:
@@ -348,7 +353,7 @@ class DecodeHandlers(Handlers):
             await self.engine.abort(engine_id)
             params.extra_args = None
             engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
-            return self._engine_generate(req, prompt, params, engine_id), engine_id
+            return self._engine_generate(req, prompt, params, engine_id, lora), engine_id
         return _prepend(first, outputs), engine_id
 
 
