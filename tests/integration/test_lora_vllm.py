@@ -71,10 +71,12 @@ def reference(adapters, model_dir, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, reference):
+def fleet(tmp_path_factory, reference, adapters):
     root = tmp_path_factory.mktemp("lora-vllm")
     env = base_env(str(root / "discovery"))
-    workers = [start_worker(n, env, root, *LORA_FLAGS) for n in ("lora-a", "lora-b")]
+    # b loads an adapter at start (--lora-modules, as vLLM spells it); a gets its adapters at run time
+    workers = [start_worker("lora-a", env, root, *LORA_FLAGS),
+               start_worker("lora-b", env, root, *LORA_FLAGS, "--lora-modules", f"boot={adapters['good']}")]
     frontend = start_frontend("frontend", env, root)  # round-robin: base requests go to both
     kv_frontend = start_frontend("kv-frontend", env, root, "--router-mode", "kv")
     router = _start("router", env, root, "turbine.router", "--system-port")
@@ -112,13 +114,17 @@ def test_a_runtime_adapter_changes_greedy_output_as_vllm_offline_does(fleet, ada
     assert [i["lora_name"] for i in httpx.get(f"{a.url}/v1/loras").json()["loras"]] == ["sql"]
     wait_until(lambda: "sql" in models(frontend) and "sql" in models(fleet["kv"]), 15, "the frontends list it",
                fleet["procs"])
-    assert models(frontend)["sql"]["parent"] == MODEL
+    assert models(frontend)["sql"]["parent"] == MODEL and models(frontend)["boot"]["parent"] == MODEL
+    assert [i["lora_name"] for i in httpx.get(f"{fleet['b'].url}/v1/loras").json()["loras"]] == ["boot"]
     ours = {model: client(frontend).completions.create(model=model, prompt=reference["ids"], max_tokens=MAX_TOKENS,
                                                        temperature=0).choices[0].text
             for model in (MODEL, "sql")}
     assert ours["sql"] != ours[MODEL]  # the adapter changes the greedy output
     assert ours["sql"] == tokenizer.decode(reference["adapter"], skip_special_tokens=True)
     assert ours[MODEL] == tokenizer.decode(reference["base"], skip_special_tokens=True)
+    boot = client(frontend).completions.create(model="boot", prompt=reference["ids"], max_tokens=MAX_TOKENS,
+                                               temperature=0).choices[0].text
+    assert boot == ours["sql"]  # the same adapter, loaded at start on the other worker
 
 
 def test_ten_concurrent_loads_of_one_name_are_one_engine_load(fleet, adapters):
