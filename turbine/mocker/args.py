@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from turbine.config import check, flag
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
-from turbine.mocker.timing import TimingProfile, load_profile
+from turbine.mocker.timing import DEFAULT_LORA_LOAD_TIME_MS, TimingProfile, load_profile
 from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
@@ -44,6 +44,10 @@ class MockerConfig(ServingConfig):
     # the mocker checks and records them, and serves requests naming one it holds.
     enable_lora: bool = flag("--enable-lora", default=False)
     max_lora_rank: int = flag("--max-lora-rank", default=16)
+    # Each step holds requests of at most max_loras distinct adapters, kept in that many active slots
+    # (an LRU); bringing one into a slot costs lora_load_time_ms (timing.py).
+    max_loras: int | None = flag("--max-loras", default=None)  # None: vLLM's default, 1
+    lora_load_time_ms: float | None = flag("--lora-load-time-ms", default=None)  # None: DEFAULT_LORA_LOAD_TIME_MS
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,6 +71,11 @@ class MockerConfig(ServingConfig):
         check(self, self.max_model_len >= 2, "max_model_len",
               "give a context length of at least 2 (the model config has none)")
         # As vLLM does at start-up: one sequence of the full context must fit in the KV cache.
+        for name in ("max_loras", "lora_load_time_ms"):
+            check(self, self.enable_lora or getattr(self, name) is None, name, "needs --enable-lora")
+        check(self, self.max_loras is None or self.max_loras >= 1, "max_loras", "must be >= 1")
+        check(self, self.lora_load_time_ms is None or self.lora_load_time_ms >= 0, "lora_load_time_ms",
+              "must be >= 0 (milliseconds)")
         check(self, -(-self.max_model_len // self.block_size) <= self.num_gpu_blocks, "num_gpu_blocks",
               f"{self.num_gpu_blocks} x --block-size {self.block_size} cannot hold one sequence of "
               f"--max-model-len {self.max_model_len}")
@@ -74,6 +83,15 @@ class MockerConfig(ServingConfig):
               "the model's config.json does not give its KV size; give it")
         check(self, self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         check(self, self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")
+
+    @property
+    def lora_slots(self) -> int:
+        """Active adapter slots per engine (0: LoRA off)."""
+        return (self.max_loras or 1) if self.enable_lora else 0
+
+    @property
+    def lora_load_ms(self) -> float:
+        return DEFAULT_LORA_LOAD_TIME_MS if self.lora_load_time_ms is None else self.lora_load_time_ms
 
     @property
     def kv_transfer(self) -> KvTransferModel:
@@ -137,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="take LoRA adapters (load_lora / POST /v1/loras, --lora-modules): each is checked "
                            "(adapter_config.json, safetensors, the model's shapes) and recorded")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank taken")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="active adapter slots per engine (default 1, as vLLM): a step holds requests of at most "
+                           "this many distinct adapters; the slots are an LRU")
+    lora.add_argument("--lora-load-time-ms", type=float, default=None, metavar="MS",
+                      help="simulated time to bring an adapter into a slot, added to the step that first needs it "
+                           f"(default {DEFAULT_LORA_LOAD_TIME_MS:g}: see docs/mocker.md; scaled by --speedup-ratio)")
     hooks = p.add_argument_group("test hooks")
     hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
                        help="publish only the first N KV event batches, then drop the rest silently while "
@@ -173,5 +197,7 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         speedup_ratio=args.speedup_ratio, startup_time=args.startup_time, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
         kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
-        enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+        enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+        lora_load_time_ms=args.lora_load_time_ms,
     )
+

@@ -23,6 +23,14 @@ from pathlib import Path
 import msgspec
 
 
+# LoRA: the time to bring an adapter into one of the engine's active slots, added to the step that
+# first needs it (--lora-load-time-ms). vLLM copies the adapter's weights into the least recently used
+# of its max_loras slots before the forward pass. The value: what that took on the real vLLM CPU worker
+# that the built-in profile models (SmolLM2-135M, 2 cores; benchmarks/lora_swap_calibrate.py, see
+# benchmarks/RESULTS.md "Adapter-aware routing").
+DEFAULT_LORA_LOAD_TIME_MS = 30.0
+
+
 class TimingProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step_base_ms: float = 27.31
     prefill_ms_per_token: float = 1.199

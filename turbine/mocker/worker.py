@@ -30,6 +30,7 @@ from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, Sto
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
 from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.lora_slots import LoraSlots
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
@@ -52,8 +53,10 @@ class WorkerEngines:
         for _ in range(cfg.data_parallel_size):
             pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
             scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
-            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer))
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
+                                  lora_slots=LoraSlots(cfg.lora_slots) if cfg.enable_lora else None)
+            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer,
+                                           lora_load_ms=cfg.lora_load_ms))
         self.level = 0  # sleep level, 0: awake
 
     async def sleep(self, level: int) -> None:
@@ -145,8 +148,10 @@ class SimulatedWorker:
 
     def _publish_load(self, rank: int, sched: Scheduler) -> None:
         # Requests pulling their KV count as waiting, as in vLLM (they sit in its waiting queue).
+        slots = sched.lora_slots
         self.events.load.update(rank, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
-                                num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling))
+                                num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling),
+                                max_loras=slots.capacity if slots else 0, active_loras=slots.resident if slots else ())
 
     def refresh_gauges(self) -> None:
         self.metrics.engine_unfinished.set(sum(e.scheduler.num_unfinished for e in self.engines))
