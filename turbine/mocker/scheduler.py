@@ -202,7 +202,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # they keep their places at the head
         lora_swaps = 0
         if slots is not None:
-            step_loras = {seq.lora_name for seq, _ in scheduled if seq.lora_name}
+            step_loras = list(dict.fromkeys(seq.lora_name for seq, _ in scheduled if seq.lora_name))
             # Those already in a slot first: they become the most recent, so a swap evicts none of them.
             lora_swaps = slots.touch(sorted(step_loras, key=lambda name: name not in slots))
 
