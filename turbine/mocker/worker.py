@@ -142,6 +142,9 @@ class SimulatedWorker:
 
     async def remove(self, name: str, lora_id: int) -> None:
         self.adapters.pop(name, None)
+        for engine in self.engines:  # its active slot is free again, as vLLM's remove_lora frees it
+            if engine.scheduler.lora_slots is not None:
+                engine.scheduler.lora_slots.discard(name)
 
     def _load_reporter(self, rank: int):
         return lambda scheduler: self._publish_load(rank, scheduler)
