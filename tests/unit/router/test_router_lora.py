@@ -4,6 +4,7 @@ frontend's KV policy and in the standalone router service alike."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -29,6 +30,11 @@ def card(instance_id: str) -> ModelCard:
     return ModelCard(name="m", namespace="turbine", component="backend", endpoint="generate",
                      instance_id=instance_id, tokenizer_path="", context_length=4096, kv_block_size=BS,
                      total_kv_blocks=100, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+def adapter_card(instance_id: str, lora_name: str) -> ModelCard:
+    """The card a worker publishes for an adapter it holds."""
+    return msgspec.structs.replace(card(instance_id), name=lora_name, lora_name=lora_name, lora_id=1, base_model="m")
 
 
 def record(instance_id: str) -> InstanceRecord:
@@ -107,13 +113,15 @@ async def test_requests_of_one_adapter_stay_together_before_any_report_shows_it(
 @pytest.mark.parametrize("weight", [DEFAULT_LORA_SWAP_WEIGHT, 0.0], ids=["aware", "off"])
 async def test_the_router_service_prefers_the_worker_with_the_adapter_active(weight):
     svc = RouterService(RouterServiceConfig(kv=KvRouterConfig(lora_swap_weight=weight)))
-    svc.apply([record("a"), record("b")], [card("a"), card("b")])
+    svc.apply([record("a"), record("b")], [card("a"), card("b"), adapter_card("a", "x"), adapter_card("b", "x")])
     try:
         loads = svc._routers[("m", "backend")].kv.loads
         loads.report(A, report("a", 4, ["x"]))
         loads.report(B, report("b", 0, ["y"]))
-        reply = svc.choose(BestWorkerRequest(model="m", token_ids=PROMPT, lora_name="x"))
-        assert reply.error is None and reply.instance_id == ("a" if weight else "b")
+        for req in (BestWorkerRequest(model="m", token_ids=PROMPT, lora_name="x"),
+                    BestWorkerRequest(model="x", token_ids=PROMPT)):  # the adapter named as the model
+            reply = svc.choose(req)
+            assert reply.error is None and reply.instance_id == ("a" if weight else "b")
     finally:
         svc.close()
 
