@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-loras", type=int, default=2)
     ap.add_argument("--lora-load-time-ms", type=float, default=None, help="default: the mocker's")
     ap.add_argument("--zipf", type=float, default=1.0)
-    ap.add_argument("--rate", type=float, default=6.0, help="requests per second over the fleet")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per second over the fleet")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     ap.add_argument("--isl", type=int, default=256)
     ap.add_argument("--osl", type=int, default=64)
