@@ -77,7 +77,7 @@ def test_the_tracker_knows_an_adapter_from_reports_and_from_its_own_unfinished_r
 async def frontend_router(request):
     """The frontend's KV policy over workers a and b; a reports adapter x active but 4 blocks more load."""
     cfg = RouterConfig(mode="kv", kv=KvRouterConfig(lora_swap_weight=request.param))
-    router = make_router(cfg, card("a"), RouterMetrics(CollectorRegistry()))
+    router = make_router(cfg, card("a"), RouterMetrics(CollectorRegistry()))  # metrics in a private registry
     router.instances_changed([record("a"), record("b")], {"a": card("a"), "b": card("b")})
     router.core.kv.loads.report(A, report("a", 4, ["x"]))
     router.core.kv.loads.report(B, report("b", 0, ["y"]))
@@ -91,6 +91,8 @@ async def test_the_frontends_kv_policy_prefers_the_worker_with_the_adapter_activ
                                                                        lora_name="x"))
     # With the term, a (x active) wins despite its load; without it the idle b does.
     assert chosen.instance.instance_id == ("a" if weight else "b")
+    decisions = router.core.metrics.lora_decisions
+    assert decisions.labels("m", "true" if weight else "false")._value.get() == 1  # /metrics tells which
 
 
 async def test_requests_of_one_adapter_stay_together_before_any_report_shows_it():
