@@ -17,7 +17,11 @@ conversations away from their caches, lowering the hit rate and the fleet's thro
 LoRA: a request for an adapter that a worker does not hold in its active slots (as its last load
 report lists them, plus the adapters of the requests this router sent it that have not finished)
 costs that worker `lora_swap_weight` blocks more: the engine must swap the adapter in before the
-prefill, and while every slot serves other adapters' running requests, it waits for one to free.
+prefill. Twice that where every slot serves unfinished requests of other adapters that this router
+sent there: the request also waits for one of those adapters to drain (vLLM batches at most
+max_loras adapters). Without that second level, the few requests of rare adapters landed on workers
+whose slots the popular adapters kept busy and waited there for seconds (the TTFT tail; benchmarks/
+RESULTS.md, "Adapter-aware routing").
 """
 
 from __future__ import annotations
@@ -92,14 +96,21 @@ class LoadTracker:
     def reporting_workers(self) -> list[WorkerKey]:
         return list(self._reports)
 
-    def lora_active(self, worker: WorkerKey, lora_name: str) -> bool:
-        """Whether the adapter is (or is about to be) in one of the worker's active slots: its last
-        report lists it, or a request of it that this router sent there has not finished (the
-        worker swaps it in for that request, or has; a request of the same adapter joins it)."""
+    def lora_swaps(self, worker: WorkerKey, lora_name: str) -> int:
+        """What a request of this adapter costs the worker, in adapter swaps. 0: the adapter is (or is
+        about to be) in one of its active slots: its last report lists it, or a request of it that this
+        router sent there has not finished (the worker swapped it in for that request, and a request of
+        the same adapter joins it). 1: it is not. 2: besides, every slot serves unfinished requests this
+        router sent there of other adapters, so the request also waits for one of them to drain."""
         report = self._reports.get(worker)
-        if report is not None and lora_name in report.active_loras:
-            return True
-        return bool(self._loras.get(worker, {}).get(lora_name))
+        mine = self._loras.get(worker, {})
+        if (report is not None and lora_name in report.active_loras) or mine.get(lora_name):
+            return 0
+        slots = report.max_loras if report is not None else 0
+        return 2 if slots and len(mine) >= slots else 1
+
+    def lora_active(self, worker: WorkerKey, lora_name: str) -> bool:
+        return self.lora_swaps(worker, lora_name) == 0
 
     def add(self, request_id: str, worker: WorkerKey, prefill_tokens: int, blocks: int,
             lora_name: str | None = None) -> None:
@@ -173,11 +184,11 @@ def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
 
 
 def worker_costs(overlaps: dict[WorkerKey, int], loads: dict[WorkerKey, WorkerLoad], prompt_tokens: int,
-                 block_size: int, overlap_weight: float,
-                 lora_missing: set[WorkerKey] | frozenset[WorkerKey] = frozenset(),
+                 block_size: int, overlap_weight: float, lora_swaps: dict[WorkerKey, int] | None = None,
                  lora_swap_weight: float = 0.0) -> dict[WorkerKey, float]:
-    """`lora_missing`: the workers without the request's adapter in their active slots; each costs
-    `lora_swap_weight` blocks more."""
+    """`lora_swaps`: per worker, what the request's adapter costs it in swaps (LoadTracker.lora_swaps);
+    each costs `lora_swap_weight` blocks."""
+    lora_swaps = lora_swaps or {}
     costs = {}
     context_blocks = new_blocks(prompt_tokens, 0, block_size)  # the size of another router's queued request
     for worker, load in loads.items():
@@ -185,8 +196,7 @@ def worker_costs(overlaps: dict[WorkerKey, int], loads: dict[WorkerKey, WorkerLo
         prefill_blocks = (load.prefill_tokens + prompt_tokens - overlap * block_size) / block_size
         decode_blocks = (load.active_blocks + load.other_waiting * context_blocks
                          + new_blocks(prompt_tokens, overlap, block_size))
-        costs[worker] = overlap_weight * prefill_blocks + decode_blocks + (
-            lora_swap_weight if worker in lora_missing else 0.0)
+        costs[worker] = overlap_weight * prefill_blocks + decode_blocks + lora_swap_weight * lora_swaps.get(worker, 0)
     return costs
 
 

@@ -49,8 +49,8 @@ class KvRouter:
         overlaps = self.index.find_matches(hashes)
         loads = {w: self.loads.load(w) for w in workers}
         # An adapter's request prefers a worker that has the adapter active: elsewhere it waits for a swap.
-        missing = {w for w in workers if not self.loads.lora_active(w, lora_name)} if lora_name else set()
-        costs = worker_costs(overlaps, loads, len(token_ids), bs, self.cfg.overlap_weight, missing,
+        swaps = {w: self.loads.lora_swaps(w, lora_name) for w in workers} if lora_name else {}
+        costs = worker_costs(overlaps, loads, len(token_ids), bs, self.cfg.overlap_weight, swaps,
                              self.cfg.lora_swap_weight)
         worker = choose_worker(costs, loads, self.cfg.temperature, self._rng)
         overlap = overlaps.get(worker, 0)
@@ -61,7 +61,7 @@ class KvRouter:
                 self.index.record(worker, hashes)
         return Decision(worker, overlap, costs, time.perf_counter() - started,
                         overlap / len(hashes) if hashes else 0.0, len(hashes),
-                        (worker not in missing) if lora_name else None)
+                        (swaps[worker] == 0) if lora_name else None)
 
     def first_token(self, request_id: str) -> None:
         self.loads.prefill_done(request_id)

@@ -50,8 +50,22 @@ def report(instance_id: str, active_blocks: int, loras: list[str], max_loras: in
 def test_a_worker_without_the_adapter_active_costs_the_swap_weight_more():
     loads = {A: WorkerLoad(), B: WorkerLoad()}
     plain = worker_costs({}, loads, 3 * BS, BS, 4.0)
-    costs = worker_costs({}, loads, 3 * BS, BS, 4.0, lora_missing={A}, lora_swap_weight=10.0)
+    costs = worker_costs({}, loads, 3 * BS, BS, 4.0, lora_swaps={A: 1, B: 0}, lora_swap_weight=10.0)
     assert costs[A] == plain[A] + 10.0 and costs[B] == plain[B]
+    assert worker_costs({}, loads, 3 * BS, BS, 4.0, {A: 2}, 10.0)[A] == plain[A] + 20.0
+
+
+def test_a_worker_whose_slots_all_serve_other_adapters_costs_two_swaps():
+    tracker = LoadTracker()
+    tracker.report(A, report("a", 0, ["x", "y"], max_loras=2))
+    assert tracker.lora_swaps(A, "x") == 0 and tracker.lora_swaps(A, "z") == 1  # x, y idle in their slots
+    tracker.add("r1", A, prefill_tokens=10, blocks=1, lora_name="x")
+    assert tracker.lora_swaps(A, "z") == 1  # one slot still free of unfinished requests
+    tracker.add("r2", A, prefill_tokens=10, blocks=1, lora_name="w")
+    assert tracker.lora_swaps(A, "z") == 2 and tracker.lora_swaps(A, "w") == 0  # z would wait for a slot
+    tracker.free("r2")
+    assert tracker.lora_swaps(A, "z") == 1
+    assert tracker.lora_swaps(B, "z") == 1  # no report: slots unknown
 
 
 def test_the_tracker_knows_an_adapter_from_reports_and_from_its_own_unfinished_requests():
