@@ -9,7 +9,7 @@ Each run starts, on a private file-discovery folder (benchmarks/common.py):
   python -m turbine.frontend --router-mode MODE [--router-lora-swap-weight W] --http-port Q
 so every worker holds all 16 adapters and can serve any of them; what limits it is its 2 active slots
 (a step holds requests of at most 2 distinct adapters, others wait; each swap costs --lora-load-time-ms,
-the mocker's default measured on the real vLLM CPU worker). The adapters are one real PEFT adapter for
+the mocker's default, 0, unless given: a swap cost the real vLLM CPU worker nothing measurable). The adapters are one real PEFT adapter for
 the embedded SmolLM2 (made with peft) under 16 names (the mocker checks adapters, it has no weights).
 
 Load: open loop, Poisson arrivals at --rate requests/s for --duration s; each request names an adapter
