@@ -8,8 +8,9 @@ Each run starts, on a private file-discovery folder (benchmarks/common.py):
         --num-gpu-blocks 728 --max-num-seqs 128 --max-num-batched-tokens 2048 --max-model-len 2048 --system-port P
   python -m turbine.frontend --router-mode MODE [--router-lora-swap-weight W] --http-port Q
 so every worker holds all 16 adapters and can serve any of them; what limits it is its 2 active slots
-(a step holds requests of at most 2 distinct adapters, others wait; each swap costs --lora-load-time-ms,
-the mocker's default, 0, unless given: a swap cost the real vLLM CPU worker nothing measurable). The adapters are one real PEFT adapter for
+(a step holds requests of at most 2 distinct adapters, others wait; each swap costs
+--lora-load-time-ms, the mocker's default, 0, unless given: a swap cost the real vLLM CPU worker
+nothing measurable). The adapters are one real PEFT adapter for
 the embedded SmolLM2 (made with peft) under 16 names (the mocker checks adapters, it has no weights).
 
 Load: open loop, Poisson arrivals at --rate requests/s for --duration s; each request names an adapter
@@ -187,12 +188,14 @@ def run_one(a, mode: str, workload: LoraWorkload, adapters, rep: int, run_dir: P
     wall = w1 - w0
     m = {"repeat": rep, "mode": mode, "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
          "error_samples": [r["error"] for r in records if r["error"]][:5],
-         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+         "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
          "ttft_mean_ms": sum(ttft) / len(ttft) if ttft else None,
          "swaps": swaps(samples) - swaps0, "wall_s": wall, "swaps_per_min": (swaps(samples) - swaps0) / wall * 60,
          "output_tok_s": tokens / (done - t0) if done > t0 else None,
          "ttft_p50_by_adapter": {name: pct([(r["t_first"] - r["t_send"]) * 1e3 for r in ok if r["adapter"] == name], 50)
                                  for name in workload.mix},
+         "ttft_by_request": sorted((round(r["offset"], 3), r["adapter"], round((r["t_first"] - r["t_send"]) * 1e3, 1))
+                                   for r in ok),
          "workers": worker_spread(samples), "died": died, "mocker_argv": st.argv_mocker,
          "frontend_argv": st.argv_frontend, "logs": [str(p.log_path) for p in st.procs]}
     log(f"{tag}: {m['ok']}/{m['requests']} ok, TTFT p50 {fmt(m['ttft_p50_ms'])} p99 {fmt(m['ttft_p99_ms'])} ms, "
@@ -204,7 +207,7 @@ def run_one(a, mode: str, workload: LoraWorkload, adapters, rep: int, run_dir: P
 
 
 # --------------------------------------------------------------------------- summary
-KEYS = ("ttft_p50_ms", "ttft_p99_ms", "swaps_per_min", "output_tok_s")
+KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "swaps_per_min", "output_tok_s")
 
 
 def summarize(runs: list[dict], modes: list[str]) -> dict:
@@ -220,20 +223,26 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
     return out
 
 
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def markdown(summary: dict, runs: list[dict], modes: list[str]) -> str:
     first = modes[0]
-    lines = [f"| mode | TTFT p50 (ms) | TTFT p99 (ms) | swaps / min | output tok/s | p50 / {first} | p99 / {first} | "
-             f"swaps / {first} | runs |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| mode | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | swaps / min | output tok/s | p50 / {first} | "
+             f"p99 / {first} | swaps / {first} | runs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in modes:
         s = summary[mode]
         v = s["vs_first"] or {}
-        lines.append(f"| {mode} | {fmt(s['ttft_p50_ms'])} | {fmt(s['ttft_p99_ms'])} | {fmt(s['swaps_per_min'])} | "
-                     f"{fmt(s['output_tok_s'])} | {fmt(v.get('ttft_p50_ms'))} | {fmt(v.get('ttft_p99_ms'))} | "
-                     f"{fmt(v.get('swaps_per_min'))} | {s['runs']} |")
-    lines += ["", "| repeat | mode | ok | TTFT p50 | TTFT p99 | swaps / min | tok/s | requests per worker |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines.append(f"| {mode} | {fmt(s['ttft_p50_ms'])} | {fmt(s['ttft_p90_ms'])} | {fmt(s['ttft_p99_ms'])} | "
+                     f"{fmt(s['swaps_per_min'])} | "
+                     f"{fmt(s['output_tok_s'])} | {fmt_ratio(v.get('ttft_p50_ms'))} | "
+                     f"{fmt_ratio(v.get('ttft_p99_ms'))} | {fmt_ratio(v.get('swaps_per_min'))} | {s['runs']} |")
+    lines += ["", "| repeat | mode | ok | TTFT p50 | TTFT p90 | TTFT p99 | swaps / min | tok/s | requests per worker |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['repeat']} | {r['mode']} | {r['ok']}/{r['requests']} | {fmt(r['ttft_p50_ms'])} | "
+                     f"{fmt(r['ttft_p90_ms'])} | "
                      f"{fmt(r['ttft_p99_ms'])} | {fmt(r['swaps_per_min'])} | {fmt(r['output_tok_s'])} | "
                      f"{r['workers']['per_worker']} |")
     return "\n".join(lines)

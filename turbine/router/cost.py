@@ -104,10 +104,13 @@ class LoadTracker:
         router sent there of other adapters, so the request also waits for one of them to drain."""
         report = self._reports.get(worker)
         mine = self._loras.get(worker, {})
-        if (report is not None and lora_name in report.active_loras) or mine.get(lora_name):
+        if mine.get(lora_name):
             return 0
         slots = report.max_loras if report is not None else 0
-        return 2 if slots and len(mine) >= slots else 1
+        busy = bool(slots) and len(mine) >= slots
+        if report is not None and lora_name in report.active_loras and not busy:
+            return 0  # (a slot the report lists can be taken by then: not while every slot is busy)
+        return 2 if busy else 1
 
     def lora_active(self, worker: WorkerKey, lora_name: str) -> bool:
         return self.lora_swaps(worker, lora_name) == 0

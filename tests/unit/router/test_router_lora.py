@@ -66,6 +66,8 @@ def test_a_worker_whose_slots_all_serve_other_adapters_costs_two_swaps():
     tracker.free("r2")
     assert tracker.lora_swaps(A, "z") == 1
     assert tracker.lora_swaps(B, "z") == 1  # no report: slots unknown
+    tracker.add("r3", A, prefill_tokens=10, blocks=1, lora_name="v")
+    assert tracker.lora_swaps(A, "y") == 2  # the report lists y, but x and v (unfinished) hold both slots
 
 
 def test_the_tracker_knows_an_adapter_from_reports_and_from_its_own_unfinished_requests():
