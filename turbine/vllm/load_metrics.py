@@ -29,6 +29,8 @@ class LoadMetricsStatLogger(StatLoggerBase):
         # carry the slots. What the stats carry is the adapters of the running requests
         # (running_lora_adapters); each of those is in a slot. So the worker keeps an LRU of the
         # same capacity over them: the adapters it reports active are the ones most recently run.
+        # (vLLM fills running_lora_adapters only while it logs stats: with --disable-log-stats the
+        # report names no adapters and routers see every worker's slots as empty.)
         lora_config = getattr(vllm_config, "lora_config", None)
         self.lora_slots = LoraSlots(lora_config.max_loras) if lora_config is not None else None
 
