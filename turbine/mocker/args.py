@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from turbine.config import check, flag
+from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import DEFAULT_LORA_LOAD_TIME_MS, TimingProfile, load_profile
@@ -101,10 +102,16 @@ class MockerConfig(ServingConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    with env_errors("python -m turbine.mocker"):
+        return _build_parser()
+
+
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m turbine.mocker",
         description="Simulated vLLM workers: the same endpoints, discovery records and model card as "
                     "python -m turbine.vllm, with a simulated scheduler and KV cache instead of a model.")
+    add_config_arg(p)
     p.add_argument("--model", default=None,
                    help="model whose tokenizer and config to use: an embedded name, a local Hugging Face "
                         "folder or a hub id (default: the embedded SmolLM2-135M-Instruct)")
@@ -123,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     sim.add_argument("--max-model-len", type=int, default=None,
                      help="context length (default: the model's max_position_embeddings)")
-    sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse cached KV blocks of earlier prompts' prefixes (default on)")
     sim.add_argument("--natural-output-len", type=int, default=128,
                      help="without ignore_eos, an answer ends with EOS after between half and one and a half "
                           "times this many tokens (deterministic per request); 0 = only max_tokens ends it")
@@ -173,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
     """Read the flags (and the model's tokenizer and config); MockerConfig checks the values."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_config_file(parser, argv))
     if args.use_vllm_tokenizer:
         parser.error("--use-vllm-tokenizer: text mode is not supported by the mocker (it simulates a token-in, "
                      "token-out worker)")
