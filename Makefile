@@ -6,11 +6,14 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 # The load generator of the benchmarks, in its own venv (its dependencies conflict with vLLM's).
 BENCH_VENV ?= .bench-venv
 AIPERF_VERSION ?= 0.13.0
+# The peer of the side-by-side benchmarks: NVIDIA Dynamo's frontend and mocker (no vLLM), and py-spy.
+PEER_VENV ?= .peer-venv
+DYNAMO_VERSION ?= 1.6.1
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turbine-installed
 
-.PHONY: setup test test-unit bench-tools clean
+.PHONY: setup test test-unit bench-tools bench-peer clean
 
 setup: $(STAMP)
 	$(VENV)/bin/turbine model prepare
@@ -36,5 +39,18 @@ $(BENCH_VENV)/bin/aiperf:
 	$(BENCH_VENV)/bin/python -m pip install aiperf==$(AIPERF_VERSION)
 	$(BENCH_VENV)/bin/aiperf --version
 
+# NVIDIA Dynamo for benchmarks/frontend_ceiling.py and kill_one_side_by_side.py (found in $(PEER_VENV)).
+# Its wheels' full dependency list pulls in what a frontend + mocker do not need, hence --no-deps.
+bench-peer: $(PEER_VENV)/bin/py-spy
+
+$(PEER_VENV)/bin/py-spy:
+	@echo "[bench-peer] installing ai-dynamo $(DYNAMO_VERSION) into $(PEER_VENV)"
+	[ -x $(PEER_VENV)/bin/python ] || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install --no-deps ai-dynamo==$(DYNAMO_VERSION) ai-dynamo-runtime==$(DYNAMO_VERSION)
+	$(PEER_VENV)/bin/python -m pip install "pydantic>=2.10.6,<=2.13.5" uvloop "aiohttp>=3.14.3,<4" \
+	    "certifi>=2026.10.19" "kubernetes>=32.0.1,<33" msgspec "prometheus-client>=0.23.1,<1" pyzmq \
+	    "redis>=6.2,<9" tqdm "transformers>=4.56" typing-extensions "zstandard>=0.23,<1" py-spy
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) $(PEER_VENV) .pytest_cache .hypothesis
