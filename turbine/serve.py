@@ -176,7 +176,9 @@ def plan(argv: list[str], workdir: str) -> ServePlan:
         env["TURBINE_API_KEY"] = args.api_key
     model_path = resolve(model)  # prepare the embedded model here, with visible progress
     # The same default the worker applies: the embedded model's name, else the model as given.
-    name = _served_name(worker_tokens) or (model if model in EMBEDDED_MODELS else model_path)
+    from_file = next((str(v) for k, v in by_owner["worker"].items() if config_key_flag(k) == "--served-model-name"),
+                     None)
+    name = _served_name(worker_tokens) or from_file or (model if model in EMBEDDED_MODELS else model_path)
     worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", model, *child_config("worker"), *worker_tokens]
     if args.disagg:
         if not any(a.split("=")[0] in ("--connector", "--kv-transfer-config") for a in worker_tokens) and not \

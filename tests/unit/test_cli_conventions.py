@@ -301,6 +301,11 @@ def test_serve_config_file_goes_to_each_process_with_flags_winning(model_dir, tm
     assert yaml.safe_load(open(wk_file)) == {"max-model-len": 700, "namespace": "ns2"}
     assert [cmd[-2:] for cmd in p.worker_cmds] == [["--disaggregation-mode", "prefill"],
                                                     ["--disaggregation-mode", "decode"]]
+    assert p.served_name == model_dir
+    with open(config, "a") as f:
+        f.write("served_model_name: from-the-file\n")
+    assert plan(["--config", config], str(workdir)).served_name == "from-the-file"  # what serve waits for
+    assert plan(["--config", config, "--served-model-name", "flag"], str(workdir)).served_name == "flag"
     p = plan(["--config", config, "--http-port", "9006", "--api-key", "from-the-flag-0123"], str(workdir))
     assert p.url == "http://127.0.0.1:9006" and p.env == {"TURBINE_API_KEY": "from-the-flag-0123"}
     assert p.frontend_cmd[-2:] == ["--http-port", "9006"]  # after its --config: the flag wins
