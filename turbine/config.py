@@ -1,7 +1,7 @@
-"""Settings shared by every Turbine process (discovery), read from CLI flags or env, and the
-way every config checks itself.
+"""Settings shared by every Turbine process (discovery), read from CLI flags, a --config file or env,
+and the way every config checks itself.
 
-Config flows one way: flags/env -> a typed config object -> components. Each config object
+Config flows one way: flags/file/env (turbine.flag_sources) -> a typed config object -> components. Each config object
 validates itself when built (`__post_init__`), so one built in code (tests, benchmarks, a
 planner launching workers) is checked exactly like one built from flags; `*_from_args` only
 reads flags and turns a ConfigError into the parser's error message."""
