@@ -37,7 +37,9 @@ def declared(*extras: str) -> set[str]:
 def third_party_imports(folder: Path) -> dict[str, str]:
     """Top-level module name -> one file importing it (absolute imports only)."""
     found: dict[str, str] = {}
-    local = {p.stem for p in folder.glob("*.py")} | {"turbine", "tests", "conftest"}
+    # The folder's own modules, and the benchmark scripts that tests import by path.
+    local = {p.stem for p in folder.glob("*.py")} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | \
+        {"turbine", "tests", "conftest"}
     for path in folder.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
