@@ -33,6 +33,19 @@ def vllm_parser():
     return build_parser()
 
 
+def vllm_parser_with_help(monkeypatch):
+    """vLLM fills in its flags' help (from its config docstrings) only when the process was started
+    with --help (NEEDS_HELP, read at import), and caches the flags' settings."""
+    import vllm.engine.arg_utils as arg_utils
+
+    monkeypatch.setattr(arg_utils, "NEEDS_HELP", True)
+    arg_utils._compute_kwargs.cache_clear()
+    try:
+        return vllm_parser()
+    finally:
+        arg_utils._compute_kwargs.cache_clear()
+
+
 def calibrate_parser():
     from turbine.mocker.calibrate import build_parser
 
@@ -81,9 +94,8 @@ def _walk(parser: argparse.ArgumentParser):
 
 @pytest.mark.parametrize("name", list(PARSERS))
 def test_every_flag_has_help_text(name, monkeypatch):
-    # vLLM fills in its flags' help (from its config docstrings) only when asked for --help.
-    monkeypatch.setattr(sys, "argv", [sys.argv[0], "--help"])
-    actions = list(_walk(PARSERS[name]()))
+    parser = vllm_parser_with_help(monkeypatch) if name == "worker" else PARSERS[name]()
+    actions = list(_walk(parser))
     assert len(actions) > 2
     missing = [f"{prog}: {'/'.join(a.option_strings) or a.dest}" for prog, a in actions
                if not (a.help and a.help.strip())]
