@@ -61,7 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system-host", default=env("TURBINE_SYSTEM_HOST", "127.0.0.1"),
                    help="bind address of the status server (env TURBINE_SYSTEM_HOST; default 127.0.0.1)")
     g.add_argument("--system-port", type=int, default=env_int("TURBINE_SYSTEM_PORT", None),
-                   help="port of the status server (/health, /live, /metrics); off when unset (env TURBINE_SYSTEM_PORT)")
+                   help="port of the status server (/health, /live, /metrics); off when unset "
+                        "(env TURBINE_SYSTEM_PORT)")
     g.add_argument("--router-request-ttl", type=float, default=DEFAULT_REQUEST_TTL_S, metavar="SECONDS",
                    help="a placed request whose 'finished' notice has not come after this long stops counting "
                         "as load (its caller is presumed gone)")
