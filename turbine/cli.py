@@ -20,8 +20,9 @@ commands:
   profile    sweep a running worker and write the engine profile the planner (and the mocker's
              --profile) reads (the same sweep as mocker calibrate)
 
-Run 'turbine COMMAND --help' for the flags of a command. Every command but model takes
---config FILE (YAML); flags win over it, and it wins over TURBINE_* environment variables.
+Run 'turbine COMMAND --help' for the flags of a command. serve, frontend, worker, mocker and
+router take --config FILE (YAML of flag names); flags win over it, and it wins over TURBINE_*
+environment variables. The planner's --config holds its config's field names.
 """
 
 

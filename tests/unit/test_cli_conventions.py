@@ -52,6 +52,12 @@ def calibrate_parser():
     return build_parser()
 
 
+def planner_parser():
+    from turbine.planner.config import build_parser
+
+    return build_parser()
+
+
 def model_parser():
     from turbine.cli import model_parser
 
@@ -80,7 +86,8 @@ def test_turbine_version_prints_the_installed_version():
 
 # --------------------------------------------------------------------------- help text
 PARSERS = {"frontend": frontend_parser, "mocker": mocker_parser, "router": router_parser, "serve": serve_parser,
-           "worker": vllm_parser, "mocker-calibrate": calibrate_parser, "model-prepare": model_parser}
+           "worker": vllm_parser, "mocker-calibrate": calibrate_parser, "model-prepare": model_parser,
+           "planner": planner_parser}
 
 
 def _walk(parser: argparse.ArgumentParser):
