@@ -51,7 +51,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--overload-retry-after", type=int, default=env_int("TURBINE_OVERLOAD_RETRY_AFTER", 1),
                    help="seconds in the Retry-After header of a 503 'overloaded' (every worker refused the "
                         "request, or --max-inflight-requests was reached)")
-    g.add_argument("--frontend-processes", type=int, default=int(env("TURBINE_FRONTEND_PROCESSES", "1")),
+    g.add_argument("--frontend-processes", type=int, default=env_int("TURBINE_FRONTEND_PROCESSES", 1),
                    help="processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend with its own "
                         "router, metrics and --max-inflight-requests (env TURBINE_FRONTEND_PROCESSES)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
