@@ -26,7 +26,7 @@ from turbine.config import make_registry
 from turbine.protocol.discovery import ModelCard
 from turbine.runtime import cluster_auth
 from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
-from turbine.runtime.lifecycle import drain_and_stop, stop_on_signals
+from turbine.runtime.lifecycle import UNREGISTER_SETTLE_S, drain_and_stop, stop_on_signals
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health, make_app, serve_status
 from turbine.worker.config import ServingConfig
@@ -213,7 +213,8 @@ class WorkerHost:
             health.set_not_ready()
             # Unregister first so no new traffic arrives, then let in-flight requests finish.
             await controls.unregister_all()
-            await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0)
+            await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0,
+                                 settle_s=UNREGISTER_SETTLE_S)
         finally:
             if registry is not None:
                 await registry.backend.close()

@@ -1,0 +1,244 @@
+"""The local connector: worker processes (vLLM or mocker) on this host, started and stopped by the
+planner with the flags given per role.
+
+A worker counts once it has registered: a model card in discovery under an instance record that
+carries its pid. Scale-down picks the least-loaded worker of the role (one still starting first,
+then the fewest generate requests in flight on its own /metrics) and sends it SIGTERM, which the
+worker host turns into: unregister, serve what it holds for up to `drain_timeout` seconds, end what
+still runs with `shutting_down` (the frontend migrates it), exit. Only then is the process gone;
+the connector kills it (its process group) only if it outlives the drain by `kill_after` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from turbine.config import ConfigError, DiscoveryConfig, check, make_registry
+from turbine.planner.connector import ROLES
+
+log = logging.getLogger("turbine.planner.local")
+
+ENGINES = {"vllm": "turbine.vllm", "mocker": "turbine.mocker"}
+# Flags the connector sets itself (from its config and the role), refused in a role's flags.
+OWN_FLAGS = ("--system-port", "--graceful-shutdown-timeout", "--disaggregation-mode", "--is-prefill-worker",
+             "--is-decode-worker", "--num-workers", "--discovery-backend", "--discovery-dir", "--etcd-endpoints",
+             "--discovery-ttl")
+INFLIGHT_METRIC = "turbine_worker_inflight_requests"
+
+
+@dataclass(frozen=True)
+class LocalRole:
+    """How to start one worker of a role: `python -m turbine.<engine> <args>`, plus `env`."""
+
+    engine: str = "mocker"
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        check(self, self.engine in ENGINES, "engine", f"choose from {', '.join(ENGINES)}")
+        own = sorted({a.split("=", 1)[0] for a in self.args} & set(OWN_FLAGS))
+        check(self, not own, "args", f"{', '.join(own)} are set by the local connector (one worker per process, "
+                                     "its role, status port, drain bound and discovery come from its config)")
+
+
+@dataclass(frozen=True)
+class LocalConnectorConfig:
+    roles: dict[str, LocalRole]
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    log_dir: str = "turbine-planner-workers"
+    drain_timeout: float = 30.0  # each stopped worker's --graceful-shutdown-timeout
+    kill_after: float = 30.0  # beyond the drain: then SIGKILL (a worker that hangs on exit)
+    python: str = sys.executable
+
+    def __post_init__(self):
+        check(self, bool(self.roles), "roles", "name at least one role")
+        bad = sorted(set(self.roles) - set(ROLES))
+        check(self, not bad, "roles", f"unknown role(s) {', '.join(bad)}; choose from {', '.join(ROLES)}")
+        check(self, self.drain_timeout >= 0, "drain_timeout", "must be >= 0")
+        check(self, self.kill_after > 0, "kill_after", "must be > 0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class LocalWorker:
+    role: str
+    name: str
+    popen: subprocess.Popen
+    system_port: int
+    log_path: Path
+    started_at: float
+    registered_at: float | None = None
+    stop_requested_at: float | None = None
+    stop_load: float | None = None  # its load when it was picked to stop
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LocalConnector:
+    """Connector over processes on this host (see the module doc)."""
+
+    def __init__(self, cfg: LocalConnectorConfig):
+        self.cfg = cfg
+        self.workers: list[LocalWorker] = []  # every worker started, stopped ones too (for the record)
+        self.registry = make_registry(cfg.discovery)
+        self._http: httpx.AsyncClient | None = None
+        self._reapers: set[asyncio.Task] = set()
+        self._seq = 0
+
+    async def start(self) -> None:
+        Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        await self.registry.backend.start()
+        self._http = httpx.AsyncClient(timeout=2.0)
+
+    # -- what runs -------------------------------------------------------------------------------
+    def serving(self, role: str | None = None) -> list[LocalWorker]:
+        """Live workers not asked to stop (starting or registered), of `role` or all."""
+        return [w for w in self.workers
+                if w.alive() and w.stop_requested_at is None and (role is None or w.role == role)]
+
+    async def refresh(self) -> None:
+        """Mark the workers whose model card is now in discovery as registered."""
+        waiting = [w for w in self.serving() if w.registered_at is None]
+        if not waiting:
+            return
+        instances = await self.registry.list_instances()
+        cards = {c.path for c in await self.registry.list_models()}
+        registered_pids = {i.pid for i in instances if i.path in cards}
+        now = time.monotonic()
+        for w in waiting:
+            if w.pid in registered_pids:
+                w.registered_at = now
+                log.info("worker %s (%s, pid %d) registered after %.1fs", w.name, w.role, w.pid, now - w.started_at)
+
+    async def current_replicas(self) -> dict[str, int]:
+        await self.refresh()
+        return {role: sum(w.registered_at is not None for w in self.serving(role)) for role in self.cfg.roles}
+
+    # -- changing it -----------------------------------------------------------------------------
+    async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
+        unknown = sorted(set(targets) - set(self.cfg.roles))
+        if unknown:
+            raise ConfigError(self.cfg, "roles", f"no launch flags for role(s) {', '.join(unknown)}")
+        await self.refresh()
+        for role, target in targets.items():
+            if target < 0:
+                raise ValueError(f"decision {decision_id}: {role} target {target} < 0")
+            have = self.serving(role)
+            if target > len(have):
+                for _ in range(target - len(have)):
+                    self._launch(role)
+                log.info("decision %d: %s %d -> %d (starting %d)", decision_id, role, len(have), target,
+                         target - len(have))
+            elif target < len(have):
+                victims = await self.pick_victims(have, len(have) - target)
+                log.info("decision %d: %s %d -> %d, stopping %s", decision_id, role, len(have), target,
+                         ", ".join(f"{w.name} (load {w.stop_load:g})" for w in victims))
+                for w in victims:
+                    self._stop(w)
+
+    async def load_of(self, w: LocalWorker) -> float:
+        """Generate requests in flight on the worker (its own gauge); -1 while it is not
+        registered yet (stopping it costs nothing); +inf when its status port does not answer."""
+        if w.registered_at is None:
+            return -1.0
+        assert self._http is not None, "start() first"
+        try:
+            r = await self._http.get(f"http://127.0.0.1:{w.system_port}/metrics")
+            r.raise_for_status()
+        except httpx.HTTPError:
+            return float("inf")
+        return _metric_sum(r.text, INFLIGHT_METRIC)
+
+    async def pick_victims(self, candidates: list[LocalWorker], count: int) -> list[LocalWorker]:
+        """The `count` least-loaded workers (ties: the youngest, which holds the least cache)."""
+        loads = await asyncio.gather(*(self.load_of(w) for w in candidates))
+        ranked = sorted(zip(loads, candidates, strict=True), key=lambda lw: (lw[0], -lw[1].started_at))
+        for load, w in ranked[:count]:
+            w.stop_load = load
+        return [w for _, w in ranked[:count]]
+
+    def _launch(self, role: str) -> LocalWorker:
+        spec, cfg = self.cfg.roles[role], self.cfg
+        self._seq += 1
+        name = f"{role}-{self._seq}"
+        port = _free_port()
+        disc = cfg.discovery
+        env = dict(os.environ)
+        env.update(TURBINE_DISCOVERY_BACKEND=disc.backend, TURBINE_DISCOVERY_DIR=disc.file_dir,
+                   TURBINE_ETCD_ENDPOINTS=",".join(disc.etcd_endpoints), TURBINE_DISCOVERY_TTL=str(disc.ttl),
+                   PYTHONUNBUFFERED="1")
+        env.update(spec.env)
+        cmd = [cfg.python, "-m", ENGINES[spec.engine], *spec.args, "--disaggregation-mode", role,
+               "--system-port", str(port), "--graceful-shutdown-timeout", str(cfg.drain_timeout)]
+        log_path = Path(cfg.log_dir) / f"{name}.log"
+        with open(log_path, "ab") as out:
+            # Its own process group: a worker that outlives its drain is killed with its engine's children.
+            popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        w = LocalWorker(role, name, popen, port, log_path, time.monotonic())
+        self.workers.append(w)
+        log.info("started %s (pid %d): %s; log %s", name, popen.pid, " ".join(cmd), log_path)
+        return w
+
+    def _stop(self, w: LocalWorker) -> None:
+        w.stop_requested_at = time.monotonic()
+        if w.alive():
+            w.popen.send_signal(signal.SIGTERM)
+        task = asyncio.get_running_loop().create_task(self._reap(w))
+        self._reapers.add(task)
+        task.add_done_callback(self._reapers.discard)
+
+    async def _reap(self, w: LocalWorker) -> None:
+        deadline = time.monotonic() + self.cfg.drain_timeout + self.cfg.kill_after
+        while w.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if w.alive():
+            log.warning("%s (pid %d) still runs %.0fs after SIGTERM: killing it", w.name, w.pid,
+                        self.cfg.drain_timeout + self.cfg.kill_after)
+            try:
+                os.killpg(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            while w.alive():
+                await asyncio.sleep(0.1)
+        code = w.popen.returncode
+        log.log(logging.INFO if code == 0 else logging.WARNING, "%s (pid %d) exited %s after %.1fs", w.name, w.pid,
+                code, time.monotonic() - (w.stop_requested_at or 0))
+
+    async def close(self) -> None:
+        """Stop every worker this connector started (each drains) and wait for them."""
+        for w in self.serving():
+            self._stop(w)
+        if self._reapers:
+            await asyncio.gather(*self._reapers, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+        await self.registry.backend.close()
