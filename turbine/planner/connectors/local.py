@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from turbine.config import ConfigError, DiscoveryConfig, check, make_registry
-from turbine.planner.connector import ROLES
+from turbine.planner.connector import ROLES, register_connector
 
 log = logging.getLogger("turbine.planner.local")
 
@@ -60,6 +60,23 @@ class LocalConnectorConfig:
     drain_timeout: float = 30.0  # each stopped worker's --graceful-shutdown-timeout
     kill_after: float = 30.0  # beyond the drain: then SIGKILL (a worker that hangs on exit)
     python: str = sys.executable
+
+    @classmethod
+    def from_dict(cls, options: dict, discovery: DiscoveryConfig | None = None) -> LocalConnectorConfig:
+        """From the planner config's `connector_options` (YAML/JSON): {"roles": {ROLE: {"engine",
+        "args", "env"}}, "log_dir", "drain_timeout", "kill_after", "python"}."""
+        known = {"roles", "log_dir", "drain_timeout", "kill_after", "python"}
+        if bad := sorted(set(options) - known):
+            raise ConfigError(cls, "roles", f"unknown local connector option(s) {', '.join(bad)}; "
+                                            f"known: {', '.join(sorted(known))}")
+        roles = {}
+        for role, spec in (options.get("roles") or {}).items():
+            if bad := sorted(set(spec) - {"engine", "args", "env"}):
+                raise ConfigError(LocalRole, "args", f"role {role}: unknown key(s) {', '.join(bad)}")
+            roles[role] = LocalRole(spec.get("engine", "mocker"), tuple(str(a) for a in spec.get("args", ())),
+                                    {str(k): str(v) for k, v in (spec.get("env") or {}).items()})
+        rest = {k: options[k] for k in ("log_dir", "drain_timeout", "kill_after", "python") if k in options}
+        return cls(roles=roles, discovery=discovery or DiscoveryConfig(), **rest)
 
     def __post_init__(self):
         check(self, bool(self.roles), "roles", "name at least one role")
@@ -113,6 +130,7 @@ class LocalConnector:
         self._http: httpx.AsyncClient | None = None
         self._reapers: set[asyncio.Task] = set()
         self._seq = 0
+        self.last_loads: dict[str, float] = {}  # worker name -> load, at the last scale-down's pick
 
     async def start(self) -> None:
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
@@ -145,13 +163,17 @@ class LocalConnector:
 
     # -- changing it -----------------------------------------------------------------------------
     async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
+        """Starts the workers missing (returns without waiting for them to register: they count
+        in current_replicas once they have); stops the ones too many and returns once they have
+        drained and exited."""
         unknown = sorted(set(targets) - set(self.cfg.roles))
         if unknown:
-            raise ConfigError(self.cfg, "roles", f"no launch flags for role(s) {', '.join(unknown)}")
+            raise ValueError(f"the local connector has no launch flags for role(s) {', '.join(unknown)}")
+        if bad := {r: t for r, t in targets.items() if t < 0}:
+            raise ValueError(f"decision {decision_id}: negative target(s) {bad}")
         await self.refresh()
+        stopping = []
         for role, target in targets.items():
-            if target < 0:
-                raise ValueError(f"decision {decision_id}: {role} target {target} < 0")
             have = self.serving(role)
             if target > len(have):
                 for _ in range(target - len(have)):
@@ -162,8 +184,9 @@ class LocalConnector:
                 victims = await self.pick_victims(have, len(have) - target)
                 log.info("decision %d: %s %d -> %d, stopping %s", decision_id, role, len(have), target,
                          ", ".join(f"{w.name} (load {w.stop_load:g})" for w in victims))
-                for w in victims:
-                    self._stop(w)
+                stopping += [self._stop(w) for w in victims]
+        if stopping:
+            await asyncio.gather(*stopping)
 
     async def load_of(self, w: LocalWorker) -> float:
         """Generate requests in flight on the worker (its own gauge); -1 while it is not
@@ -181,6 +204,7 @@ class LocalConnector:
     async def pick_victims(self, candidates: list[LocalWorker], count: int) -> list[LocalWorker]:
         """The `count` least-loaded workers (ties: the youngest, which holds the least cache)."""
         loads = await asyncio.gather(*(self.load_of(w) for w in candidates))
+        self.last_loads = {w.name: load for w, load in zip(candidates, loads, strict=True)}
         ranked = sorted(zip(loads, candidates, strict=True), key=lambda lw: (lw[0], -lw[1].started_at))
         for load, w in ranked[:count]:
             w.stop_load = load
@@ -208,13 +232,14 @@ class LocalConnector:
         log.info("started %s (pid %d): %s; log %s", name, popen.pid, " ".join(cmd), log_path)
         return w
 
-    def _stop(self, w: LocalWorker) -> None:
+    def _stop(self, w: LocalWorker) -> asyncio.Task:
         w.stop_requested_at = time.monotonic()
         if w.alive():
             w.popen.send_signal(signal.SIGTERM)
         task = asyncio.get_running_loop().create_task(self._reap(w))
         self._reapers.add(task)
         task.add_done_callback(self._reapers.discard)
+        return task
 
     async def _reap(self, w: LocalWorker) -> None:
         deadline = time.monotonic() + self.cfg.drain_timeout + self.cfg.kill_after
@@ -242,3 +267,14 @@ class LocalConnector:
         if self._http is not None:
             await self._http.aclose()
         await self.registry.backend.close()
+
+
+def _from_planner_config(config: object) -> LocalConnector:
+    """`--connector local`: options from the planner config's `connector_options`, its discovery."""
+    if isinstance(config, LocalConnectorConfig):
+        return LocalConnector(config)
+    return LocalConnector(LocalConnectorConfig.from_dict(getattr(config, "connector_options", None) or {},
+                                                         getattr(config, "discovery", None)))
+
+
+register_connector("local", _from_planner_config)
