@@ -98,7 +98,7 @@ async def run(a) -> dict:
         await conn.set_replicas({"agg": 1}, decision_id=3)  # returns once the stopped worker has exited
         out["scale_down_s"] = time.monotonic() - t_down
         stopped = next(w for w in (first, second) if w.stop_requested_at is not None)
-        out.update(stopped=stopped.name, stopped_exit_code=stopped.popen.returncode, loads_at_pick=conn.last_loads,
+        out.update(stopped=stopped.name, stopped_exit_code=stopped.returncode, loads_at_pick=conn.last_loads,
                    stopped_was_least_loaded=conn.last_loads[stopped.name] == min(conn.last_loads.values()))
         await asyncio.sleep(a.after_s)
         traffic.stop()

@@ -6,12 +6,13 @@ what outlives its drain to the frontend to migrate) before it exits; not one req
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
 from tests.integration.planner_traffic import SteadyTraffic
-from tests.integration.procs import base_env, http_text, instances_of, metric, start_frontend, stop_all
+from tests.integration.procs import base_env, http_text, instances_of, metric, start_frontend, start_mocker, stop_all
 from turbine.config import DiscoveryConfig
 from turbine.model.prepare import DEFAULT_MODEL
 from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole
@@ -25,8 +26,11 @@ MOCKER = ("--block-size", "16", "--reply-text", " the")
 async def until(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if await cond():
-            return
+        try:
+            if await cond():
+                return
+        except OSError:  # (a process not listening yet)
+            pass
         await asyncio.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -89,7 +93,7 @@ async def test_scale_up_then_drained_scale_down_of_the_least_loaded_worker_fails
         await conn.set_replicas({"agg": 1}, decision_id=3)
         assert old.stop_requested_at is not None and new.stop_requested_at is None
         assert conn.last_loads[old.name] + 3 <= conn.last_loads[new.name]
-        assert not old.alive() and old.popen.returncode == 0
+        assert not old.alive() and old.returncode == 0
         assert await conn.current_replicas() == {"agg": 1}
         await until(lambda: _async(instances_of(frontend, MODEL) == 1), 30, "the frontend down to one worker")
         await until(lambda: _async(traffic.completed_since(t_down + 4) >= 8), 60, "traffic served after it")
@@ -123,3 +127,38 @@ async def _long_stream(client: RequestPlaneClient, address: str, k: int) -> int:
     async for out in client.stream(address, "generate", request, GenerateOutput):
         tokens += len(out.token_ids)
     return tokens
+
+
+async def test_a_worker_of_this_host_started_elsewhere_is_adopted_and_stopped_gracefully(cluster, tmp_path):
+    """A worker already registered from this host (left by a planner that crashed, or started by hand)
+    counts as the connector's, and a scale-down stops it with SIGTERM: it drains and exits 0."""
+    frontend, cfg = cluster
+    env = base_env(cfg.discovery.file_dir)
+    stray = start_mocker("stray", env, tmp_path, *MOCKER)
+    conn = LocalConnector(cfg)
+    await conn.start()
+    try:
+        await until(lambda: _replicas(conn, 1), 60, "the stray worker adopted")
+        adopted = conn.serving("agg")[0]
+        assert adopted.pid == stray.popen.pid and adopted.popen is None and adopted.name.endswith("-adopted")
+        await conn.set_replicas({"agg": 0}, decision_id=1)
+        assert stray.popen.wait(5) == 0  # SIGTERM: unregister, drain, exit 0
+        assert await conn.current_replicas() == {"agg": 0}
+    finally:
+        await conn.close()
+        stray.stop()
+
+
+async def test_without_adopt_a_foreign_worker_is_left_alone(cluster, tmp_path):
+    frontend, cfg = cluster
+    stray = start_mocker("stray", base_env(cfg.discovery.file_dir), tmp_path, *MOCKER)
+    conn = LocalConnector(dataclasses.replace(cfg, adopt=False))
+    await conn.start()
+    try:
+        await until(lambda: _async(instances_of(frontend, MODEL) == 1), 60, "the stray worker registered")
+        assert await conn.current_replicas() == {"agg": 0}
+        await conn.set_replicas({"agg": 0}, decision_id=1)
+        assert stray.alive()
+    finally:
+        await conn.close()
+        stray.stop()

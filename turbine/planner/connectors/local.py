@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
-from turbine.config import ConfigError, DiscoveryConfig, check, make_registry
+from turbine.config import DEFAULT_NAMESPACE, ConfigError, DiscoveryConfig, check, make_registry
 from turbine.planner.connector import ROLES, register_connector
 
 log = logging.getLogger("turbine.planner.local")
@@ -60,12 +61,18 @@ class LocalConnectorConfig:
     drain_timeout: float = 30.0  # each stopped worker's --graceful-shutdown-timeout
     kill_after: float = 30.0  # beyond the drain: then SIGKILL (a worker that hangs on exit)
     python: str = sys.executable
+    # Take over the workers of these roles already registered from this host in `namespace` (e.g.
+    # left by a planner that crashed, or started by hand): counted, and stopped (SIGTERM) on scale-down
+    # after the connector's own, whose load it can read.
+    adopt: bool = True
+    namespace: str = DEFAULT_NAMESPACE
 
     @classmethod
-    def from_dict(cls, options: dict, discovery: DiscoveryConfig | None = None) -> LocalConnectorConfig:
+    def from_dict(cls, options: dict, discovery: DiscoveryConfig | None = None,
+                  namespace: str = DEFAULT_NAMESPACE) -> LocalConnectorConfig:
         """From the planner config's `connector_options` (YAML/JSON): {"roles": {ROLE: {"engine",
         "args", "env"}}, "log_dir", "drain_timeout", "kill_after", "python"}."""
-        known = {"roles", "log_dir", "drain_timeout", "kill_after", "python"}
+        known = {"roles", "log_dir", "drain_timeout", "kill_after", "python", "adopt"}
         if bad := sorted(set(options) - known):
             raise ConfigError(cls, "roles", f"unknown local connector option(s) {', '.join(bad)}; "
                                             f"known: {', '.join(sorted(known))}")
@@ -75,8 +82,8 @@ class LocalConnectorConfig:
                 raise ConfigError(LocalRole, "args", f"role {role}: unknown key(s) {', '.join(bad)}")
             roles[role] = LocalRole(spec.get("engine", "mocker"), tuple(str(a) for a in spec.get("args", ())),
                                     {str(k): str(v) for k, v in (spec.get("env") or {}).items()})
-        rest = {k: options[k] for k in ("log_dir", "drain_timeout", "kill_after", "python") if k in options}
-        return cls(roles=roles, discovery=discovery or DiscoveryConfig(), **rest)
+        rest = {k: options[k] for k in ("log_dir", "drain_timeout", "kill_after", "python", "adopt") if k in options}
+        return cls(roles=roles, discovery=discovery or DiscoveryConfig(), namespace=namespace, **rest)
 
     def __post_init__(self):
         check(self, bool(self.roles), "roles", "name at least one role")
@@ -104,20 +111,30 @@ def _metric_sum(text: str, name: str) -> float:
 class LocalWorker:
     role: str
     name: str
-    popen: subprocess.Popen
-    system_port: int
-    log_path: Path
+    popen: subprocess.Popen | None  # None: adopted (a worker of this host that another process started)
+    system_port: int | None  # None: unknown (adopted): its load cannot be read
+    log_path: Path | None
     started_at: float
     registered_at: float | None = None
     stop_requested_at: float | None = None
     stop_load: float | None = None  # its load when it was picked to stop
+    adopted_pid: int = 0
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.popen.pid if self.popen is not None else self.adopted_pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode if self.popen is not None else None
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        if self.popen is not None:
+            return self.popen.poll() is None
+        try:
+            return psutil.Process(self.adopted_pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
 
 class LocalConnector:
@@ -144,18 +161,40 @@ class LocalConnector:
                 if w.alive() and w.stop_requested_at is None and (role is None or w.role == role)]
 
     async def refresh(self) -> None:
-        """Mark the workers whose model card is now in discovery as registered."""
+        """Mark the workers whose model card is now in discovery as registered (and adopt this
+        host's other registered workers of our roles, with `adopt`)."""
         waiting = [w for w in self.serving() if w.registered_at is None]
-        if not waiting:
+        if not waiting and not self.cfg.adopt:
             return
         instances = await self.registry.list_instances()
-        cards = {c.path for c in await self.registry.list_models()}
+        cards = {c.path: c for c in await self.registry.list_models()}
         registered_pids = {i.pid for i in instances if i.path in cards}
         now = time.monotonic()
+        if self.cfg.adopt:
+            self._adopt(instances, cards, now)
         for w in waiting:
             if w.pid in registered_pids:
                 w.registered_at = now
                 log.info("worker %s (%s, pid %d) registered after %.1fs", w.name, w.role, w.pid, now - w.started_at)
+
+    def _adopt(self, instances, cards, now: float) -> None:
+        known = {w.pid for w in self.workers if w.alive()}
+        host = socket.gethostname()
+        for inst in instances:
+            card = cards.get(inst.path)
+            if (card is None or inst.pid in known or inst.pid <= 0 or inst.hostname != host
+                    or card.namespace != self.cfg.namespace or card.disaggregation_mode not in self.cfg.roles):
+                continue
+            try:
+                created = psutil.Process(inst.pid).create_time()
+            except psutil.Error:
+                continue
+            known.add(inst.pid)
+            self._seq += 1
+            w = LocalWorker(card.disaggregation_mode, f"{card.disaggregation_mode}-{self._seq}-adopted", None, None,
+                            None, now - max(0.0, time.time() - created), registered_at=now, adopted_pid=inst.pid)
+            self.workers.append(w)
+            log.info("adopted %s: pid %d, registered as %s", w.name, inst.pid, inst.path)
 
     async def current_replicas(self) -> dict[str, int]:
         await self.refresh()
@@ -193,6 +232,8 @@ class LocalConnector:
         registered yet (stopping it costs nothing); +inf when its status port does not answer."""
         if w.registered_at is None:
             return -1.0
+        if w.system_port is None:  # adopted: its status port is not known
+            return float("inf")
         assert self._http is not None, "start() first"
         try:
             r = await self._http.get(f"http://127.0.0.1:{w.system_port}/metrics")
@@ -235,7 +276,7 @@ class LocalConnector:
     def _stop(self, w: LocalWorker) -> asyncio.Task:
         w.stop_requested_at = time.monotonic()
         if w.alive():
-            w.popen.send_signal(signal.SIGTERM)
+            os.kill(w.pid, signal.SIGTERM)
         task = asyncio.get_running_loop().create_task(self._reap(w))
         self._reapers.add(task)
         task.add_done_callback(self._reapers.discard)
@@ -248,13 +289,13 @@ class LocalConnector:
         if w.alive():
             log.warning("%s (pid %d) still runs %.0fs after SIGTERM: killing it", w.name, w.pid,
                         self.cfg.drain_timeout + self.cfg.kill_after)
-            try:
-                os.killpg(w.pid, signal.SIGKILL)
+            try:  # its process group (its engine's children) when we started it
+                os.killpg(w.pid, signal.SIGKILL) if w.popen is not None else os.kill(w.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             while w.alive():
                 await asyncio.sleep(0.1)
-        code = w.popen.returncode
+        code = w.returncode
         log.log(logging.INFO if code == 0 else logging.WARNING, "%s (pid %d) exited %s after %.1fs", w.name, w.pid,
                 code, time.monotonic() - (w.stop_requested_at or 0))
 
@@ -274,7 +315,8 @@ def _from_planner_config(config: object) -> LocalConnector:
     if isinstance(config, LocalConnectorConfig):
         return LocalConnector(config)
     return LocalConnector(LocalConnectorConfig.from_dict(getattr(config, "connector_options", None) or {},
-                                                         getattr(config, "discovery", None)))
+                                                         getattr(config, "discovery", None),
+                                                         getattr(config, "namespace", None) or DEFAULT_NAMESPACE))
 
 
 register_connector("local", _from_planner_config)
