@@ -72,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=str(PROFILE))
     p.add_argument("--mocker-args", default="--block-size 16 --num-gpu-blocks 5824 --max-num-seqs 128 "
                                             "--max-num-batched-tokens 2048")
+    p.add_argument("--adjustment-interval", type=float, default=10.0, help="planner modes: the throughput path's "
+                   "interval, s (the day is compressed: 240 s for 24 h makes 10 s an hour's worth)")
+    p.add_argument("--fast-interval", type=float, default=2.0, help="planner modes: the load path's interval, s")
     p.add_argument("--planner-config", default=None, help="planner modes: a planner YAML to start from (its "
                    "connector section is filled in here); the predictor comes from the mode's name")
     p.add_argument("--seed", type=int, default=1)
@@ -235,11 +238,13 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
     mean_workers = math.ceil(a.peak_workers * mean_rate(a) / a.peak_rps)
     static = {"static-peak": a.peak_workers, "static-mean": mean_workers}.get(mode)
     try:
-        if static is not None:
-            await conn.set_replicas({"agg": static}, decision_id=0)
-        else:  # the planner starts its own (at least --start-workers: its minimum)
-            planner = start_planner(a, mode, fleet, run_dir)
+        # Planner modes: --start-workers seed workers (the planner waits for a visible worker before
+        # it plans), which the planner's local connector adopts; it starts and stops the rest.
+        await conn.set_replicas({"agg": static or a.start_workers}, decision_id=0)
         await wait_frontend(fleet.url, static or a.start_workers, 60 + a.startup_s / a.speedup * 2)
+        if static is None:
+            planner = start_planner(a, mode, fleet, run_dir)
+            await wait_planner_healthy(run_dir / "planner.log", planner)
         series: list = []
         stop = asyncio.Event()
         t0 = time.monotonic()
@@ -264,21 +269,45 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
 
 
 def start_planner(a, mode: str, fleet: Fleet, run_dir: Path) -> subprocess.Popen:
-    """The planner process with the local connector on this fleet's discovery (turbine/planner/)."""
+    """The planner process (turbine/planner/) with the local connector on this fleet's discovery, and
+    a profile of the simulated workers: the mocker profile's step-time coefficients at --speedup."""
     import yaml
 
-    predictor = mode.removeprefix("planner-")
+    coeffs = json.loads(Path(a.profile).read_text())
+    timing = {k: v / a.speedup for k, v in coeffs.items() if k.endswith("_ms") or "_ms_" in k}
+    blocks = int(a.mocker_args.split("--num-gpu-blocks")[1].split()[0])
+    block = int(a.mocker_args.split("--block-size")[1].split()[0])
+    profile = {"format": "turbine-profile/1", "source": f"{a.profile} at speedup {a.speedup:g}",
+               "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "kv_tokens": blocks * block,
+                          "context_length": a.max_model_len}, "timing": timing}
+    (run_dir / "profile.json").write_text(json.dumps(profile, indent=1))
     base = yaml.safe_load(Path(a.planner_config).read_text()) if a.planner_config else {}
-    base.update(connector="local", predictor=predictor, connector_options={
-        "roles": {"agg": {"engine": "mocker", "args": list(fleet.role.args)}},
-        "log_dir": str(run_dir / "planner-workers"), "drain_timeout": fleet.connector_cfg.drain_timeout})
+    base.update(profile=str(run_dir / "profile.json"), mode="agg", ttft_ms=a.ttft_ms, itl_ms=a.itl_ms,
+                predictor=mode.removeprefix("planner-"), connector="local", frontend_url=fleet.url,
+                min_replicas={"agg": 1}, max_replicas={"agg": a.peak_workers},
+                connector_options={"roles": {"agg": {"engine": "mocker", "args": list(fleet.role.args)}},
+                                   "log_dir": str(run_dir / "planner-workers"),
+                                   "drain_timeout": fleet.connector_cfg.drain_timeout})
+    base.setdefault("adjustment_interval_s", a.adjustment_interval)
+    base.setdefault("fast_interval_s", min(a.fast_interval, base["adjustment_interval_s"]))
     cfg_path = run_dir / "planner.yaml"
     cfg_path.write_text(yaml.safe_dump(base))
     env = dict(os.environ, TURBINE_DISCOVERY_BACKEND="file", TURBINE_DISCOVERY_DIR=str(fleet.disc),
                TURBINE_DISCOVERY_TTL="3", PYTHONUNBUFFERED="1")
     with open(run_dir / "planner.log", "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "turbine.planner", "--config", str(cfg_path),
-                                 "--frontend-url", fleet.url], env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "turbine.planner", "--config", str(cfg_path)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+async def wait_planner_healthy(log_path: Path, planner: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if planner.poll() is not None:
+            raise RuntimeError(f"the planner exited {planner.returncode}: {log_path.read_text()[-2000:]}")
+        if "planning:" in log_path.read_text(errors="replace"):
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"the planner did not start planning within {timeout:.0f}s: {log_path.read_text()[-2000:]}")
 
 
 def summarize(a, mode, records, series, t_end, static) -> dict:
