@@ -343,23 +343,26 @@ def main(argv=None) -> int:
     items = trace_items(a, len(times))
     work = Path(a.work_dir or f"/tmp/turbine-planner-sla-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
+    p50 = statistics.median(len(i["prompt"]) for i in items)
     log(f"{len(times)} requests over {a.duration:.0f}s (mean {len(times) / a.duration:.2f} req/s, peak rate "
-        f"{a.peak_rps * max(1, a.burst_mult):.2f}); prompts p50 {statistics.median(len(i['prompt']) for i in items)} tokens")
+        f"{a.peak_rps * max(1, a.burst_mult):.2f}); prompts p50 {p50} tokens")
     results = []
     for mode in a.modes.split(","):
         log(f"--- {mode}")
         res = asyncio.run(run_mode(a, mode, times, items, work / mode))
-        log(f"{mode}: attainment {res['attainment']:.3f}, worker-s {res['worker_seconds']:.0f}, failed {res['failed']}, "
-            f"TTFT p50/p99 {res['ttft_p50_ms']:.0f}/{res['ttft_p99_ms']:.0f} ms, ITL p50/p99 "
+        log(f"{mode}: attainment {res['attainment']:.3f}, worker-s {res['worker_seconds']:.0f}, "
+            f"failed {res['failed']}, TTFT p50/p99 {res['ttft_p50_ms']:.0f}/{res['ttft_p99_ms']:.0f} ms, ITL p50/p99 "
             f"{res['itl_p50_ms']:.1f}/{res['itl_p99_ms']:.1f} ms, by tenth {res['attainment_by_tenth']}")
         results.append(res)
     peak = next((r for r in results if r["mode"] == "static-peak"), None)
-    print("| mode | workers | requests | failed | SLA attainment | worker-s | vs static-peak | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("| mode | workers | requests | failed | SLA attainment | worker-s | vs static-peak | TTFT p50 / p99 ms "
+          "| ITL p50 / p99 ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         rel = f"{r['worker_seconds'] / peak['worker_seconds']:.2f}" if peak else "-"
-        print(f"| {r['mode']} | {r['static_workers'] or 'planner (max ' + str(r['workers_max']) + ')'} | {r['requests']} | "
-              f"{r['failed']} | {100 * r['attainment']:.1f} % | {r['worker_seconds']:.0f} | {rel} | "
+        workers = r["static_workers"] or f"planner (max {r['workers_max']})"
+        print(f"| {r['mode']} | {workers} | {r['requests']} | {r['failed']} | {100 * r['attainment']:.1f} % | "
+              f"{r['worker_seconds']:.0f} | {rel} | "
               f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
     out = {"args": vars(a), "host": "this 2-core CPU host", "mean_rate": mean_rate(a), "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,8 @@ class FakeApiServer:
         dep = self.deployments[name]
         return {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name, "namespace": NS},
                 "spec": {"replicas": dep["replicas"]},
-                "status": {"replicas": dep["replicas"], "selector": ",".join(f"{k}={v}" for k, v in dep["labels"].items())}}
+                "status": {"replicas": dep["replicas"],
+                           "selector": ",".join(f"{k}={v}" for k, v in dep["labels"].items())}}
 
     def scale_to(self, name, n):
         """The ReplicaSet controller's part: surplus pods go lowest deletion cost first."""

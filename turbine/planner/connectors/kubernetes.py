@@ -94,7 +94,8 @@ class KubernetesConnector:
             config.load_incluster_config()
             api = client.ApiClient()
         else:
-            raise ConfigError(self.cfg, "kubeconfig", "not in a cluster (no KUBERNETES_SERVICE_HOST): give a kubeconfig")
+            raise ConfigError(self.cfg, "kubeconfig",
+                              "not in a cluster (no KUBERNETES_SERVICE_HOST): give a kubeconfig")
         self.apps, self.core = client.AppsV1Api(api), client.CoreV1Api(api)
         self._http = httpx.AsyncClient(timeout=2.0)
         for role, name in self.cfg.deployments.items():  # fail at start on a wrong name or missing rights
