@@ -333,7 +333,10 @@ def summarize(a, mode, records, series, t_end, static) -> dict:
             "ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99),
             "itl_p50_ms": pct(itls, 50), "itl_p99_ms": pct(itls, 99),
             "workers_max": max((n for _, n in series), default=0),
-            "workers_series": [(round(t, 1), n) for t, n in series[::8]]}
+            "workers_series": [(round(t, 1), n) for t, n in series[::8]],
+            # Per request (arrival s, TTFT ms, mean ITL ms, error or None): other targets can be scored later.
+            "requests_raw": [(round(r["at"], 3), None if r["ttft"] is None else round(r["ttft"] * 1000, 1),
+                              None if r["itl"] is None else round(r["itl"] * 1000, 2), r["error"]) for r in records]}
 
 
 def main(argv=None) -> int:
