@@ -295,9 +295,9 @@ class LocalConnector:
                 pass
             while w.alive():
                 await asyncio.sleep(0.1)
-        code = w.returncode
-        log.log(logging.INFO if code == 0 else logging.WARNING, "%s (pid %d) exited %s after %.1fs", w.name, w.pid,
-                code, time.monotonic() - (w.stop_requested_at or 0))
+        code = w.returncode  # None: adopted, not our child (its status is its parent's)
+        log.log(logging.INFO if code in (0, None) else logging.WARNING, "%s (pid %d) exited %s after %.1fs", w.name,
+                w.pid, "(status unknown)" if code is None else code, time.monotonic() - (w.stop_requested_at or 0))
 
     async def close(self) -> None:
         """Stop every worker this connector started (each drains) and wait for them."""
