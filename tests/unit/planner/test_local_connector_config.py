@@ -49,3 +49,14 @@ async def test_it_is_chosen_by_name_and_refuses_roles_it_has_no_flags_for(tmp_pa
         assert await conn.current_replicas() == {"agg": 0}
     finally:
         await conn.close()
+
+
+def test_options_given_as_flags_are_strings_and_are_converted():
+    from turbine.planner.connectors.kubernetes import KubernetesConnectorConfig
+    from turbine.planner.connectors.virtual import VirtualConnectorConfig
+
+    cfg = LocalConnectorConfig.from_dict({"roles": {"agg": {}}, "drain_timeout": "5", "adopt": "false"})
+    assert (cfg.drain_timeout, cfg.adopt) == (5.0, False)
+    assert VirtualConnectorConfig.from_dict({"ack_timeout": "30"}).ack_timeout == 30.0
+    k = KubernetesConnectorConfig.from_dict({"deployments": {"decode": "d"}, "status_port": "8081", "namespace": "n"})
+    assert k.status_port == 8081

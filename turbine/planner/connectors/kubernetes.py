@@ -58,7 +58,11 @@ class KubernetesConnectorConfig:
         if bad := sorted(set(options) - known):
             raise ConfigError(cls, "deployments", f"unknown kubernetes connector option(s) {', '.join(bad)}; "
                                                   f"known: {', '.join(sorted(known))}")
-        return cls(**options)
+        values = dict(options)  # --connector-option KEY=VALUE gives strings
+        for key, kind in (("status_port", int), ("drain_wait", float), ("poll_s", float)):
+            if isinstance(values.get(key), str):
+                values[key] = kind(values[key])
+        return cls(**values)
 
 
 def _own_namespace() -> str | None:

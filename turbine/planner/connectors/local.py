@@ -82,7 +82,11 @@ class LocalConnectorConfig:
                 raise ConfigError(LocalRole, "args", f"role {role}: unknown key(s) {', '.join(bad)}")
             roles[role] = LocalRole(spec.get("engine", "mocker"), tuple(str(a) for a in spec.get("args", ())),
                                     {str(k): str(v) for k, v in (spec.get("env") or {}).items()})
-        rest = {k: options[k] for k in ("log_dir", "drain_timeout", "kill_after", "python", "adopt") if k in options}
+        rest = {k: options[k] for k in ("log_dir", "python") if k in options}
+        rest.update({k: float(options[k]) for k in ("drain_timeout", "kill_after") if k in options})
+        if "adopt" in options:  # --connector-option adopt=false gives a string
+            rest["adopt"] = options["adopt"] if isinstance(options["adopt"], bool) else \
+                str(options["adopt"]).lower() in ("1", "true", "yes", "on")
         return cls(roles=roles, discovery=discovery or DiscoveryConfig(), namespace=namespace, **rest)
 
     def __post_init__(self):

@@ -41,7 +41,8 @@ class VirtualConnectorConfig:
                   namespace: str = DEFAULT_NAMESPACE) -> VirtualConnectorConfig:
         if bad := sorted(set(options) - {"ack_timeout"}):
             raise ConfigError(cls, "ack_timeout", f"unknown virtual connector option(s) {', '.join(bad)}")
-        return cls(discovery=discovery or DiscoveryConfig(), namespace=namespace, **options)
+        timeout = {"ack_timeout": float(options["ack_timeout"])} if "ack_timeout" in options else {}
+        return cls(discovery=discovery or DiscoveryConfig(), namespace=namespace, **timeout)
 
 
 class VirtualConnector:
