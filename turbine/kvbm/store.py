@@ -111,11 +111,3 @@ class HostStore(BlockStore):
 
     def used_bytes(self) -> int:
         return self._used
-
-    def clear(self) -> list[int]:
-        """Drops everything; returns the hashes dropped (not reported to the listener)."""
-        with self._lock:
-            hashes = list(self._blocks)
-            self._blocks.clear()
-            self._used = 0
-        return hashes

@@ -97,6 +97,8 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             block = tier.get(block_hash)
             if block is None:
+                # Gone without this process seeing it go (another worker evicted it from the shared tier).
+                self._tier_dropped(tier.name, block_hash)
                 continue
             self.metrics.hits.labels(tier.name).inc()
             self.metrics.bytes_read.labels(tier.name).inc(block.nbytes)

@@ -63,10 +63,13 @@ def test_consolidated_events_removed_only_when_gone_from_all(tmp_path):
     tier_events = s.take_tier_events()
     assert TierEvent("removed", "host", 1) in tier_events and TierEvent("removed", "disk", 1) in tier_events
     assert s.tiers_of(1) == {"shared"}
-    s.tiers[2].remove(1)  # another worker evicted it from the shared tier: noticed on the next miss
-    s.clear_tier("shared")  # this process's view of the shared tier dropped: block 1 is gone from all
+    s.tiers[2].remove(1)  # another worker evicted it from the shared tier ...
+    assert s.take_events() == []
+    assert s.get(1) is None  # ... noticed on the next miss: block 1 is gone from all tiers
     events = s.take_events()
     assert BlockEvent("removed", "shared", 1) in events
+    s.clear_tier("disk")  # 2 and 3 stay in the shared tier
+    events += s.take_events()
     assert not [e for e in events if e.kind == "removed" and e.block_hash in (2, 3)]  # still on disk
     assert sample(s, "turbine_kvbm_blocks_removed_total", "host") == 2
 

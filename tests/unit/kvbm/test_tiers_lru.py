@@ -32,7 +32,8 @@ def test_lru_by_bytes(kind, tmp_path):
     for h in (1, 2, 3):
         assert store.put(blk(h))
     if kind == "shared":
-        os.utime(store._path(1), (1, 1)); os.utime(store._path(2), (2, 2)); os.utime(store._path(3), (3, 3))  # noqa: E702
+        for h in (1, 2, 3):
+            os.utime(store._path(h), (h, h))  # distinct mtimes: the shared tier's recency
     assert store.get(1) is not None  # 1 becomes the most recent: 2 is the oldest now
     assert store.put(blk(4))
     assert dropped == [2]
