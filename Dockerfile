@@ -52,7 +52,8 @@ FROM engine AS model
 # $TURBINE_CACHE; only the code that prepares it is copied, so code changes keep this layer.
 COPY turbine/__init__.py turbine/cli.py turbine/
 COPY turbine/model/ turbine/model/
-RUN python -m turbine.cli model prepare && rm -rf turbine
+# Readable by the image's user: the converted weights are written owner-only (0600).
+RUN python -m turbine.cli model prepare && rm -rf turbine && chmod -R a+rX /opt/turbine/cache
 
 FROM base AS core
 # Turbine without an engine: the frontend, the standalone router and the mocker.
