@@ -93,6 +93,7 @@ def test_the_frontend_is_published_and_healthy_when_a_model_is_servable(profile)
     assert _health_port(svc) == cfg.http_port
     assert _seconds(svc["stop_grace_period"]) >= GRACEFUL_SHUTDOWN_S
     assert cfg.router.mode == ("kv" if name in ("kv", "mocker") else "round-robin")
+    assert cfg.migration.limit >= 1  # a stopped worker's unfinished requests move to another
     assert cfg.discovery.backend == "etcd" and cfg.discovery.etcd_endpoints == ("etcd:2379",)
 
 

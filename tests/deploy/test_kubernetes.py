@@ -133,6 +133,7 @@ def test_the_frontend_serves_on_every_interface_behind_its_service(deployment):
     service = by_kind(docs, "Service")["turbine-frontend"]
     assert service["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert cfg.router.mode == ("kv" if name == "kv-routed" else "round-robin")
+    assert cfg.migration.limit >= 1  # a worker pod deleted in a rollout: its unfinished requests move on
 
 
 def test_workers_probe_their_status_port_and_outlive_their_drain(deployment):
