@@ -46,8 +46,8 @@ def test_every_document_under_deploy_kubernetes_is_a_kubernetes_object(path):
     assert all(is_k8s(d) for d in docs), f"{path}: a document without apiVersion and kind"
 
 
-@pytest.mark.parametrize(("path", "doc"), DOCS,
-                         ids=[f"{p.relative_to(KUBERNETES.parent)}:{d['kind']}/{d['metadata']['name']}" for p, d in DOCS])
+@pytest.mark.parametrize(("path", "doc"), DOCS, ids=[f"{p.relative_to(KUBERNETES.parent)}:{d['kind']}/"
+                                                     f"{d['metadata']['name']}" for p, d in DOCS])
 def test_valid_against_the_kubernetes_schemas(path, doc):
     validate_k8s(doc)
 
@@ -143,9 +143,11 @@ def test_workers_probe_their_status_port_and_outlive_their_drain(deployment):
     assert roles == (["decode", "prefill"] if name == "disaggregated" else ["agg"])
     for dep, pod, c, p in workers:
         cfg = p.config
-        assert cfg.system_host == "0.0.0.0" and _port(c, "status") == cfg.system_port  # the kubelet probes the pod IP
-        assert c["readinessProbe"]["httpGet"]["path"] == "/health" and _probe_port(c, "readinessProbe") == cfg.system_port
-        assert c["livenessProbe"]["httpGet"]["path"] == "/live" and _probe_port(c, "livenessProbe") == cfg.system_port
+        # The kubelet probes the pod IP.
+        assert cfg.system_host == "0.0.0.0" and _port(c, "status") == cfg.system_port
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+        assert _probe_port(c, "readinessProbe") == _probe_port(c, "livenessProbe") == cfg.system_port
         assert pod["terminationGracePeriodSeconds"] >= cfg.graceful_shutdown_timeout + ENGINE_CLOSE_MARGIN_S
         assert cfg.host == "0.0.0.0" and cfg.security.has_key  # reachable by the frontend, and keyed
         assert cfg.event_plane == "nats"
