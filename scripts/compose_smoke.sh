@@ -23,8 +23,12 @@ start=$(date +%s)
 compose up --detach --wait --wait-timeout "${WAIT_TIMEOUT:-900}"
 echo "[smoke] $PROFILE: every service healthy after $(( $(date +%s) - start )) s"
 curl -fsS "$URL/health"; echo
+# Over 300 prompt tokens: past --max-local-prefill-length (256), so a disaggregated deployment
+# prefills it on the prefill worker and moves the KV to the decode worker.
+PROMPT="$(printf 'The quick brown fox jumps over the lazy dog. %.0s' $(seq 30))Say hello."
 curl -fsS "$URL/v1/chat/completions" -H 'content-type: application/json' \
-  -d '{"model": "smollm2-135m-instruct", "max_tokens": 16,
-       "messages": [{"role": "user", "content": "Say hello."}]}'
+  -d "{\"model\": \"smollm2-135m-instruct\", \"max_tokens\": 16,
+       \"messages\": [{\"role\": \"user\", \"content\": \"$PROMPT\"}]}"
 echo
+curl -fsS "$URL/metrics" | grep -E '^turbine_frontend_(prefills_total|cached_tokens_total)' || true
 echo "[smoke] $PROFILE: answered"
