@@ -123,7 +123,7 @@ def compose_config(profile: str) -> dict:
 @dataclass
 class Parsed:
     command: str  # frontend, worker, mocker, serve
-    config: object  # FrontendConfig, WorkerConfig, MockerConfig; for serve its Namespace
+    config: object  # FrontendConfig, WorkerConfig, MockerConfig; for serve its frontend's FrontendConfig
 
 
 @contextlib.contextmanager
@@ -159,10 +159,17 @@ def parse_turbine(argv: list[str], env: dict[str, str]) -> Parsed:
 
             return Parsed(command, parse_mocker_args(rest))
         if command == "serve":
-            from turbine.serve import build_parser
+            import tempfile
+
+            from turbine.frontend.args import parse_frontend_args
+            from turbine.serve import plan
             from turbine.vllm.args import parse_worker_args
 
-            args, worker_args = build_parser().parse_known_args(rest)
-            parse_worker_args(["--model", args.model, *worker_args])  # what serve hands its worker
-            return Parsed(command, args)
+            with tempfile.TemporaryDirectory() as workdir:
+                serve = plan(rest, workdir)  # what serve would start: each child's command line
+                for cmd in serve.worker_cmds:
+                    assert cmd[1:3] == ["-m", "turbine.vllm"], cmd
+                    parse_worker_args(cmd[3:])
+                assert serve.frontend_cmd[1:3] == ["-m", "turbine.frontend"], serve.frontend_cmd
+                return Parsed(command, parse_frontend_args(serve.frontend_cmd[3:]))
     raise AssertionError(f"turbine {command}: not a command these deployments should run")
