@@ -1,7 +1,7 @@
 # Turbine's container image, CPU engine. README.md "Containers" says how it was built and run.
 #
 #   docker build -t turbine:cpu .                 # frontend, router, mocker and the vLLM CPU worker
-#   docker build -t turbine:core --target core .  # no engine (frontend, router, mocker): ~10x smaller
+#   docker build -t turbine:core --target core .  # no engine (frontend, router, mocker, planner): smaller
 #   docker run --rm -p 8000:8000 turbine:cpu      # `turbine serve` on the embedded SmolLM2
 #
 # The entrypoint is `turbine`: the arguments pick the process (`serve`, `frontend`, `worker`,
@@ -56,10 +56,11 @@ COPY turbine/model/ turbine/model/
 RUN python -m turbine.cli model prepare && rm -rf turbine && chmod -R a+rX /opt/turbine/cache
 
 FROM base AS core
-# Turbine without an engine: the frontend, the standalone router and the mocker.
+# Turbine without an engine: the frontend, the standalone router, the mocker and the planner (its
+# predictors and Kubernetes connector: deploy/kubernetes/planner/ runs it from this image).
 COPY pyproject.toml README.md ./
 COPY turbine/ turbine/
-RUN pip install . && rm -rf /opt/turbine/src/*
+RUN pip install ".[planner,kubernetes]" && rm -rf /opt/turbine/src/*
 COPY --from=model /opt/turbine/cache /opt/turbine/cache
 USER turbine
 ENTRYPOINT ["turbine"]

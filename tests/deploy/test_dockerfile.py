@@ -78,3 +78,9 @@ def test_the_build_context_holds_what_the_dockerfile_copies():
                 top = source.rstrip("/").split("/")[0]
                 assert top in included, f"COPY {source}: excluded from the build context by .dockerignore"
                 assert (REPO / source).exists(), source
+
+
+def test_the_engine_free_image_carries_what_the_planner_deployment_runs():
+    """deploy/kubernetes/planner/ runs `turbine planner` (Kubernetes connector) from turbine:core."""
+    run = " ".join(rest for w, rest in _stages()["core"] if w == "RUN")
+    assert 'pip install ".[planner,kubernetes]"' in run
