@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from turbine import tracing
+from turbine.frontend import request_id
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.embeddings import embeddings
@@ -34,12 +36,14 @@ from turbine.frontend.responses import ResponsesRun
 from turbine.frontend.responses import prepare as prepare_response
 from turbine.frontend.structured import WORKER_PARAM
 from turbine.frontend.utility_routes import UtilityRoutes
+from turbine.logging_setup import request_id_var
 from turbine.protocol import errors as codes
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
 
 log = logging.getLogger("turbine.frontend")
+access_log = logging.getLogger("turbine.access")
 
 # The Responses API runs on the chat path (turbine/frontend/responses.py).
 GENERATION_ROUTES: dict[str, Kind | Literal["responses"]] = {
@@ -76,7 +80,12 @@ class HttpApi:
                            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
 
         async def app(scope, receive, send):
-            kind = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+            if scope["type"] != "http":
+                return await others(scope, receive, send)
+            await self._observed(scope, receive, send, serve)
+
+        async def serve(scope, receive, send):
+            kind = GENERATION_ROUTES.get(scope["path"])
             if kind is None:
                 return await others(scope, receive, send)
             request = Request(scope, receive)
@@ -100,6 +109,59 @@ class HttpApi:
             await response(scope, receive, send)
 
         return app
+
+    async def _observed(self, scope, receive, send, serve) -> None:
+        """Serves one HTTP request under its request id (the client's valid X-Request-Id, else a new
+        one: echoed in the response, in every log line about it) and its trace span (a child of the
+        client's `traceparent`), and writes its access-log line."""
+        given = traceparent = tracestate = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+            elif name == b"traceparent":
+                traceparent = value.decode("latin-1")
+            elif name == b"tracestate":
+                tracestate = value.decode("latin-1")
+        bad_id = given is not None and not request_id.valid(given)
+        ids = request_id.begin(None if bad_id else given)
+        request_id_var.set(ids.id)  # this task's context: the request's own
+        header = (b"x-request-id", ids.id.encode())
+        status = 0
+        started = time.perf_counter()
+        span = token = None
+        if tracing.tracer is not None:
+            span = tracing.start(f"{scope['method']} {scope['path']}", tracing.extract(traceparent, tracestate),
+                                 server=True, attributes={"http.request.method": scope["method"],
+                                                          "url.path": scope["path"], "turbine.request_id": ids.id})
+            token = tracing.attach(span)
+
+        async def send_observed(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        try:
+            if bad_id:
+                response = error_response(400, f"X-Request-Id must be 1 to {request_id.MAX_LEN} characters of "
+                                               f"letters, digits and '-._:'", "invalid_request_error",
+                                          param="X-Request-Id")
+                await response(scope, receive, send_observed)
+            else:
+                await serve(scope, receive, send_observed)
+        finally:
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+                tracing.detach(token)
+                tracing.end(span, f"HTTP {status}" if status >= 500 else None)
+            if self.cfg.access_log:
+                client = scope.get("client")
+                access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
+                                status, (time.perf_counter() - started) * 1e3,
+                                extra={"fields": {"client": client[0] if client else None, "method": scope["method"],
+                                                  "path": scope["path"], "status": status,
+                                                  "duration_ms": round((time.perf_counter() - started) * 1e3, 3)}})
 
     async def _http_error(self, request: Request, exc: HTTPException):
         response = error_response(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -153,15 +215,23 @@ class HttpApi:
             if (denied := self._auth(request)) is not None:
                 return denied
             body = await self._read_body(request)
+            span = tracing.start("preprocess") if tracing.tracer is not None else None
+            try:
+                if kind == "responses":
+                    responses_req, prepared = await prepare_response(body, self.frontend.models)
+                else:
+                    batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
+                                                 self.cfg.max_prompt_embeds_bytes)
+                    prepared = batch[0]
+            except RequestError as exc:
+                tracing.end(span, exc.message)
+                raise
+            tracing.end(span)
             if kind == "responses":
-                responses_req, prepared = await prepare_response(body, self.frontend.models)
                 model_name = prepared.model.name
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
                                    self.cfg.disagg, self.cfg.migration)
             else:
-                batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
-                                             self.cfg.max_prompt_embeds_bytes)
-                prepared = batch[0]
                 model_name = prepared.model.name
                 if prepared.user is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s (%s, %s) for user %r", prepared.request.request_id, kind, model_name,

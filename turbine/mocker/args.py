@@ -7,11 +7,13 @@ import argparse
 from dataclasses import dataclass
 
 from turbine.config import check, flag
+from turbine.logging_setup import add_logging_args
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import TimingProfile, load_profile
 from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
+from turbine.tracing import add_tracing_args
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     disagg.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, metavar="GB_PER_S",
                         help="KV transfer bandwidth between prefill and decode workers, in GB/s (default "
                              f"{DEFAULT_BANDWIDTH_GB_S:g}: a 200 Gb/s RDMA link); scaled by --speedup-ratio")
+    add_logging_args(p)
+    add_tracing_args(p)
     hooks = p.add_argument_group("test hooks")
     hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
                        help="publish only the first N KV event batches, then drop the rest silently while "

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from turbine.config import DEFAULT_NAMESPACE, ClusterSecurityConfig, DiscoveryConfig, check, config_errors_to, flag
 from turbine.config import add_cluster_security_args, add_discovery_args, cluster_security_from_args
 from turbine.config import discovery_config_from_args
+from turbine.logging_setup import add_logging_args
 from turbine.router.config import KvRouterConfig, add_kv_router_args, kv_router_config_from_args
+from turbine.tracing import add_tracing_args
 
 DEFAULT_REQUEST_TTL_S = 600.0
 
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_router_args(g)
     add_discovery_args(p)
     add_cluster_security_args(p)
+    add_logging_args(p)
+    add_tracing_args(p)
     return p
 
 
