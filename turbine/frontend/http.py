@@ -151,17 +151,17 @@ class HttpApi:
             else:
                 await serve(scope, receive, send_observed)
         finally:
+            if self.cfg.access_log:  # under the request's span still: the line carries its trace id
+                client = scope.get("client")
+                ms = (time.perf_counter() - started) * 1e3
+                access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
+                                status, ms, extra={"fields": {"client": client[0] if client else None,
+                                                              "method": scope["method"], "path": scope["path"],
+                                                              "status": status, "duration_ms": round(ms, 3)}})
             if span is not None:
                 span.set_attribute("http.response.status_code", status)
                 tracing.detach(token)
                 tracing.end(span, f"HTTP {status}" if status >= 500 else None)
-            if self.cfg.access_log:
-                client = scope.get("client")
-                access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
-                                status, (time.perf_counter() - started) * 1e3,
-                                extra={"fields": {"client": client[0] if client else None, "method": scope["method"],
-                                                  "path": scope["path"], "status": status,
-                                                  "duration_ms": round((time.perf_counter() - started) * 1e3, 3)}})
 
     async def _http_error(self, request: Request, exc: HTTPException):
         response = error_response(exc.status_code, str(exc.detail), "invalid_request_error")
