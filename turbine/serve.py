@@ -95,6 +95,16 @@ def main(argv: list[str]) -> int:
         worker_envs = [dict(env, **cpus) for cpus in split_cpu_cores(env)]
     else:
         worker_cmds, worker_envs = [worker_cmd], [env]
+    # Each worker's status server (/metrics with vLLM's own metrics, /health): after the HTTP port
+    # unless the worker flags or TURBINE_SYSTEM_PORT name one (printed below, for Prometheus).
+    status_ports = []
+    if _flag_value(worker_args, "--system-port") is None and "TURBINE_SYSTEM_PORT" not in env:
+        for cmd in worker_cmds:
+            port = _free_port_from(args.http_port + 1 + len(status_ports))
+            cmd += ["--system-port", str(port)]
+            status_ports.append(port)
+    elif (given := _flag_value(worker_args, "--system-port") or env.get("TURBINE_SYSTEM_PORT")) and not args.disagg:
+        status_ports.append(int(given))
     frontend_cmd = [sys.executable, "-m", "turbine.frontend", "--http-host", args.http_host,
                     "--http-port", str(args.http_port), "--router-mode", args.router_mode]
     if args.api_key:
@@ -114,6 +124,8 @@ def main(argv: list[str]) -> int:
             print("[turbine] failed to start; see the logs above", file=sys.stderr)
             return 1
         print(f"[turbine] ready: OpenAI API at {url}/v1  (model {name!r}); Ctrl-C to stop", flush=True)
+        workers_at = ", ".join(f"http://127.0.0.1:{port}/metrics" for port in status_ports) or "off"
+        print(f"[turbine] metrics: frontend {url}/metrics; worker (Turbine's and vLLM's) {workers_at}", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("[turbine] a process exited; stopping", file=sys.stderr)
@@ -143,12 +155,30 @@ def _interrupt(signum, frame) -> None:
 
 
 def _served_name(worker_args: list[str]) -> str | None:
-    for i, a in enumerate(worker_args):
-        if a == "--served-model-name" and i + 1 < len(worker_args):
-            return worker_args[i + 1]
-        if a.startswith("--served-model-name="):
+    return _flag_value(worker_args, "--served-model-name")
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def _free_port_from(port: int) -> int:
+    """`port` if nothing listens on it on loopback, else the next free one."""
+    import socket
+
+    for candidate in range(port, min(port + 100, 65536)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return candidate
+    raise SystemExit(f"turbine serve: no free port from {port} for the worker's status server (give --system-port)")
 
 
 def split_cpu_cores(env: dict) -> list[dict]:

@@ -207,3 +207,59 @@ def test_every_log_line_is_json_and_the_access_line_has_the_request_id(stack):
             if text.strip():
                 record = json.loads(text)  # every line, the engine's and the libraries' too
                 assert {"time", "level", "logger", "message"} <= record.keys(), text
+
+
+def test_prometheus_scrapes_every_process_and_answers_every_dashboard_query(stack, tmp_path):
+    """The shipped scrape config (its jobs, targets pointed at this stack) run by a real Prometheus;
+    every query of the shipped Grafana dashboard is valid PromQL there, and the panels of the
+    frontend, the KV router and the worker have data."""
+    import shutil
+    import subprocess
+    import urllib.parse
+
+    import yaml
+
+    from tests.unit.test_dashboard import DASHBOARD, PROMETHEUS, expressions
+
+    _, frontend, worker = stack
+    check = subprocess.run([shutil.which("promtool"), "check", "config", str(PROMETHEUS)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    config["global"]["scrape_interval"] = "1s"
+    ports = {"turbine-frontend": frontend.port, "turbine-workers": worker.port}
+    config["scrape_configs"] = [dict(job, static_configs=[{"targets": [f"127.0.0.1:{ports[job['job_name']]}"]}])
+                                for job in config["scrape_configs"] if job["job_name"] in ports]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    prometheus = subprocess.Popen(
+        [shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+
+    def query(expr: str) -> dict:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        return json.loads(http_text(url))
+
+    try:
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="-", max_retries=0)
+        wait_until(lambda: len(query("up == 1")["data"]["result"]) == 2, 30, "Prometheus scraping both targets",
+                   [frontend, worker])
+        for i in range(4):  # traffic across a few scrapes, so that rates have two samples
+            client.completions.create(model=MODEL, prompt=f"the {i} quick brown fox " * 40, max_tokens=3)
+            time.sleep(1.2)
+        empty = []
+        for expr in expressions(json.loads(DASHBOARD.read_text())):
+            if expr.startswith("label_values("):
+                expr = expr[len("label_values("):].split(",")[0]
+            expr = expr.replace("$model", ".*").replace("$__rate_interval", "30s")
+            answer = query(expr)
+            assert answer["status"] == "success", (expr, answer)
+            if not answer["data"]["result"]:
+                empty.append(expr)
+        for prefix in ("turbine_frontend_requests_total", "turbine_frontend_output_sequence_tokens",
+                       "turbine_router_decisions_total", "turbine_worker_requests_total",
+                       "turbine_router_worker_kv_active_blocks", "turbine_frontend_inflight_requests"):
+            assert not [e for e in empty if prefix in e], (prefix, "\n".join(empty))
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)

@@ -163,6 +163,12 @@ def test_turbine_serve_answers_and_stops_on_ctrl_c_or_sigterm(cluster, tmp_path,
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
                                            max_tokens=8)
         assert r.choices[0].message.content
+        # The worker's metrics, Turbine's and vLLM's own, at the URL `turbine serve` printed.
+        urls = re.findall(rb"worker \(Turbine's and vLLM's\) ([^\n]+)", serve.output())[0].decode().split(",")
+        assert len(urls) == (2 if mode else 1)
+        for url in urls:
+            page = http_text(url.strip())
+            assert "turbine_worker_requests_total" in page and "vllm:num_requests_running" in page
         if mode:  # a long prompt goes through the prefill worker
             r = client.completions.create(model=MODEL, prompt="A long story about a river. " * 60, max_tokens=4)
             assert r.choices[0].finish_reason == "length"
