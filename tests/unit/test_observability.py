@@ -185,3 +185,30 @@ def test_formatters_carry_the_request_id():
         logging_setup.request_id_var.reset(token)
     assert out["message"] == "hello you" and out["request_id"] == "r-1" and out["level"] == "WARNING"
     assert "request_id" not in json.loads(JsonFormatter().format(record))
+
+
+def test_tracing_off_does_not_even_import_opentelemetry():
+    """Off, the frontend, the request plane and the mocker never load the OpenTelemetry SDK."""
+    import subprocess
+    import sys
+
+    code = ("import sys, turbine.frontend.app, turbine.frontend.server, turbine.mocker.worker, turbine.router.service;"
+            "from turbine import tracing; assert not tracing.setup_tracing([], 'x');"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_tracing_is_configured_by_the_flag_or_the_standard_variables(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED",
+                 "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    assert tracing.configured_endpoint([]) is None
+    assert tracing.configured_endpoint(["--otlp-traces-endpoint", "http://c:4317"]) == "http://c:4317"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://base:4317")
+    assert tracing.configured_endpoint([]) == "http://base:4317"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317")
+    assert tracing.configured_endpoint([]) == "http://traces:4317"
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert tracing.configured_endpoint(["--otlp-traces-endpoint", "http://c:4317"]) is None
