@@ -212,3 +212,31 @@ def test_tracing_is_configured_by_the_flag_or_the_standard_variables(monkeypatch
     assert tracing.configured_endpoint([]) == "http://traces:4317"
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert tracing.configured_endpoint(["--otlp-traces-endpoint", "http://c:4317"]) is None
+
+
+async def test_disaggregated_prefill_hand_off_is_traced(tokenizer, spans):
+    """The hand-off is a `prefill` span under the request's; the prefill worker's `generate` and the
+    prefill router's `route` are under it, the decode worker's `generate` under the request's."""
+    from tests.unit.frontend.test_frontend_disagg import Workers, model_with, req, run
+
+    w = Workers(tokenizer)
+    try:
+        model = model_with(tokenizer, await w.serve(w.decode), [await w.serve(w.prefill)])
+        root = tracing.start("request")
+        token = tracing.attach(root)
+        try:
+            text, _, _ = await run(model, req())
+        finally:
+            tracing.detach(token)
+            tracing.end(root)
+        assert text == " done"
+    finally:
+        await w.stop()
+    got = spans.get_finished_spans()
+    by_parent = {}
+    for s in got:
+        by_parent.setdefault(s.parent.span_id if s.parent else None, []).append(s.name)
+    (prefill,) = [s for s in got if s.name == "prefill"]
+    assert sorted(by_parent[root.get_span_context().span_id]) == ["first_token", "generate", "prefill", "route"]
+    assert sorted(by_parent[prefill.context.span_id]) == ["generate", "route"]
+    assert len({s.context.trace_id for s in got}) == 1
