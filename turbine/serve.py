@@ -14,7 +14,9 @@ import tempfile
 import time
 import urllib.request
 
+from turbine.logging_setup import add_logging_args, logging_choices
 from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, resolve
+from turbine.tracing import add_tracing_args
 
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 40
@@ -36,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-key-file", default=None,
                    help="file holding the cluster key (TURBINE_CLUSTER_KEY_FILE, which also works here)")
     p.add_argument("--router-mode", default="round-robin")
+    # Observability for every child: through their environment (TURBINE_LOG_LEVEL, TURBINE_LOG_FORMAT,
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), so that the frontend gets them too and vLLM's own parser
+    # (whose --log-level takes upper case only) never sees ours.
+    add_logging_args(p)
+    add_tracing_args(p)
     p.add_argument("--disagg", action="store_true",
                    help="disaggregated serving: a prefill worker and a decode worker, the prompt's KV moved "
                         "between them by NIXL (--connector nixl unless you give --connector or "
@@ -85,6 +92,7 @@ def main(argv: list[str]) -> int:
     env["TURBINE_DISCOVERY_DIR"] = tempfile.mkdtemp(prefix="turbine-serve-")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is sized for servers
     env.update(cluster_key_env(args, parser))
+    env.update(observability_env(argv, args))
 
     worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", args.model, *worker_args]
     if args.disagg:
@@ -100,7 +108,7 @@ def main(argv: list[str]) -> int:
     status_ports = []
     if _flag_value(worker_args, "--system-port") is None and "TURBINE_SYSTEM_PORT" not in env:
         for cmd in worker_cmds:
-            port = _free_port_from(args.http_port + 1 + len(status_ports))
+            port = free_port_from(args.http_port + 1 + len(status_ports))
             cmd += ["--system-port", str(port)]
             status_ports.append(port)
     elif (given := _flag_value(worker_args, "--system-port") or env.get("TURBINE_SYSTEM_PORT")) and not args.disagg:
@@ -150,6 +158,15 @@ def cluster_key_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return {}
 
 
+def observability_env(argv: list[str], args: argparse.Namespace) -> dict[str, str]:
+    """The logging and tracing flags as environment for every child (flag, else environment, else default)."""
+    level, fmt = logging_choices(argv, "turbine serve")
+    env = {"TURBINE_LOG_LEVEL": level, "TURBINE_LOG_FORMAT": fmt}
+    if args.otlp_traces_endpoint:
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_traces_endpoint
+    return env
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -167,7 +184,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
-def _free_port_from(port: int) -> int:
+def free_port_from(port: int) -> int:
     """`port` if nothing listens on it on loopback, else the next free one."""
     import socket
 

@@ -240,3 +240,26 @@ async def test_disaggregated_prefill_hand_off_is_traced(tokenizer, spans):
     assert sorted(by_parent[root.get_span_context().span_id]) == ["first_token", "generate", "prefill", "route"]
     assert sorted(by_parent[prefill.context.span_id]) == ["generate", "route"]
     assert len({s.context.trace_id for s in got}) == 1
+
+
+def test_turbine_serve_hands_logging_and_tracing_to_every_child(monkeypatch):
+    import socket
+
+    from turbine.serve import build_parser, free_port_from, observability_env
+
+    monkeypatch.delenv("TURBINE_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("TURBINE_LOG_FORMAT", raising=False)
+    monkeypatch.delenv("TURBINE_LOG", raising=False)
+    argv = ["--log-level", "debug", "--log-format", "json", "--otlp-traces-endpoint", "http://c:4317", "--enforce-eager"]
+    args, worker_args = build_parser().parse_known_args(argv)
+    assert worker_args == ["--enforce-eager"]  # consumed by serve: vLLM's --log-level takes upper case only
+    assert observability_env(argv, args) == {"TURBINE_LOG_LEVEL": "debug", "TURBINE_LOG_FORMAT": "json",
+                                             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"}
+    args, _ = build_parser().parse_known_args([])
+    assert observability_env([], args) == {"TURBINE_LOG_LEVEL": "info", "TURBINE_LOG_FORMAT": "text"}
+    # The worker's status port: the one asked for, or the next free one.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert free_port_from(port) > port
