@@ -82,86 +82,38 @@ class HttpApi:
         async def app(scope, receive, send):
             if scope["type"] != "http":
                 return await others(scope, receive, send)
-            await self._observed(scope, receive, send, serve)
-
-        async def serve(scope, receive, send):
-            kind = GENERATION_ROUTES.get(scope["path"])
-            if kind is None:
-                return await others(scope, receive, send)
-            request = Request(scope, receive)
-            if scope["method"] != "POST":
-                response = error_response(405, f"{scope['path']} takes POST", "invalid_request_error")
-                response.headers["allow"] = "POST"
-            elif not self.inflight.try_enter():
-                self.metrics.inflight_limit.inc()
-                response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
-                                                  f"(--max-inflight-requests); retry later"))
-            else:
-                try:  # held until the answer's last byte is sent
-                    try:
-                        response = await self.generate(request, kind)
-                    except Exception as exc:
-                        response = await self._internal_error(request, exc)
-                    await response(scope, receive, send)
-                finally:
-                    self.inflight.leave()
-                return
-            await response(scope, receive, send)
+            obs = _Observed(scope, self.cfg.access_log)
+            try:
+                kind = GENERATION_ROUTES.get(scope["path"])
+                if obs.refusal is not None:
+                    response = obs.refusal
+                elif kind is None:  # Starlette's routes: one or two writes, seen through a wrapper
+                    return await others(scope, receive, obs.wrap(send))
+                elif scope["method"] != "POST":
+                    response = error_response(405, f"{scope['path']} takes POST", "invalid_request_error")
+                    response.headers["allow"] = "POST"
+                elif not self.inflight.try_enter():
+                    self.metrics.inflight_limit.inc()
+                    response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
+                                                      f"(--max-inflight-requests); retry later"))
+                else:
+                    request = Request(scope, receive)
+                    try:  # held until the answer's last byte is sent
+                        try:
+                            response = await self.generate(request, kind)
+                        except Exception as exc:
+                            response = await self._internal_error(request, exc)
+                        obs.respond(response)  # a generation answer's writes go straight to the server
+                        await response(scope, receive, send)
+                    finally:
+                        self.inflight.leave()
+                    return
+                obs.respond(response)
+                await response(scope, receive, send)
+            finally:
+                obs.done()
 
         return app
-
-    async def _observed(self, scope, receive, send, serve) -> None:
-        """Serves one HTTP request under its request id (the client's valid X-Request-Id, else a new
-        one: echoed in the response, in every log line about it) and its trace span (a child of the
-        client's `traceparent`), and writes its access-log line."""
-        given = traceparent = tracestate = None
-        for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                given = value.decode("latin-1")
-            elif name == b"traceparent":
-                traceparent = value.decode("latin-1")
-            elif name == b"tracestate":
-                tracestate = value.decode("latin-1")
-        bad_id = given is not None and not request_id.valid(given)
-        ids = request_id.begin(None if bad_id else given)
-        request_id_var.set(ids.id)  # this task's context: the request's own
-        header = (b"x-request-id", ids.id.encode())
-        status = 0
-        started = time.perf_counter()
-        span = token = None
-        if tracing.tracer is not None:
-            span = tracing.start(f"{scope['method']} {scope['path']}", tracing.extract(traceparent, tracestate),
-                                 server=True, attributes={"http.request.method": scope["method"],
-                                                          "url.path": scope["path"], "turbine.request_id": ids.id})
-            token = tracing.attach(span)
-
-        async def send_observed(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", ()), header]
-            await send(message)
-
-        try:
-            if bad_id:
-                response = error_response(400, f"X-Request-Id must be 1 to {request_id.MAX_LEN} characters of "
-                                               f"letters, digits and '-._:'", "invalid_request_error",
-                                          param="X-Request-Id")
-                await response(scope, receive, send_observed)
-            else:
-                await serve(scope, receive, send_observed)
-        finally:
-            if self.cfg.access_log:  # under the request's span still: the line carries its trace id
-                client = scope.get("client")
-                ms = (time.perf_counter() - started) * 1e3
-                access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
-                                status, ms, extra={"fields": {"client": client[0] if client else None,
-                                                              "method": scope["method"], "path": scope["path"],
-                                                              "status": status, "duration_ms": round(ms, 3)}})
-            if span is not None:
-                span.set_attribute("http.response.status_code", status)
-                tracing.detach(token)
-                tracing.end(span, f"HTTP {status}" if status >= 500 else None)
 
     async def _http_error(self, request: Request, exc: HTTPException):
         response = error_response(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -351,3 +303,65 @@ class _Run(Pipeline):
             yield SseChunks.DONE
 
         return EventStreamResponse(body(), more_ready=self.more_ready)
+
+
+class _Observed:
+    """One HTTP request's request id (the client's valid X-Request-Id, else a new one: echoed in the
+    response and in every log line about the request), its trace span (a child of the client's
+    `traceparent`, current while it is served) and its access-log line. A generation answer gets the
+    header on the response object itself: a wrapper around `send` would cost a call per streamed write."""
+
+    __slots__ = ("scope", "access_log", "id", "header", "refusal", "status", "started", "span", "token")
+
+    def __init__(self, scope, access_log: bool):
+        self.scope, self.access_log = scope, access_log
+        given = traceparent = tracestate = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+            elif name == b"traceparent":
+                traceparent = value.decode("latin-1")
+            elif name == b"tracestate":
+                tracestate = value.decode("latin-1")
+        bad_id = given is not None and not request_id.valid(given)
+        self.id = request_id.begin(None if bad_id else given).id
+        request_id_var.set(self.id)  # this task's context: the request's own
+        self.header = (b"x-request-id", self.id.encode())
+        self.refusal = None if not bad_id else error_response(
+            400, f"X-Request-Id must be 1 to {request_id.MAX_LEN} characters of letters, digits and '-._:'",
+            "invalid_request_error", param="X-Request-Id")
+        self.status = 0
+        self.started = time.perf_counter()
+        self.span = self.token = None
+        if tracing.tracer is not None:
+            self.span = tracing.start(f"{scope['method']} {scope['path']}", tracing.extract(traceparent, tracestate),
+                                      server=True, attributes={"http.request.method": scope["method"],
+                                                               "url.path": scope["path"], "turbine.request_id": self.id})
+            self.token = tracing.attach(self.span)
+
+    def respond(self, response) -> None:
+        self.status = response.status_code
+        response.raw_headers = [*response.raw_headers, self.header]
+
+    def wrap(self, send):
+        async def send_observed(message):
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        return send_observed
+
+    def done(self) -> None:
+        scope, status = self.scope, self.status
+        if self.access_log:  # under the request's span still: the line carries its trace id
+            client = scope.get("client")
+            ms = (time.perf_counter() - self.started) * 1e3
+            access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
+                            status, ms, extra={"fields": {"client": client[0] if client else None,
+                                                          "method": scope["method"], "path": scope["path"],
+                                                          "status": status, "duration_ms": round(ms, 3)}})
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", status)
+            tracing.detach(self.token)
+            tracing.end(self.span, f"HTTP {status}" if status >= 500 else None)
