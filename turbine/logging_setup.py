@@ -54,7 +54,10 @@ def logging_choices(argv: list[str] | None, prog: str = "turbine") -> tuple[str,
 def _env_choice(name: str, choices: tuple[str, ...], parser: argparse.ArgumentParser) -> str | None:
     value = os.environ.get(name, "").strip().lower()
     if value and value not in choices:
-        parser.error(f"environment variable {name}={os.environ[name]!r}: must be one of {', '.join(choices)}")
+        # One line naming the variable (argparse's error would print the usage of flags not given).
+        print(f"{parser.prog}: error: environment variable {name}={os.environ[name]!r}: must be one of "
+              f"{', '.join(choices)}", file=sys.stderr)
+        raise SystemExit(2)
     return value or None
 
 

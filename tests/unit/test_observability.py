@@ -172,7 +172,8 @@ def test_bad_log_env_is_a_one_line_error_naming_it(monkeypatch, capsys):
     monkeypatch.setenv("TURBINE_LOG_FORMAT", "xml")
     with pytest.raises(SystemExit) as exc:
         logging_choices([])
-    assert exc.value.code == 2 and "TURBINE_LOG_FORMAT='xml'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "TURBINE_LOG_FORMAT='xml'" in err
 
 
 def test_formatters_carry_the_request_id():
