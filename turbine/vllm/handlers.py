@@ -193,8 +193,9 @@ class Handlers:
     def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
         # Tracing: the engine's spans join the request's trace (the worker's span is current here).
         trace = tracing.current_carrier()
-        headers = None if trace is None else {"traceparent": trace[0], "tracestate": trace[1]} if trace[1] else \
-            {"traceparent": trace[0]}
+        if trace is None:
+            return self.engine.generate(prompt, params, engine_id, data_parallel_rank=req.dp_rank)
+        headers = {"traceparent": trace[0], "tracestate": trace[1]} if trace[1] else {"traceparent": trace[0]}
         return self.engine.generate(prompt, params, engine_id, data_parallel_rank=req.dp_rank, trace_headers=headers)
 
     async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
