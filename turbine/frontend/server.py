@@ -6,9 +6,9 @@ of one port can use N cores."""
 from __future__ import annotations
 
 import logging
-import os
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 
