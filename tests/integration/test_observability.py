@@ -81,6 +81,9 @@ class OtlpReceiver:
             return [s for s in self.spans if s["trace"] == trace_id]
 
 
+STACK: dict = {}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     receiver = OtlpReceiver()
@@ -94,6 +97,7 @@ def stack(tmp_path_factory):
     procs = [worker, frontend]
     try:
         wait_until(lambda: worker_ready(worker) and instances_of(frontend, MODEL) == 1, 60, "the stack", procs)
+        STACK.update(env=env, tmp=tmp)  # for tests that start a process of their own
         yield receiver, frontend, worker
     finally:
         stop_all(procs)
@@ -263,3 +267,24 @@ def test_prometheus_scrapes_every_process_and_answers_every_dashboard_query(stac
     finally:
         prometheus.terminate()
         prometheus.wait(30)
+
+
+def test_frontend_processes_each_trace_and_log_json(stack):
+    """--frontend-processes N: the children are fresh interpreters; each sets up the parent's logging
+    and tracing (both reach them through the environment)."""
+    receiver, _, _ = stack
+    frontend = start_frontend("frontend-procs", STACK["env"], STACK["tmp"], "--frontend-processes", "2",
+                              "--otlp-traces-endpoint", receiver.url)
+    try:
+        wait_until(lambda: instances_of(frontend, MODEL) == 1, 60, "the multi-process frontend", [frontend])
+        trace = "6bf92f3577b34da6a3ce929d0e0e4738"
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="-", max_retries=0)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                  extra_headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
+        wait_until(lambda: {"POST /v1/completions", "generate"} <= {s["name"] for s in receiver.of_trace(trace)}, 20,
+                   "the child's spans", [frontend])
+        time.sleep(0.2)
+        records = [json.loads(line) for line in frontend.log_path.read_text().splitlines() if line.strip()]
+        assert any(r["logger"] == "turbine.access" and r["status"] == 200 for r in records)
+    finally:
+        stop_all([frontend])
