@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from frontend_overhead import (  # noqa: E402  (re-exported for the other benchmarks)
     REPO_ROOT,
     Proc,
+    default_aiperf,
+    default_dynamo_python,
     default_model,
     find_export,
     fmt,
@@ -35,11 +37,12 @@ from frontend_overhead import (  # noqa: E402  (re-exported for the other benchm
     parse_export,
     parse_int_list,
     run_aiperf,
+    shared_path,
     tail,
     versions,
 )
 
-__all__ = ["REPO_ROOT", "Proc", "default_model", "find_export", "fmt", "free_port", "http_get_json",
+__all__ = ["REPO_ROOT", "Proc", "default_aiperf", "default_dynamo_python", "shared_path", "default_model", "find_export", "fmt", "free_port", "http_get_json",
            "http_post_json", "log", "median", "parse_export", "parse_int_list", "run_aiperf", "tail",
            "versions", "Stack", "aiperf_point", "wait_quiet", "read_cards", "proc_cpu_s", "ratio",
            "StreamError", "sse_chunks", "record_usage", "checkout_env", "turbine_origin"]

@@ -40,11 +40,12 @@ async httpx generator (streaming chat, include_usage), no aiperf needed; numbers
 within one run.
 
 Paths come from flags or environment variables (AIPERF, DYNAMO_PYTHON, TURBINE_BASELINE,
-TURBINE_PEER_DIR, PY_SPY), for example:
+TURBINE_PEER_DIR, PY_SPY), by default from this checkout: `make bench-tools` (aiperf in .bench-venv)
+and `make bench-peer` (Dynamo and py-spy in .peer-venv), for example:
 
-  .venv/bin/python benchmarks/frontend_ceiling.py --aiperf /work/bench-tools/aiperf/bin/aiperf \
-      --dynamo-python /work/bench-tools/dynamo/bin/python --turbine-baseline /work/baseline-b979bab \
-      --systems turbine,turbine-base,dynamo --repeats 3 --py-spy /work/bench-tools/dynamo/bin/py-spy
+  make bench-tools bench-peer
+  .venv/bin/python benchmarks/frontend_ceiling.py --turbine-baseline ../baseline-b979bab \
+      --systems turbine,turbine-base,dynamo --repeats 3 --py-spy .peer-venv/bin/py-spy
 """
 
 from __future__ import annotations
@@ -65,13 +66,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, aiperf_point, checkout_env, default_model, fmt, free_port, log, median, parse_int_list,
-    proc_cpu_s, ratio, start_turbine, turbine_origin, versions, wait_quiet)
+    REPO_ROOT, Stack, aiperf_point, checkout_env, default_aiperf, default_dynamo_python, default_model, fmt,
+    free_port, log, median, parse_int_list, proc_cpu_s, ratio, shared_path, start_turbine, turbine_origin, versions,
+    wait_quiet)
 
 SERVED = "smollm2-135m-instruct"
 # The peer's recipe and its zmq_broker.py: --peer-dir, $TURBINE_PEER_DIR, else the project's shared/
 # folder beside this checkout.
-DEFAULT_PEER_DIR = REPO_ROOT.parent / "shared" / "peer"
+DEFAULT_PEER_DIR = shared_path("peer")
 SYSTEMS = ("turbine", "turbine-base", "dynamo")
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "request_per_s")
 
@@ -431,12 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     env = os.environ.get
-    p.add_argument("--aiperf", default=env("AIPERF"), help="aiperf executable (its own venv); env AIPERF")
+    p.add_argument("--aiperf", default=default_aiperf(),
+                   help="aiperf executable (env AIPERF; default: make bench-tools' .bench-venv/bin/aiperf, else PATH)")
     p.add_argument("--python", default=sys.executable, help="Turbine's python")
-    p.add_argument("--dynamo-python", default=env("DYNAMO_PYTHON"),
-                   help="python of the venv with ai-dynamo 1.6.1 (see ../shared/peer/README.md); env DYNAMO_PYTHON")
+    p.add_argument("--dynamo-python", default=default_dynamo_python(),
+                   help="python of the venv with ai-dynamo 1.6.1 (env DYNAMO_PYTHON; default: make bench-peer's "
+                        ".peer-venv/bin/python)")
     p.add_argument("--peer-dir", default=env("TURBINE_PEER_DIR", str(DEFAULT_PEER_DIR)),
-                   help="folder with the peer's zmq_broker.py; env TURBINE_PEER_DIR; default ../shared/peer beside the checkout")
+                   help="folder with the peer's zmq_broker.py; env TURBINE_PEER_DIR; default shared/peer in or beside the checkout")
     p.add_argument("--turbine-baseline", default=env("TURBINE_BASELINE"),
                    help="another Turbine checkout, measured as system turbine-base with this venv's python; env TURBINE_BASELINE")
     p.add_argument("--model", default=None)
@@ -486,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [s for s in systems if s not in SYSTEMS] or (len(set(systems)) != len(systems) and ["(repeated)"]):
         parser.error(f"--systems: unknown or repeated {bad}; choose from {', '.join(SYSTEMS)}")
     if not a.aiperf:
-        parser.error("--aiperf (or env AIPERF) is required")
+        parser.error("--aiperf: no aiperf found (env AIPERF, .bench-venv/bin/aiperf, PATH): run `make bench-tools`")
     if "dynamo" in systems and not a.dynamo_python:
         parser.error("system dynamo needs --dynamo-python (or env DYNAMO_PYTHON)")
     if "dynamo" in systems and not (Path(a.peer_dir) / "zmq_broker.py").is_file():

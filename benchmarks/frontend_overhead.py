@@ -13,8 +13,8 @@ printed as a Markdown table (plus every single run) and everything is written as
 
 Run it with Turbine's venv python; aiperf lives in its own venv (see benchmarks/README.md):
 
-  /work/main/.venv/bin/python benchmarks/frontend_overhead.py \
-      --aiperf /work/bench-tools/aiperf/bin/aiperf --concurrency 1,8,32 --repeats 5
+  make bench-tools      # aiperf into .bench-venv, where this script finds it (or --aiperf / env AIPERF)
+  .venv/bin/python benchmarks/frontend_overhead.py --concurrency 1,8,32 --repeats 5
 
 The script is self-contained (standard library only).
 """
@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -40,6 +41,33 @@ from pathlib import Path
 
 SYSTEMS = ("turbine", "vllm")
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Tools of the benchmarks live in venvs of their own beside the checkout's .venv (their dependencies
+# conflict with vLLM's): `make bench-tools` (aiperf) and `make bench-peer` (NVIDIA Dynamo, the peer).
+BENCH_VENV = REPO_ROOT / ".bench-venv"
+PEER_VENV = REPO_ROOT / ".peer-venv"
+
+
+def default_aiperf() -> str | None:
+    """$AIPERF, else `make bench-tools`' aiperf, else one on PATH."""
+    if os.environ.get("AIPERF"):
+        return os.environ["AIPERF"]
+    built = BENCH_VENV / "bin" / "aiperf"
+    return str(built) if built.exists() else shutil.which("aiperf")
+
+
+def default_dynamo_python() -> str | None:
+    """$DYNAMO_PYTHON, else `make bench-peer`'s venv python."""
+    if os.environ.get("DYNAMO_PYTHON"):
+        return os.environ["DYNAMO_PYTHON"]
+    built = PEER_VENV / "bin" / "python"
+    return str(built) if built.exists() else None
+
+
+def shared_path(*parts: str) -> Path:
+    """A file of the project's shared folder (the peer's recipe, the trace): `shared/` inside the
+    checkout if there is one, else `shared/` beside it."""
+    inside = REPO_ROOT.joinpath("shared", *parts)
+    return inside if inside.exists() else REPO_ROOT.parent.joinpath("shared", *parts)
 
 # Environment variables that make aiperf refuse to load a local tokenizer folder.
 _AIPERF_ENV_DROP = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
@@ -467,7 +495,8 @@ def versions(python: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--aiperf", required=True, help="path of the aiperf executable (its own venv)")
+    p.add_argument("--aiperf", default=default_aiperf(),
+                   help="aiperf executable (env AIPERF; default: make bench-tools' .bench-venv/bin/aiperf, else PATH)")
     p.add_argument("--python", default=sys.executable,
                    help="python of the venv with turbine + vllm (default: this one)")
     p.add_argument("--model", default=None,
@@ -513,7 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.aiperf:
+        parser.error("--aiperf: no aiperf found (env AIPERF, .bench-venv/bin/aiperf, PATH): run `make bench-tools`")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
         print(f"--systems {args.systems!r}: use a subset of {','.join(SYSTEMS)}", file=sys.stderr)

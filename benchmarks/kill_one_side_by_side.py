@@ -13,13 +13,14 @@ tokens (usage) and no error.  Systems and limits alternate, and the order revers
   dynamo   zmq_broker.py + python -m dynamo.frontend --http-port P --migration-limit N
            python -m dynamo.mocker --model-path MODEL --model-name smol        (x2, file discovery)
 
-The Dynamo side needs its own venv (../shared/peer/README.md): `--dynamo-python` and `--zmq-broker`.
+The Dynamo side needs its own venv (`make bench-peer`, found in .peer-venv; or `--dynamo-python` / env
+DYNAMO_PYTHON) and the peer recipe's zmq_broker.py (`--zmq-broker`, env BROKER; default shared/peer in
+or beside the checkout).
 Dynamo's mocker decodes ~5x faster than Turbine's (its default timing is a GPU's; Turbine's is the
 2-core CPU worker's), so each system gets its own `max_tokens` (defaults 1500 and 200, as the peer's
 recipe) and both are killed at the same fraction of their streams.
 
   .venv/bin/python benchmarks/kill_one_side_by_side.py --systems turbine,dynamo --limits 3,0 --repeats 3 \
-      --dynamo-python /path/to/peer/venv/bin/python --zmq-broker /path/to/shared/peer/zmq_broker.py \
       --out benchmarks/results/kill_one-$(date +%F).json
 
 `--limits off` runs Turbine's frontend without the flag (main before request migration).
@@ -41,7 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Proc, default_model, free_port, http_get_json, log, sse_chunks, tail, turbine_origin  # noqa: E402
+from common import (  # noqa: E402
+    Proc, default_dynamo_python, default_model, free_port, http_get_json, log, shared_path, sse_chunks, tail,
+    turbine_origin)
 
 MODEL_NAME = "smol"
 PROMPT = "tell me a story " * 20
@@ -191,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="SIGKILL the first worker once every stream has this fraction of its tokens")
     p.add_argument("--model", default=None, help="model folder (default: `turbine model prepare`'s)")
     p.add_argument("--turbine-python", default=sys.executable)
-    p.add_argument("--dynamo-python", default=os.environ.get("DYNAMO_PY"), help="the peer venv's python")
-    p.add_argument("--zmq-broker", default=os.environ.get("BROKER"), help="the peer recipe's zmq_broker.py")
+    p.add_argument("--dynamo-python", default=os.environ.get("DYNAMO_PY") or default_dynamo_python(),
+                   help="the peer venv's python (env DYNAMO_PYTHON; default: make bench-peer's .peer-venv/bin/python)")
+    p.add_argument("--zmq-broker", default=os.environ.get("BROKER", str(shared_path("peer", "zmq_broker.py"))),
+                   help="the peer recipe's zmq_broker.py (env BROKER; default shared/peer/ in or beside the checkout)")
     p.add_argument("--startup-timeout", type=float, default=120)
     p.add_argument("--settle-s", type=float, default=3.0, help="wait after both workers are visible")
     p.add_argument("--work-dir", default=None, help="logs of every run (default: a temp folder)")
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         if s not in ("turbine", "dynamo"):
             p.error(f"--systems: unknown system {s!r}")
     if "dynamo" in systems and not (a.dynamo_python and a.zmq_broker):
-        p.error("--dynamo-python and --zmq-broker (or env DYNAMO_PY, BROKER) are needed for dynamo")
+        p.error("--dynamo-python and --zmq-broker (or env DYNAMO_PYTHON, BROKER; or make bench-peer) are needed "
+                "for dynamo")
     for x in limits:
         if x != "off" and not x.isdigit():
             p.error(f"--limits: {x!r} is neither a number nor 'off'")

@@ -22,7 +22,7 @@ Workloads:
          whose previous answer is not back by then goes out --min-think-s after it (counted late).
          Block size 128 and 728 blocks per worker, like the real vLLM CPU worker
          (VLLM_CPU_KVCACHE_SPACE=2, SmolLM2-135M).
-  trace  the Mooncake synthetic trace (/work/shared/data/mooncake_synthetic_trace.jsonl), the
+  trace  the Mooncake synthetic trace (--trace; shared/data/mooncake_synthetic_trace.jsonl), the
          requests of one prefix family (first hash id) in --trace-sample, at random (families never
          share prefixes, so the sample keeps the trace's reuse), through /v1/completions with
          token-id prompts.  Each 512-token
@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     REPO_ROOT, Stack, StreamError, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
-    record_usage, sse_chunks, tail,
+    record_usage, shared_path, sse_chunks, tail,
     turbine_env, wait_quiet)
 
 sys.path.insert(0, str(REPO_ROOT))
@@ -78,8 +78,8 @@ sys.path.insert(0, str(REPO_ROOT))
 SERVED = "smollm2-135m-instruct"
 MODES = ("kv", "round-robin", "random")
 WORKLOADS = ("chat", "trace")
-# The trace comes from --trace or $TURBINE_BENCH_TRACE; by default the project's shared/ folder beside the checkout.
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+# The trace comes from --trace or $TURBINE_BENCH_TRACE; by default the project's shared/ folder in or beside the checkout.
+DEFAULT_TRACE = shared_path("data", "mooncake_synthetic_trace.jsonl")
 MOONCAKE_BLOCK = 512
 
 
@@ -614,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--min-think-s", type=float, default=0.2, help="a late turn goes out this long after the answer")
     g = p.add_argument_group("trace workload")
     g.add_argument("--trace", default=os.environ.get("TURBINE_BENCH_TRACE", str(DEFAULT_TRACE)),
-                   help="the Mooncake synthetic trace (JSONL); env TURBINE_BENCH_TRACE; default: ../shared/data/mooncake_synthetic_trace.jsonl beside the checkout")
+                   help="the Mooncake synthetic trace (JSONL); env TURBINE_BENCH_TRACE; default: "
+                        "shared/data/mooncake_synthetic_trace.jsonl in or beside the checkout")
     g.add_argument("--trace-sample", type=int, default=4,
                    help="keep the requests of one prefix family (first hash id) in this many, at random")
     g.add_argument("--trace-requests", type=int, default=None, help="at most this many (smoke tests)")

@@ -12,7 +12,7 @@ r"""Mocker fidelity: does a calibrated `turbine mocker` time requests like the r
 Systems alternate per repeat (real, mock, mock, real, ...).  Reported: TTFT p50 and ITL p50 of
 both and mock / real per point (target 0.8 .. 1.2), medians over repeats.
 
-  .venv/bin/python benchmarks/mocker_fidelity.py --aiperf /work/bench-tools/aiperf/bin/aiperf --repeats 2
+  .venv/bin/python benchmarks/mocker_fidelity.py --repeats 2     # aiperf: make bench-tools, or --aiperf / env AIPERF
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, aiperf_point, default_model, fmt, free_port, log, median, ratio, read_cards,
+    REPO_ROOT, Stack, aiperf_point, default_aiperf, default_model, fmt, free_port, log, median, ratio, read_cards,
     start_turbine, versions, wait_quiet)
 
 SERVED = "smollm2-135m-instruct"
@@ -196,7 +196,8 @@ def markdown(summary: dict, points: list[dict], runs: list[dict], a) -> str:
 def build_parser() -> argparse.ArgumentParser:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--aiperf", required=True)
+    p.add_argument("--aiperf", default=default_aiperf(),
+                   help="aiperf executable (env AIPERF; default: make bench-tools' .bench-venv/bin/aiperf, else PATH)")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--model", default=None, help="model folder (default: `turbine model prepare`)")
     p.add_argument("--points", type=parse_points,
@@ -236,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if not a.aiperf:
+        parser.error("--aiperf: no aiperf found (env AIPERF, .bench-venv/bin/aiperf, PATH): run `make bench-tools`")
     a.model = a.model or default_model(a.python)
     calibrate_here = a.profile is None
     if calibrate_here:

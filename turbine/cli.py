@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: turbine COMMAND [ARGS]
+USAGE = """usage: turbine COMMAND [ARGS]   (turbine --version: the installed version)
 
 commands:
   serve      frontend + one vLLM worker on this machine (the embedded default model unless --model)
@@ -20,20 +20,39 @@ commands:
   profile    sweep a running worker and write the engine profile the planner (and the mocker's
              --profile) reads (the same sweep as mocker calibrate)
 
-Run 'turbine COMMAND --help' for the flags of a command.
+Run 'turbine COMMAND --help' for the flags of a command. serve, frontend, worker, mocker and
+router take --config FILE (YAML of flag names); flags win over it, and it wins over TURBINE_*
+environment variables. The planner's --config holds its config's field names.
 """
 
 
-def _model(argv: list[str]) -> int:
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("turbine")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def model_parser():
     import argparse
 
-    from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, prepare
+    from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS
 
     p = argparse.ArgumentParser(prog="turbine model")
     sub = p.add_subparsers(dest="action", required=True)
     prep = sub.add_parser("prepare", help="fetch and convert an embedded model (cached)")
-    prep.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED_MODELS))
-    args = p.parse_args(argv)
+    prep.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED_MODELS),
+                      help=f"the embedded model (default {DEFAULT_MODEL}); its folder is printed")
+    return p
+
+
+def _model(argv: list[str]) -> int:
+    from turbine.model.prepare import prepare
+
+    args = model_parser().parse_args(argv)
     print(prepare(args.name))
     return 0
 
@@ -43,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"turbine {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
         from turbine.serve import main as serve_main

@@ -1,7 +1,7 @@
-"""Settings shared by every Turbine process (discovery), read from CLI flags or env, and the
-way every config checks itself.
+"""Settings shared by every Turbine process (discovery), read from CLI flags, a --config file or env,
+and the way every config checks itself.
 
-Config flows one way: flags/env -> a typed config object -> components. Each config object
+Config flows one way: flags/file/env (turbine.flag_sources) -> a typed config object -> components. Each config object
 validates itself when built (`__post_init__`), so one built in code (tests, benchmarks, a
 planner launching workers) is checked exactly like one built from flags; `*_from_args` only
 reads flags and turns a ConfigError into the parser's error message."""
@@ -13,6 +13,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field, fields
 
+from turbine.flag_sources import env_bool, env_float, env_str
 from turbine.runtime.discovery import default_file_dir
 
 DEFAULT_NAMESPACE = "turbine"
@@ -75,20 +76,20 @@ def add_discovery_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Turbine discovery")
     group.add_argument(
         "--discovery-backend", choices=DISCOVERY_BACKENDS,
-        default=os.environ.get("TURBINE_DISCOVERY_BACKEND", "file"),
+        default=env_str("TURBINE_DISCOVERY_BACKEND", "file"),
         help="where instances and model cards are published (env TURBINE_DISCOVERY_BACKEND)",
     )
     group.add_argument(
-        "--discovery-dir", default=os.environ.get("TURBINE_DISCOVERY_DIR"),
+        "--discovery-dir", default=env_str("TURBINE_DISCOVERY_DIR"),
         help="directory of the file backend (env TURBINE_DISCOVERY_DIR; default $TMPDIR/turbine_discovery)",
     )
     group.add_argument(
-        "--etcd-endpoints", default=os.environ.get("TURBINE_ETCD_ENDPOINTS", "127.0.0.1:2379"),
+        "--etcd-endpoints", default=env_str("TURBINE_ETCD_ENDPOINTS", "127.0.0.1:2379"),
         help="comma-separated host:port list of etcd servers (env TURBINE_ETCD_ENDPOINTS)",
     )
     group.add_argument(
-        "--discovery-ttl", type=float, default=float(os.environ.get("TURBINE_DISCOVERY_TTL", "10")),
-        help="seconds after which a dead process's records disappear",
+        "--discovery-ttl", type=float, default=env_float("TURBINE_DISCOVERY_TTL", 10.0),
+        help="seconds after which a dead process's records disappear (env TURBINE_DISCOVERY_TTL)",
     )
 
 
@@ -175,7 +176,7 @@ class ClusterSecurityConfig:
 
 def add_cluster_security_args(parser: argparse.ArgumentParser, listens: bool = True) -> None:
     """`listens`: the process serves an internal plane (a worker, the router), so --insecure applies."""
-    env = os.environ.get
+    env = env_str
     g = parser.add_argument_group("Turbine cluster security (the internal request and event planes)")
     g.add_argument("--cluster-key", default=env("TURBINE_CLUSTER_KEY"),
                    help="secret every process of the cluster shares; request-plane connections must prove it and "
@@ -192,7 +193,7 @@ def add_cluster_security_args(parser: argparse.ArgumentParser, listens: bool = T
                    help="PEM CA that signs the cluster's certificates; peers must present one (env TURBINE_TLS_CA)")
     if listens:
         g.add_argument("--insecure", action="store_true",
-                       default=env("TURBINE_INSECURE", "") not in ("", "0", "false"),
+                       default=env_bool("TURBINE_INSECURE"),
                        help="allow listening beyond loopback (--host) without a cluster key or TLS "
                             "(env TURBINE_INSECURE=1)")
 

@@ -19,6 +19,8 @@ from contextvars import ContextVar
 
 import msgspec
 
+from turbine.flag_sources import config_file_tokens
+
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -40,11 +42,13 @@ def add_logging_args(parser: argparse.ArgumentParser, level: bool = True) -> Non
 
 
 def logging_choices(argv: list[str] | None, prog: str = "turbine") -> tuple[str, str]:
-    """(level, format) from the flags in `argv`, else the environment, else info/text. A bad value
-    exits 2 with a one-line error naming the flag or the variable."""
+    """(level, format) from the flags in `argv`, else its --config file, else the environment, else
+    info/text. A bad value exits 2 with a one-line error naming the flag or the variable."""
     parser = argparse.ArgumentParser(prog=prog, add_help=False)
     add_logging_args(parser)
-    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The file's settings go ahead of the command line's: parsed later, a flag wins.
+    args, _ = parser.parse_known_args(config_file_tokens(argv, ("--log-level", "--log-format")) + argv)
     level = args.log_level or _env_choice("TURBINE_LOG_LEVEL", LOG_LEVELS, parser) \
         or _env_choice("TURBINE_LOG", LOG_LEVELS, parser) or "info"  # TURBINE_LOG: the older name
     fmt = args.log_format or _env_choice("TURBINE_LOG_FORMAT", LOG_FORMATS, parser) or "text"

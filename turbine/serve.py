@@ -13,31 +13,54 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 
+import yaml
+
+from turbine.flag_sources import (
+    add_config_arg,
+    config_key_flag,
+    config_tokens,
+    env_errors,
+    load_config_file,
+    split_config_arg,
+    with_config_file,
+)
 from turbine.logging_setup import add_logging_args, logging_choices
 from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, resolve
 from turbine.tracing import add_tracing_args
+from turbine.worker.config import add_serving_args
 
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 40
 
 
+SERVE_DESCRIPTION = (
+    "Serve a model with one frontend and one vLLM worker (--disagg: a prefill and a decode worker) on this machine. "
+    "Frontend flags (turbine frontend --help) go to the frontend; flags that both the frontend and the worker "
+    "have (--namespace, --migration-limit, the discovery and TLS flags) go to both; every other flag goes to the "
+    "worker (turbine worker --help: Turbine's worker flags and every vLLM engine flag, e.g. --max-model-len 4096). "
+    "Nothing given is set: each process keeps its TURBINE_* environment settings and defaults (the frontend "
+    "binds 127.0.0.1:8000 unless told otherwise).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="turbine serve",
-        description="Serve a model with one frontend and one vLLM worker. Flags not listed here "
-                    "are passed to the worker (any vLLM engine flag, e.g. --max-model-len 4096).")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"embedded model name, local Hugging Face folder or hub id (default {DEFAULT_MODEL})")
-    p.add_argument("--http-host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("TURBINE_API_KEY"))
+    """The flags `turbine serve` reads itself (the rest go to the frontend and the worker)."""
+    p = argparse.ArgumentParser(prog="turbine serve", description=SERVE_DESCRIPTION, allow_abbrev=False,
+                                usage="turbine serve [MODEL] [--config FILE] [serve, frontend and worker flags]")
+    p.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                   help=f"embedded model name, local Hugging Face folder or hub id, as `vllm serve MODEL` takes it "
+                        f"(default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    add_config_arg(p)
+    p.add_argument("--api-key", default=None,
+                   help="the frontend's API key, given to it through its environment, out of `ps` "
+                        "(TURBINE_API_KEY, which also works here)")
     p.add_argument("--cluster-key", default=None,
                    help="cluster key of the internal planes, given to the frontend and the worker(s) through "
                         "their environment (TURBINE_CLUSTER_KEY, which also works here)")
     p.add_argument("--cluster-key-file", default=None,
                    help="file holding the cluster key (TURBINE_CLUSTER_KEY_FILE, which also works here)")
-    p.add_argument("--router-mode", default="round-robin")
     # Observability for every child: through their environment (TURBINE_LOG_LEVEL, TURBINE_LOG_FORMAT,
     # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), so that the frontend gets them too and vLLM's own parser
     # (whose --log-level takes upper case only) never sees ours.
@@ -48,6 +71,150 @@ def build_parser() -> argparse.ArgumentParser:
                         "between them by NIXL (--connector nixl unless you give --connector or "
                         "--kv-transfer-config)")
     return p
+
+
+@dataclass
+class ServePlan:
+    """What `turbine serve` starts: command lines and environment additions of each process."""
+
+    model: str
+    served_name: str
+    url: str  # where the frontend answers (loopback when it binds every interface)
+    frontend_cmd: list[str]
+    worker_cmds: list[list[str]]
+    env: dict[str, str]  # added to every child's environment
+    disagg: bool
+    status_ports: list[int]  # the workers' status servers (/metrics, /health) that serve knows of
+
+
+def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {opt: a for opt, a in parser._option_string_actions.items() if opt.startswith("--")}
+
+
+def worker_turbine_flags() -> dict[str, argparse.Action]:
+    """Turbine's own worker flags (without importing vLLM)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_serving_args(p)
+    return _option_actions(p)
+
+
+def split_tokens(tokens: list[str], owners: dict[str, argparse.Action]) -> tuple[list[str], list[str]]:
+    """(the tokens of flags in `owners` with their values, every other token)."""
+    mine, others, i = [], [], 0
+    while i < len(tokens):
+        name = tokens[i].split("=", 1)[0]
+        action = owners.get(name)
+        if action is None:
+            others.append(tokens[i])
+            i += 1
+            continue
+        take = 1 if action.nargs == 0 or "=" in tokens[i] else 2
+        mine += tokens[i:i + take]
+        i += take
+    return mine, others
+
+
+def plan(argv: list[str], workdir: str) -> ServePlan:
+    """Read serve's own flags and split the rest (and the --config file's settings) between the
+    frontend and the worker. A config file's share for each child is written to `workdir` and given
+    to it as its own --config, so that each child applies flags > file > environment > defaults."""
+    from turbine.frontend.args import build_parser as frontend_parser
+    from turbine.frontend.args import frontend_config_from_args
+
+    parser = build_parser()
+    positional: list[str] = []
+    if argv and not argv[0].startswith("-"):
+        positional, argv = argv[:1], argv[1:]
+    try:
+        path, argv = split_config_arg(argv)
+        settings = load_config_file(path) if path else {}
+    except ValueError as exc:
+        parser.error(str(exc))
+    own = _option_actions(parser)
+    fe_parser = frontend_parser(prog="turbine serve")
+    frontend, worker = _option_actions(fe_parser), worker_turbine_flags()
+    shared = {k: v for k, v in frontend.items() if k in worker}
+    by_owner: dict[str, dict] = {"serve": {}, "frontend": {}, "worker": {}}
+    for key, value in settings.items():
+        opt = config_key_flag(key)
+        if opt in own:
+            by_owner["serve"][key] = value
+        elif opt in frontend:
+            by_owner["frontend"][key] = value
+            if opt in shared:
+                by_owner["worker"][key] = value
+        else:
+            by_owner["worker"][key] = value
+    try:
+        serve_from_file = config_tokens(parser, path, by_owner["serve"]) if path else []
+    except ValueError as exc:
+        parser.error(str(exc))
+    serve_tokens, rest = split_tokens(argv, own)
+    args = parser.parse_args(serve_from_file + positional + serve_tokens)
+    if args.model_positional and args.model and args.model_positional != args.model:
+        parser.error(f"the model is given twice: {args.model_positional!r} and --model {args.model!r}")
+    model = args.model_positional or args.model or DEFAULT_MODEL
+    frontend_tokens, worker_tokens = split_tokens(rest, frontend)
+    shared_tokens, _ = split_tokens(frontend_tokens, shared)
+    worker_tokens = shared_tokens + worker_tokens
+
+    def child_config(owner: str) -> list[str]:
+        if not by_owner[owner]:
+            return []
+        file = os.path.join(workdir, f"{owner}-{os.path.basename(path)}")
+        with open(file, "w") as f:
+            yaml.safe_dump(by_owner[owner], f)
+        return ["--config", file]
+
+    frontend_argv = child_config("frontend") + frontend_tokens
+    # The frontend's flags are checked here, before anything starts, and tell where it answers.
+    with env_errors("turbine serve"):
+        fe_cfg = frontend_config_from_args(fe_parser.parse_args(with_config_file(fe_parser, frontend_argv)),
+                                           fe_parser)
+    if fe_cfg.http_port == 0:
+        parser.error("--http-port 0 (or TURBINE_HTTP_PORT=0): turbine serve must know where its frontend answers; "
+                     "give a port between 1 and 65535")
+    host = fe_cfg.http_host
+    if host in ("0.0.0.0", "", "::"):
+        host = "::1" if host == "::" else "127.0.0.1"
+    url = f"http://[{host}]:{fe_cfg.http_port}" if ":" in host else f"http://{host}:{fe_cfg.http_port}"
+
+    env = cluster_key_env(args, parser)
+    if args.api_key:
+        env["TURBINE_API_KEY"] = args.api_key
+    env.update(observability_env(serve_from_file + serve_tokens, args))
+    model_path = resolve(model)  # prepare the embedded model here, with visible progress
+    # The same default the worker applies: the embedded model's name, else the model as given.
+    from_file = next((str(v) for k, v in by_owner["worker"].items() if config_key_flag(k) == "--served-model-name"),
+                     None)
+    name = _served_name(worker_tokens) or from_file or (model if model in EMBEDDED_MODELS else model_path)
+    worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", model, *child_config("worker"), *worker_tokens]
+    if args.disagg:
+        if not any(a.split("=")[0] in ("--connector", "--kv-transfer-config") for a in worker_tokens) and not \
+                {"connector", "kv-transfer-config", "kv_transfer_config"} & set(by_owner["worker"]):
+            worker_cmd += ["--connector", "nixl"]
+        roles = [["--disaggregation-mode", "prefill"], ["--disaggregation-mode", "decode"]]
+    else:
+        roles = [[]]
+    # Each worker's status server (/metrics with vLLM's own metrics, /health): after the HTTP port
+    # (the next free one) unless the worker's flags, its config file or TURBINE_SYSTEM_PORT name one
+    # (printed once ready, for Prometheus).
+    given = _flag_value(worker_tokens, "--system-port") or next(
+        (str(v) for k, v in by_owner["worker"].items() if config_key_flag(k) == "--system-port"), None) \
+        or os.environ.get("TURBINE_SYSTEM_PORT") or None
+    status_ports: list[int] = []
+    worker_cmds = []
+    for role in roles:
+        cmd = list(worker_cmd)
+        if given is None:
+            status_ports.append(free_port_from(max(status_ports, default=fe_cfg.http_port) + 1))
+            cmd += ["--system-port", str(status_ports[-1])]
+        worker_cmds.append(cmd + role)
+    if given is not None and not args.disagg and given.isdigit() and int(given) > 0:
+        status_ports.append(int(given))
+    return ServePlan(model=model, served_name=name, url=url,
+                     frontend_cmd=[sys.executable, "-m", "turbine.frontend", *frontend_argv],
+                     worker_cmds=worker_cmds, env=env, disagg=args.disagg, status_ports=status_ports)
 
 
 def _wait_ready(url: str, model: str, procs: list[subprocess.Popen], prefill: bool = False) -> bool:
@@ -80,61 +247,37 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args, worker_args = parser.parse_known_args(argv)
-    if not 0 < args.http_port <= 65535:
-        parser.error(f"--http-port {args.http_port}: must be between 1 and 65535")
-    model_path = resolve(args.model)  # prepare the embedded model here, with visible progress
-    # The same default the worker applies: the embedded model's name, else the model as given.
-    name = _served_name(worker_args) or (args.model if args.model in EMBEDDED_MODELS else model_path)
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    workdir = tempfile.mkdtemp(prefix="turbine-serve-")
+    p = plan(argv, workdir)
     env = dict(os.environ)
+    # A private file discovery (a --discovery-* flag given to serve still reaches both processes).
     env["TURBINE_DISCOVERY_BACKEND"] = "file"
-    env["TURBINE_DISCOVERY_DIR"] = tempfile.mkdtemp(prefix="turbine-serve-")
+    env["TURBINE_DISCOVERY_DIR"] = os.path.join(workdir, "discovery")
+    os.makedirs(env["TURBINE_DISCOVERY_DIR"])
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is sized for servers
-    env.update(cluster_key_env(args, parser))
-    env.update(observability_env(argv, args))
-
-    worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", args.model, *worker_args]
-    if args.disagg:
-        if not any(a.split("=")[0] in ("--connector", "--kv-transfer-config") for a in worker_args):
-            worker_cmd += ["--connector", "nixl"]
-        worker_cmds = [worker_cmd + ["--disaggregation-mode", "prefill"],
-                       worker_cmd + ["--disaggregation-mode", "decode"]]
-        worker_envs = [dict(env, **cpus) for cpus in split_cpu_cores(env)]
-    else:
-        worker_cmds, worker_envs = [worker_cmd], [env]
-    # Each worker's status server (/metrics with vLLM's own metrics, /health): after the HTTP port
-    # unless the worker flags or TURBINE_SYSTEM_PORT name one (printed below, for Prometheus).
-    status_ports = []
-    if _flag_value(worker_args, "--system-port") is None and "TURBINE_SYSTEM_PORT" not in env:
-        for cmd in worker_cmds:
-            port = free_port_from(args.http_port + 1 + len(status_ports))
-            cmd += ["--system-port", str(port)]
-            status_ports.append(port)
-    elif (given := _flag_value(worker_args, "--system-port") or env.get("TURBINE_SYSTEM_PORT")) and not args.disagg:
-        status_ports.append(int(given))
-    frontend_cmd = [sys.executable, "-m", "turbine.frontend", "--http-host", args.http_host,
-                    "--http-port", str(args.http_port), "--router-mode", args.router_mode]
-    if args.api_key:
-        env["TURBINE_API_KEY"] = args.api_key
+    env.update(p.env)
+    worker_envs = [dict(env, **cpus) for cpus in split_cpu_cores(env)] if p.disagg else [env]
 
     # Children ignore Ctrl-C from the terminal; we stop them in order with SIGTERM. A service
     # manager's SIGTERM does the same as Ctrl-C (by default it would end only this process and
     # leave the engines running).
     signal.signal(signal.SIGTERM, _interrupt)
-    procs = [subprocess.Popen(frontend_cmd, env=env, preexec_fn=os.setpgrp),
-             *(subprocess.Popen(cmd, env=wenv, preexec_fn=os.setpgrp) for cmd, wenv in zip(worker_cmds, worker_envs))]
-    url = f"http://{args.http_host}:{args.http_port}"
+    procs = [subprocess.Popen(p.frontend_cmd, env=env, preexec_fn=os.setpgrp),
+             *(subprocess.Popen(cmd, env=wenv, preexec_fn=os.setpgrp) for cmd, wenv in zip(p.worker_cmds, worker_envs))]
+    name, url = p.served_name, p.url
     try:
-        what = "a prefill and a decode worker" if args.disagg else "worker"
+        what = "a prefill and a decode worker" if p.disagg else "worker"
         print(f"[turbine] starting {what} for {name!r} (an engine takes 30 s to a few minutes on a small CPU; the first start compiles)…", flush=True)
-        if not _wait_ready(url, name, procs, prefill=args.disagg):
+        if not _wait_ready(url, name, procs, prefill=p.disagg):
             print("[turbine] failed to start; see the logs above", file=sys.stderr)
             return 1
         print(f"[turbine] ready: OpenAI API at {url}/v1  (model {name!r}); Ctrl-C to stop", flush=True)
-        workers_at = ", ".join(f"http://127.0.0.1:{port}/metrics" for port in status_ports) or "off"
+        workers_at = ", ".join(f"http://127.0.0.1:{port}/metrics" for port in p.status_ports) or "off"
         print(f"[turbine] metrics: frontend {url}/metrics; worker (Turbine's and vLLM's) {workers_at}", flush=True)
-        while all(p.poll() is None for p in procs):
+        while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         print("[turbine] a process exited; stopping", file=sys.stderr)
         return 1
@@ -147,8 +290,7 @@ def main(argv: list[str]) -> int:
 
 
 def cluster_key_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, str]:
-    """The cluster key flags as environment for every child (a flag would reach the worker only,
-    and the environment keeps the key out of `ps`)."""
+    """The cluster key flags as environment for every child (the environment keeps the key out of `ps`)."""
     if args.cluster_key and args.cluster_key_file:
         parser.error("give the key once: --cluster-key or --cluster-key-file, not both")
     if args.cluster_key:
@@ -158,10 +300,16 @@ def cluster_key_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return {}
 
 
-def observability_env(argv: list[str], args: argparse.Namespace) -> dict[str, str]:
-    """The logging and tracing flags as environment for every child (flag, else environment, else default)."""
-    level, fmt = logging_choices(argv, "turbine serve")
-    env = {"TURBINE_LOG_LEVEL": level, "TURBINE_LOG_FORMAT": fmt}
+def observability_env(serve_argv: list[str], args: argparse.Namespace) -> dict[str, str]:
+    """The logging and tracing settings given to serve (its flags and its config file's, in `serve_argv`)
+    as environment for every child. A bad TURBINE_LOG_* value stops serve here, named in one line;
+    settings the user did not give are left to each child's own environment and defaults."""
+    logging_choices(serve_argv, "turbine serve")
+    env = {}
+    if args.log_level:
+        env["TURBINE_LOG_LEVEL"] = args.log_level
+    if args.log_format:
+        env["TURBINE_LOG_FORMAT"] = args.log_format
     if args.otlp_traces_endpoint:
         env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_traces_endpoint
     return env

@@ -23,6 +23,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from turbine.flag_sources import config_file_tokens
+
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
@@ -44,10 +46,11 @@ def add_tracing_args(parser: argparse.ArgumentParser) -> None:
 
 
 def configured_endpoint(argv: list[str] | None) -> str | None:
-    """The endpoint `argv`'s flag or the environment asks for; None: tracing off."""
+    """The endpoint `argv`'s flag, its --config file or the environment asks for; None: tracing off."""
     parser = argparse.ArgumentParser(add_help=False)
     add_tracing_args(parser)
-    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, _ = parser.parse_known_args(config_file_tokens(argv, ("--otlp-traces-endpoint",)) + argv)
     env = os.environ
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "").lower() == "none":
         return None

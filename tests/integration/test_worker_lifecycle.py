@@ -114,7 +114,8 @@ class Serve:
         env.pop("TURBINE_DISCOVERY_DIR")
         self.log = open(log_path, "w+b")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "turbine.cli", "serve", "--http-port", str(self.port), *mode,
+            # The model first, as `vllm serve MODEL` takes it.
+            [sys.executable, "-m", "turbine.cli", "serve", MODEL, "--http-port", str(self.port), *mode,
              "--enforce-eager", "--max-model-len", "1024"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT,
             # Ctrl-C works as in a terminal even when the test runner itself was

@@ -257,7 +257,7 @@ def test_turbine_serve_hands_logging_and_tracing_to_every_child(monkeypatch):
     assert observability_env(argv, args) == {"TURBINE_LOG_LEVEL": "debug", "TURBINE_LOG_FORMAT": "json",
                                              "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"}
     args, _ = build_parser().parse_known_args([])
-    assert observability_env([], args) == {"TURBINE_LOG_LEVEL": "info", "TURBINE_LOG_FORMAT": "text"}
+    assert observability_env([], args) == {}  # each child keeps its own environment and defaults
     # The worker's status port: the one asked for, or the next free one.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from turbine.config import (
     add_cluster_security_args,
@@ -12,6 +11,7 @@ from turbine.config import (
     config_errors_to,
     discovery_config_from_args,
 )
+from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
 from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.migration import MigrationConfig
@@ -23,61 +23,61 @@ from turbine.tracing import add_tracing_args
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
-    env = os.environ.get
+    env = env_str
     g = parser.add_argument_group("Turbine frontend")
     g.add_argument("--http-host", default=env("TURBINE_HTTP_HOST", "127.0.0.1"),
-                   help="address the OpenAI HTTP server binds (default 127.0.0.1)")
-    g.add_argument("--http-port", type=int, default=int(env("TURBINE_HTTP_PORT", str(default_port))))
-    g.add_argument("--router-mode", choices=router_modes(), default=env("TURBINE_ROUTER_MODE", "round-robin"))
+                   help="address the OpenAI HTTP server binds (env TURBINE_HTTP_HOST; default 127.0.0.1, this host "
+                        "only; 0.0.0.0 (or ::) binds every interface, as in a container)")
+    g.add_argument("--http-port", type=int, default=env_int("TURBINE_HTTP_PORT", default_port),
+                   help=f"port of the OpenAI HTTP server (env TURBINE_HTTP_PORT; default {default_port})")
+    g.add_argument("--router-mode", choices=router_modes(), default=env("TURBINE_ROUTER_MODE", "round-robin"),
+                   help="how a request picks its worker: round-robin, random, or kv (KV-cache aware; see the kv "
+                        "flags) (env TURBINE_ROUTER_MODE; default round-robin)")
     add_kv_router_args(g, scope="kv mode: ")
     g.add_argument("--namespace", default=env("TURBINE_NAMESPACE"),
                    help="serve only models registered in this namespace (default: all)")
     g.add_argument("--api-key", default=env("TURBINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (env TURBINE_API_KEY)")
-    g.add_argument("--max-request-bytes", type=int, default=int(env("TURBINE_MAX_REQUEST_BYTES", str(8 << 20))),
-                   help="larger request bodies get HTTP 413")
+    g.add_argument("--max-request-bytes", type=int, default=env_int("TURBINE_MAX_REQUEST_BYTES", 8 << 20),
+                   help="larger request bodies get HTTP 413 (env TURBINE_MAX_REQUEST_BYTES)")
     g.add_argument("--max-prompt-embeds-bytes", type=int,
-                   default=int(env("TURBINE_MAX_PROMPT_EMBEDS_BYTES", str(DEFAULT_MAX_PROMPT_EMBEDS_BYTES))),
+                   default=env_int("TURBINE_MAX_PROMPT_EMBEDS_BYTES", DEFAULT_MAX_PROMPT_EMBEDS_BYTES),
                    help="largest /v1/completions prompt_embeds tensor file (decoded bytes); larger get HTTP 400")
     g.add_argument("--ignore-unknown-fields", action="store_true",
-                   default=env("TURBINE_IGNORE_UNKNOWN_FIELDS", "") not in ("", "0", "false"),
+                   default=env_bool("TURBINE_IGNORE_UNKNOWN_FIELDS"),
                    help="drop request fields this server does not implement (a warning per field name) "
                         "instead of answering 400 (env TURBINE_IGNORE_UNKNOWN_FIELDS=1)")
     g.add_argument("--max-inflight-requests", type=int,
-                   default=int(env("TURBINE_MAX_INFLIGHT_REQUESTS", str(DEFAULT_MAX_INFLIGHT_REQUESTS))),
+                   default=env_int("TURBINE_MAX_INFLIGHT_REQUESTS", DEFAULT_MAX_INFLIGHT_REQUESTS),
                    help="generation requests served at once; more get 503 'overloaded' with Retry-After")
-    g.add_argument("--overload-retry-after", type=int, default=int(env("TURBINE_OVERLOAD_RETRY_AFTER", "1")),
+    g.add_argument("--overload-retry-after", type=int, default=env_int("TURBINE_OVERLOAD_RETRY_AFTER", 1),
                    help="seconds in the Retry-After header of a 503 'overloaded' (every worker refused the "
                         "request, or --max-inflight-requests was reached)")
-    g.add_argument("--frontend-processes", type=int, default=int(env("TURBINE_FRONTEND_PROCESSES", "1")),
+    g.add_argument("--frontend-processes", type=int, default=env_int("TURBINE_FRONTEND_PROCESSES", 1),
                    help="processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend with its own "
                         "router, metrics and --max-inflight-requests (env TURBINE_FRONTEND_PROCESSES)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction,
-                   default=env("TURBINE_ACCESS_LOG", "1").lower() not in ("0", "false", "no", "off"),
+                   default=env_bool("TURBINE_ACCESS_LOG", True),
                    help="one line per HTTP request on the logger turbine.access: client, method, path, status, "
                         "duration, request id (env TURBINE_ACCESS_LOG=0 turns it off; default on)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
-                   default=int(env("TURBINE_MAX_LOCAL_PREFILL_LENGTH", str(DisaggConfig.max_local_prefill_length))),
+                   default=env_int("TURBINE_MAX_LOCAL_PREFILL_LENGTH", DisaggConfig.max_local_prefill_length),
                    help="prompts with fewer tokens not yet cached on the decode worker are prefilled there "
                         "(0: every prompt goes to a prefill worker); default from benchmarks/disagg.py "
                         "--part crossover")
     d.add_argument("--prefill-timeout", type=float,
-                   default=float(env("TURBINE_PREFILL_TIMEOUT", str(DisaggConfig.prefill_timeout_s))),
+                   default=env_float("TURBINE_PREFILL_TIMEOUT", DisaggConfig.prefill_timeout_s),
                    help="seconds a prefill worker may take before the request is tried elsewhere")
     m = parser.add_argument_group("Turbine frontend: request migration (a request whose worker fails goes on "
                                   "on another)")
-    m.add_argument("--migration-limit", type=int, default=_optional_int(env("TURBINE_MIGRATION_LIMIT")),
+    m.add_argument("--migration-limit", type=int, default=env_int("TURBINE_MIGRATION_LIMIT", None),
                    help="times a request may move to another worker when its worker dies, disconnects, shuts "
                         "down or is overloaded (0: never; env TURBINE_MIGRATION_LIMIT); unset: each model's "
                         "workers' --migration-limit (default 0)")
-    m.add_argument("--migration-max-seq-len", type=int, default=_optional_int(env("TURBINE_MIGRATION_MAX_SEQ_LEN")),
+    m.add_argument("--migration-max-seq-len", type=int, default=env_int("TURBINE_MIGRATION_MAX_SEQ_LEN", None),
                    help="requests whose prompt plus generated tokens exceed this are not migrated (default: no "
                         "bound; env TURBINE_MIGRATION_MAX_SEQ_LEN)")
-
-
-def _optional_int(value: str | None) -> int | None:
-    return None if value in (None, "") else int(value)
 
 
 def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
@@ -99,12 +99,18 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                                                         max_seq_len=args.migration_max_seq_len))
 
 
+def build_parser(prog: str = "python -m turbine.frontend") -> argparse.ArgumentParser:
+    with env_errors(prog):
+        parser = argparse.ArgumentParser(prog=prog, description="Turbine OpenAI-compatible frontend.")
+        add_config_arg(parser)
+        add_frontend_args(parser)
+        add_discovery_args(parser)
+        add_cluster_security_args(parser, listens=False)  # its internal-plane side is client only
+        add_logging_args(parser)
+        add_tracing_args(parser)
+    return parser
+
+
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
-    parser = argparse.ArgumentParser(prog="python -m turbine.frontend",
-                                     description="Turbine OpenAI-compatible frontend.")
-    add_frontend_args(parser)
-    add_discovery_args(parser)
-    add_cluster_security_args(parser, listens=False)  # its internal-plane side is client only
-    add_logging_args(parser)
-    add_tracing_args(parser)
-    return frontend_config_from_args(parser.parse_args(argv), parser)
+    parser = build_parser()
+    return frontend_config_from_args(parser.parse_args(with_config_file(parser, argv)), parser)

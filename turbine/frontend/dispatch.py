@@ -125,6 +125,8 @@ class Dispatch:
         (stop string, client gone, error) cancels the request on the worker. A worker failure
         that may migrate continues on another worker within the same iteration."""
         start = time.monotonic()
+        if self.model.lora_fallback:
+            self.metrics.disagg_lora_fallback.inc()  # no prefill worker holds the adapter: aggregated
         first_span = tracing.start("first_token", self._span) if self._span is not None else None
         try:
             first = await self._open(self.request)

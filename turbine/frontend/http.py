@@ -156,7 +156,7 @@ class HttpApi:
             return denied
         table = self.frontend.models
         data = [{"id": name, "object": "model", "created": table.first_seen.get(name, 0), "owned_by": "turbine",
-                 "root": m.card.tokenizer_path, "parent": None, "max_model_len": m.card.context_length}
+                 "root": m.card.tokenizer_path, "parent": m.parent, "max_model_len": m.card.context_length}
                 for name, m in sorted(table.models.items())]
         return JSONResponse({"object": "list", "data": data})
 

@@ -43,6 +43,10 @@ class FrontendMetrics:
                                 "prompts prefilled by where: remote (a prefill worker, KV handed to decode) "
                                 "or local_fallback (prefill workers failed; the decode worker computed it)",
                                 ["model", "where"], registry=r)
+        self.disagg_lora_fallback = Counter("turbine_frontend_disagg_lora_fallback",
+                                            "requests for a LoRA adapter of a disaggregated model served "
+                                            "aggregated (prefilled on the decode worker): no prefill worker "
+                                            "holds the adapter", ["model"], registry=r)
         self.migrations = Counter("turbine_frontend_migrations",
                                   "requests moved to another worker after theirs failed, by reason: disconnected "
                                   "(the worker vanished) or the worker's error code (shutting_down, overloaded ...)",
@@ -86,6 +90,7 @@ class ModelMetrics:
         self.disconnects = m.disconnects.labels(model)
         self.remote_prefills = m.prefills.labels(model, "remote")
         self.local_prefills = m.prefills.labels(model, "local_fallback")
+        self.disagg_lora_fallback = m.disagg_lora_fallback.labels(model)
         self.migration_limit_exceeded = m.migration_limit_exceeded.labels(model)
         self._migrations = m.migrations
         self._model = model

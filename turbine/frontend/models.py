@@ -30,6 +30,13 @@ class ServedModel:
     prefill_cards: dict[str, ModelCard] = field(default_factory=dict)
     prefill_queued_tokens: dict[str, int] = field(default_factory=dict)  # instance id -> prompt tokens in flight
     decode_caches: DecodeCaches | None = None  # set while prefill workers exist
+    # A LoRA adapter served as a model (its workers' adapter cards): requests carry its name as
+    # lora_name and go only to the instances that hold it; tokenizer, router and decode caches are
+    # its base model's (`parent`), whose router's block hashes the adapter name salts.
+    lora_name: str | None = None
+    parent: str | None = None
+    # Its base model is disaggregated but no prefill worker holds the adapter: served aggregated.
+    lora_fallback: bool = False
 
 
 class ModelTable:
@@ -56,7 +63,8 @@ class ModelTable:
         by_path = {rec.path: rec for rec in instances}
         models: dict[str, ServedModel] = {}
         prefill: list[tuple[ModelCard, InstanceRecord]] = []
-        for card in sorted(cards, key=lambda c: c.instance_id):
+        adapters = [c for c in cards if c.lora_name is not None]
+        for card in sorted((c for c in cards if c.lora_name is None), key=lambda c: c.instance_id):
             if self.namespace and card.namespace != self.namespace:
                 continue
             rec = by_path.get(card.path)
@@ -86,13 +94,73 @@ class ModelTable:
             model.instances.append(rec)
             model.cards[card.instance_id] = card
         self._attach_prefill_workers(models, prefill)
-        for name in self.models.keys() - models.keys():
-            log.info("model %r has no live worker any more", name)
         for name, model in models.items():
             model.router.instances_changed(model.instances, model.cards)
             if name not in self.models or len(self.models[name].instances) != len(model.instances):
                 log.info("model %r served by %d worker(s)", name, len(model.instances))
+        for name, model in self._adapters(models, adapters, by_path).items():
+            models[name] = model
+            self.first_seen.setdefault(name, int(time.time()))
+            old = self.models.get(name)
+            if old is None or len(old.instances) != len(model.instances):
+                log.info("adapter %r of model %r served by %d worker(s)", name, model.parent, len(model.instances))
+        for name in self.models.keys() - models.keys():
+            log.info("model %r has no live worker any more", name)
         self.models = models
+
+    def _adapters(self, models: dict[str, ServedModel], cards: list[ModelCard],
+                  by_path: dict[str, InstanceRecord]) -> dict[str, ServedModel]:
+        """The LoRA adapters served: each on the instances whose base card is served and that
+        hold it (an adapter's prefill workers: the base's prefill workers that hold it)."""
+        adapters: dict[str, ServedModel] = {}
+        prefill: list[tuple[ModelCard, InstanceRecord]] = []
+        for card in sorted(cards, key=lambda c: c.instance_id):
+            if self.namespace and card.namespace != self.namespace:
+                continue
+            rec = by_path.get(card.path)
+            base = models.get(card.base_model or "")
+            if rec is None or base is None:
+                continue  # its instance (or the base model) is not served
+            name = card.lora_name
+            if name in models:
+                log.warning("adapter %r on worker %s has the name of a served model: skipped", name, card.instance_id)
+                continue
+            if card.disaggregation_mode == "prefill":
+                if card.instance_id in base.prefill_cards:
+                    prefill.append((card, rec))
+                continue
+            if card.instance_id not in base.cards:
+                continue  # its base card was skipped
+            model = adapters.get(name)
+            if model is None:
+                model = adapters[name] = ServedModel(name, card, base.tokenizer, base.router, lora_name=name,
+                                                     parent=base.name)
+            elif model.parent != base.name:
+                log.warning("adapter %r on worker %s adapts model %r, on other workers %r: skipped", name,
+                            card.instance_id, base.name, model.parent)
+                continue
+            model.instances.append(rec)
+            model.cards[card.instance_id] = card
+        for card, rec in prefill:
+            model = adapters.get(card.lora_name)
+            if model is None or model.parent != card.base_model:
+                continue  # no decode worker holds it
+            base = models[model.parent]
+            model.prefill_instances.append(rec)
+            model.prefill_cards[card.instance_id] = card
+            model.prefill_router, model.prefill_queued_tokens = base.prefill_router, base.prefill_queued_tokens
+        for name, model in adapters.items():
+            base = models[model.parent]
+            model.lora_fallback = bool(base.prefill_instances) and not model.prefill_instances
+            if model.prefill_instances:  # the decode workers' likely caches of this adapter's prompts
+                caches = self._decode_caches.get(name)
+                if caches is None or caches.block_size != base.card.kv_block_size:
+                    caches = self._decode_caches[name] = DecodeCaches(base.card.kv_block_size)
+                caches.keep_only({i.instance_id for i in model.instances})
+                model.decode_caches = caches
+            else:
+                self._decode_caches.pop(name, None)
+        return adapters
 
     def _attach_prefill_workers(self, models: dict[str, ServedModel],
                                 prefill: list[tuple[ModelCard, InstanceRecord]]) -> None:

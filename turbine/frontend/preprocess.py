@@ -154,6 +154,7 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
         text=text_in,
         structured_outputs=plan.structured_outputs or (constraint.outputs if constraint else None),
         prompt_embeds=embeds,
+        lora_name=model.lora_name,
     )
     output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
                         # the parsers' markers may be special tokens

@@ -7,10 +7,11 @@ import argparse
 from dataclasses import dataclass
 
 from turbine.config import check, flag
+from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
-from turbine.mocker.timing import TimingProfile, load_profile
+from turbine.mocker.timing import DEFAULT_LORA_LOAD_TIME_MS, TimingProfile, load_profile
 from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
 from turbine.tracing import add_tracing_args
@@ -42,6 +43,14 @@ class MockerConfig(ServingConfig):
     # Every answer is this text's tokens (then EOS) instead of random words; None: random words.
     reply_text: str | None = flag("--reply-text", default=None)
     kv_events_drop_after: int | None = flag("--kv-events-drop-after", default=None)  # test hook
+    # LoRA adapters (as vLLM's flags): loaded by the shared worker host (turbine/worker/lora.py);
+    # the mocker checks and records them, and serves requests naming one it holds.
+    enable_lora: bool = flag("--enable-lora", default=False)
+    max_lora_rank: int = flag("--max-lora-rank", default=16)
+    # Each step holds requests of at most max_loras distinct adapters, kept in that many active slots
+    # (an LRU); bringing one into a slot costs lora_load_time_ms (timing.py).
+    max_loras: int | None = flag("--max-loras", default=None)  # None: vLLM's default, 1
+    lora_load_time_ms: float | None = flag("--lora-load-time-ms", default=None)  # None: DEFAULT_LORA_LOAD_TIME_MS
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,11 +74,27 @@ class MockerConfig(ServingConfig):
         check(self, self.max_model_len >= 2, "max_model_len",
               "give a context length of at least 2 (the model config has none)")
         # As vLLM does at start-up: one sequence of the full context must fit in the KV cache.
+        for name in ("max_loras", "lora_load_time_ms"):
+            check(self, self.enable_lora or getattr(self, name) is None, name, "needs --enable-lora")
+        check(self, self.max_loras is None or self.max_loras >= 1, "max_loras", "must be >= 1")
+        check(self, self.lora_load_time_ms is None or self.lora_load_time_ms >= 0, "lora_load_time_ms",
+              "must be >= 0 (milliseconds)")
         check(self, -(-self.max_model_len // self.block_size) <= self.num_gpu_blocks, "num_gpu_blocks",
               f"{self.num_gpu_blocks} x --block-size {self.block_size} cannot hold one sequence of "
               f"--max-model-len {self.max_model_len}")
         check(self, not self.is_decode or self.kv_transfer.bytes_per_token >= 1, "kv_bytes_per_token",
               "the model's config.json does not give its KV size; give it")
+        check(self, self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        check(self, self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")
+
+    @property
+    def lora_slots(self) -> int:
+        """Active adapter slots per engine (0: LoRA off)."""
+        return (self.max_loras or 1) if self.enable_lora else 0
+
+    @property
+    def lora_load_ms(self) -> float:
+        return DEFAULT_LORA_LOAD_TIME_MS if self.lora_load_time_ms is None else self.lora_load_time_ms
 
     @property
     def kv_transfer(self) -> KvTransferModel:
@@ -79,10 +104,16 @@ class MockerConfig(ServingConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    with env_errors("python -m turbine.mocker"):
+        return _build_parser()
+
+
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m turbine.mocker",
         description="Simulated vLLM workers: the same endpoints, discovery records and model card as "
                     "python -m turbine.vllm, with a simulated scheduler and KV cache instead of a model.")
+    add_config_arg(p)
     p.add_argument("--model", default=None,
                    help="model whose tokenizer and config to use: an embedded name, a local Hugging Face "
                         "folder or a hub id (default: the embedded SmolLM2-135M-Instruct)")
@@ -101,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     sim.add_argument("--max-model-len", type=int, default=None,
                      help="context length (default: the model's max_position_embeddings)")
-    sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse cached KV blocks of earlier prompts' prefixes (default on)")
     sim.add_argument("--natural-output-len", type=int, default=128,
                      help="without ignore_eos, an answer ends with EOS after between half and one and a half "
                           "times this many tokens (deterministic per request); 0 = only max_tokens ends it")
@@ -128,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     disagg.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, metavar="GB_PER_S",
                         help="KV transfer bandwidth between prefill and decode workers, in GB/s (default "
                              f"{DEFAULT_BANDWIDTH_GB_S:g}: a 200 Gb/s RDMA link); scaled by --speedup-ratio")
+    lora = p.add_argument_group("LoRA adapters (as vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="take LoRA adapters (load_lora / POST /v1/loras, --lora-modules): each is checked "
+                           "(adapter_config.json, safetensors, the model's shapes) and recorded")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank taken")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="active adapter slots per engine (default 1, as vLLM): a step holds requests of at most "
+                           "this many distinct adapters; the slots are an LRU")
+    lora.add_argument("--lora-load-time-ms", type=float, default=None, metavar="MS",
+                      help="simulated time to bring an adapter into a slot, added to the step that first needs it "
+                           f"(default {DEFAULT_LORA_LOAD_TIME_MS:g}: see docs/mocker.md; scaled by --speedup-ratio)")
     add_logging_args(p)
     add_tracing_args(p)
     hooks = p.add_argument_group("test hooks")
@@ -142,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
     """Read the flags (and the model's tokenizer and config); MockerConfig checks the values."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_config_file(parser, argv))
     if args.use_vllm_tokenizer:
         parser.error("--use-vllm-tokenizer: text mode is not supported by the mocker (it simulates a token-in, "
                      "token-out worker)")
@@ -166,4 +209,7 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         speedup_ratio=args.speedup_ratio, startup_time=args.startup_time, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
         kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
+        enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+        lora_load_time_ms=args.lora_load_time_ms,
     )
+

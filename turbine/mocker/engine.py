@@ -54,8 +54,9 @@ class Outputs:
 class MockEngine:
     def __init__(self, scheduler: Scheduler, timing: TimingProfile, speedup_ratio: float,
                  on_step: Callable[[Scheduler], None] | None = None,
-                 kv_transfer: KvTransferModel | None = None):
+                 kv_transfer: KvTransferModel | None = None, lora_load_ms: float = 0.0):
         self.scheduler = scheduler
+        self.lora_load_ms = lora_load_ms  # each adapter a step brings into an active slot adds this
         self.timing = timing
         self.speedup_ratio = speedup_ratio
         self.kv_transfer = kv_transfer  # None: pulls take no time
@@ -106,7 +107,7 @@ class MockEngine:
                 continue
             if self.speedup_ratio > 0:
                 ms = self.timing.step_ms(step.prefill_tokens, step.prefill_pairs, step.decode_seqs,
-                                         step.decode_kv_tokens)
+                                         step.decode_kv_tokens) + step.lora_swaps * self.lora_load_ms
                 next_start = max(next_start + ms / 1000 / self.speedup_ratio, loop.time() - MAX_CATCH_UP_S)
                 await asyncio.sleep(next_start - loop.time())
             else:

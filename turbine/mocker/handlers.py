@@ -28,7 +28,6 @@ from turbine.worker.worker_metrics import WorkerMetrics
 
 MAX_N = 16  # choices per request; the frontend allows no more
 MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default limit
-LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
 # The mocker has no tokenizer to render, tokenize or detokenize text with.
 TEXT_MODE_UNSUPPORTED = "text mode (--use-vllm-tokenizer) is not supported by the mocker: send token_ids"
 
@@ -47,6 +46,7 @@ class Handlers:
         self.vocab_size = vocab_size
         self.instance_id = instance_id  # a prefill's remote_engine_id
         self.max_model_len = engines[0].scheduler.max_model_len
+        self.adapters: dict[str, int] = {}  # the LoRA adapters loaded (name -> id), kept by the worker
 
     def engine_for(self, req: GenerateRequest) -> MockEngine:
         """The engine of the request's dp_rank; without one, the rank with the fewest unfinished
@@ -63,8 +63,9 @@ class Handlers:
     def sequences(self, req: GenerateRequest) -> list[Sequence]:
         """The request's choices as scheduler sequences, after vLLM's input checks."""
         prompt = req.token_ids
-        if req.lora_name is not None:
-            raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
+        if req.lora_name is not None and req.lora_name not in self.adapters:
+            raise InvalidRequest(f"lora_name {req.lora_name!r}: no such LoRA adapter is loaded on this worker",
+                                 param="lora_name")
         if req.text is not None:
             raise InvalidRequest(f"text: {TEXT_MODE_UNSUPPORTED}")
         if req.structured_outputs is not None:
@@ -105,7 +106,7 @@ class Handlers:
                          choice=Choice(seed=seed, index=i, min_tokens=min_tokens, stop_token_ids=stop_ids,
                                        ignore_eos=stop.ignore_eos),
                          tokens=list(prompt), num_prompt_tokens=len(prompt), max_tokens=max_tokens,
-                         kv_to_pull=pull)
+                         kv_to_pull=pull, lora_name=req.lora_name)
                 for i in range(n)]
 
     def _role_limits(self, n: int, max_tokens: int, min_tokens: int) -> tuple[int, int, int]:

@@ -22,11 +22,14 @@ from collections.abc import Callable, Iterable, Sequence
 from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 
 
-def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """64-bit hash of one full block: its parent's hash (None for the first block) + its tokens."""
+def block_hash(parent: int | None, token_ids: Sequence[int], lora_name: str | None = None) -> int:
+    """64-bit hash of one full block: its parent's hash (None for the first block; then the LoRA
+    adapter's name, if any, as vLLM keys an adapter's blocks apart) + its tokens."""
     h = hashlib.blake2b(digest_size=8)
     if parent is not None:
         h.update(parent.to_bytes(8, "little"))
+    elif lora_name is not None:
+        h.update(b"lora\0" + lora_name.encode() + b"\0")
     h.update(array("I", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
@@ -93,7 +96,7 @@ class BlockPool:
         return blocks
 
     def cache_full_blocks(self, blocks: Sequence[int], hashes: Sequence[int], start: int, end: int,
-                          token_ids: Sequence[int]) -> None:
+                          token_ids: Sequence[int], lora_name: str | None = None) -> None:
         """Enter blocks[start:end] of one sequence into the prefix cache. `hashes[i]` is the
         hash of the sequence's block i and `token_ids` its tokens. A block whose hash another
         block already holds (both computed the same prefix at once) stays uncached."""
@@ -103,12 +106,12 @@ class BlockPool:
         for i in range(start, end):
             h = hashes[i]
             if h in self.cached:
-                self._emit_stored(hashes, run_start, i, token_ids)
+                self._emit_stored(hashes, run_start, i, token_ids, lora_name)
                 run_start = i + 1
                 continue
             self.block_hashes[blocks[i]] = h
             self.cached[h] = blocks[i]
-        self._emit_stored(hashes, run_start, end, token_ids)
+        self._emit_stored(hashes, run_start, end, token_ids, lora_name)
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference on each block, given in eviction order (first = evicted first)."""
@@ -132,13 +135,18 @@ class BlockPool:
         self._emit(AllBlocksCleared())
         return True
 
-    def _emit_stored(self, hashes: Sequence[int], start: int, end: int, token_ids: Sequence[int]) -> None:
+    def _emit_stored(self, hashes: Sequence[int], start: int, end: int, token_ids: Sequence[int],
+                     lora_name: str | None = None) -> None:
         if start < end and self.on_event is not None:
             bs = self.block_size
             self._emit(BlockStored(block_hashes=list(hashes[start:end]),
                                    parent_hash=hashes[start - 1] if start else None,
-                                   tokens=pack_token_ids(token_ids[start * bs:end * bs]), block_size=bs))
+                                   tokens=pack_token_ids(token_ids[start * bs:end * bs]), block_size=bs), lora_name)
 
-    def _emit(self, event: KvEvent) -> None:
+    def _emit(self, event: KvEvent, lora_name: str | None = None) -> None:
+        """`on_event(event)`, or `on_event(event, lora_name)` for an adapter's stored blocks."""
         if self.on_event is not None:
-            self.on_event(event)
+            if lora_name is None:
+                self.on_event(event)
+            else:
+                self.on_event(event, lora_name)

@@ -3,7 +3,7 @@ one labelled series per simulated worker, set when /metrics is scraped."""
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from turbine.mocker.scheduler import Scheduler
 from turbine.worker.worker_metrics import LABELS
@@ -14,6 +14,7 @@ _blocks_cached = Gauge("turbine_mocker_kv_blocks_cached",
 _waiting = Gauge("turbine_mocker_waiting_sequences",
                  "sequences in the waiting queue, including those pulling their KV from a prefill worker", LABELS)
 _running = Gauge("turbine_mocker_running_sequences", "sequences in the running batch", LABELS)
+_lora_swaps = Counter("turbine_mocker_lora_swaps", "LoRA adapters brought into an active slot (--enable-lora)", LABELS)
 
 
 class EngineGauges:
@@ -23,6 +24,7 @@ class EngineGauges:
         self._schedulers = schedulers
         self._in_use, self._cached = _blocks_in_use.labels(*values), _blocks_cached.labels(*values)
         self._waiting, self._running = _waiting.labels(*values), _running.labels(*values)
+        self._lora_swaps, self._swaps_counted = _lora_swaps.labels(*values), 0
 
     def refresh(self) -> None:
         scheds = self._schedulers
@@ -30,3 +32,6 @@ class EngineGauges:
         self._cached.set(sum(len(s.pool.evictable) for s in scheds))
         self._waiting.set(sum(len(s.waiting) + len(s.pulling) for s in scheds))
         self._running.set(sum(len(s.running) for s in scheds))
+        swaps = sum(s.lora_slots.swaps for s in scheds if s.lora_slots is not None)
+        self._lora_swaps.inc(swaps - self._swaps_counted)
+        self._swaps_counted = swaps

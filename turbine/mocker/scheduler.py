@@ -14,6 +14,11 @@ the caller lands its KV (`land`), then rejoins the head of the waiting queue wit
 prompt computed but the last token, which the next step recomputes to produce logits.
 Landed sequences stay ahead of every other waiting one: they need no more blocks to start.
 
+LoRA (vLLM's rule): the running batch holds sequences of at most `lora_slots.capacity` distinct
+adapters; a waiting sequence of another adapter is skipped (it keeps its place) while they are
+all taken. A step's adapters are brought into the engine's active slots (an LRU); those not
+there yet are the step's `lora_swaps`, which the engine charges time for.
+
 The scheduler is synchronous and knows no time: `schedule()` plans a step, the caller
 lets the step's (simulated) time pass, then `complete()` applies it.
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from turbine.mocker.kv_cache import BlockPool, block_hash
 from turbine.mocker.timing import attention_pairs
 from turbine.mocker.tokens import Choice, TokenSampler
+from turbine.worker.lora_slots import LoraSlots
 
 WAITING, PULLING, RUNNING, FINISHED = "waiting", "pulling", "running", "finished"
 
@@ -49,6 +55,7 @@ class Sequence:
     num_preemptions: int = 0
     kv_to_pull: bool = False  # decode side: the prompt's KV is to be pulled from a prefill worker
     num_pull_tokens: int = 0  # tokens pulled: the prompt less what the local prefix cache had
+    lora_name: str | None = None  # the LoRA adapter it runs under: its blocks are another cache
 
     @property
     def num_output_tokens(self) -> int:
@@ -65,6 +72,7 @@ class Step:
     decode_seqs: int  # sequences computing just their last sampled token
     decode_kv_tokens: int  # context length summed over those sequences
     pulls: list[Sequence] = field(default_factory=list)  # sequences that started pulling KV in this step
+    lora_swaps: int = 0  # adapters this step brings into an active slot
 
 
 @dataclass
@@ -78,8 +86,9 @@ class SeqOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, sampler: TokenSampler, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, lora_slots: LoraSlots | None = None):
         self.pool = pool
+        self.lora_slots = lora_slots  # None: LoRA off
         self.sampler = sampler
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -123,7 +132,8 @@ class Scheduler:
             # Cached only now that their contents are there (vLLM delays caching them too).
             num_full = seq.num_computed // self.pool.block_size
             if num_full > seq.num_cached_blocks:
-                self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
+                self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens,
+                                         seq.lora_name)
                 seq.num_cached_blocks = num_full
         self._requeue_at_head(seqs)
 
@@ -149,8 +159,15 @@ class Scheduler:
 
         # Like vLLM: no admissions in a step that had to preempt.
         pulls = []
+        slots = self.lora_slots
+        batch_loras = {s.lora_name for s in self.running if s.lora_name} if slots is not None else set()
+        skipped: list[Sequence] = []  # waiting sequences of an adapter for which no slot is free
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if (slots is not None and seq.lora_name and seq.lora_name not in batch_loras
+                    and len(batch_loras) >= slots.capacity):
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.blocks:  # its pulled KV landed: it holds its blocks already
                 hits, num_hit_tokens = [], seq.num_computed
             else:
@@ -176,10 +193,18 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
+            if seq.lora_name:
+                batch_loras.add(seq.lora_name)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_hit_tokens
             scheduled.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))  # they keep their places at the head
+        lora_swaps = 0
+        if slots is not None:
+            step_loras = list(dict.fromkeys(seq.lora_name for seq, _ in scheduled if seq.lora_name))
+            # Those already in a slot first: they become the most recent, so a swap evicts none of them.
+            lora_swaps = slots.touch(sorted(step_loras, key=lambda name: name not in slots))
 
         prefill_tokens = decode_seqs = decode_kv_tokens = 0
         prefill_pairs = 0.0
@@ -190,7 +215,7 @@ class Scheduler:
             else:
                 prefill_tokens += n
                 prefill_pairs += attention_pairs(n, seq.num_computed)
-        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens, pulls)
+        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens, pulls, lora_swaps)
 
     def complete(self, step: Step) -> list[SeqOutput]:
         """Apply a planned step: advance each sequence, sample, and finish those that stop.
@@ -253,7 +278,8 @@ class Scheduler:
         # Like vLLM, full blocks are cached when allocated, before the step computes them.
         num_full = min(num_computed + num_new, len(seq.tokens)) // bs
         if cache and num_full > seq.num_cached_blocks:
-            pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens)
+            pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens,
+                                         seq.lora_name)
             seq.num_cached_blocks = num_full
         return True
 
@@ -284,4 +310,4 @@ class Scheduler:
         bs, tokens, hashes = self.pool.block_size, seq.tokens, seq.hashes
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs]))
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs], seq.lora_name))

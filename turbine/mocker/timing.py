@@ -23,6 +23,16 @@ from pathlib import Path
 import msgspec
 
 
+# LoRA: the time to bring an adapter into one of the engine's active slots, added to the step that
+# first needs it (--lora-load-time-ms). vLLM copies the adapter's weights into the least recently used
+# of its max_loras slots before the forward pass. On the real vLLM CPU worker that the built-in profile
+# models (SmolLM2-135M, 2 cores), swapping a rank-16 adapter of every linear module (20 MB) into its one
+# slot did not make a one-token request measurably slower: -19 ms, medians of 50 against 50 requests
+# of about 900 ms (benchmarks/lora_swap_calibrate.py, benchmarks/RESULTS.md "Adapter-aware routing").
+# So 0: the slots still limit which requests batch together. Give a GPU engine's copy time to model one.
+DEFAULT_LORA_LOAD_TIME_MS = 0.0
+
+
 class TimingProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step_base_ms: float = 27.31
     prefill_ms_per_token: float = 1.199

@@ -30,6 +30,7 @@ from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, Sto
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
 from turbine.worker.kv_publisher import KvEventPublisher
+from turbine.worker.lora_slots import LoraSlots
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
@@ -53,8 +54,10 @@ class WorkerEngines:
         for _ in range(cfg.data_parallel_size):
             pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
             scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
-            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer))
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
+                                  lora_slots=LoraSlots(cfg.lora_slots) if cfg.enable_lora else None)
+            self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer,
+                                           lora_load_ms=cfg.lora_load_ms))
         self.level = 0  # sleep level, 0: awake
 
     async def sleep(self, level: int) -> None:
@@ -103,6 +106,8 @@ class SimulatedWorker:
         self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
         self.events.serve_replay(self.server)
+        self.adapters: dict[str, int] = {}  # LoRA adapter name -> id (what requests may name)
+        self.handlers.adapters = self.adapters
         self.card = cfg.model_card(
             self.instance_id, engine="mocker", tokenizer_path=cfg.tokenizer_path,
             context_length=cfg.max_model_len, kv_block_size=cfg.block_size, total_kv_blocks=cfg.num_gpu_blocks,
@@ -121,13 +126,36 @@ class SimulatedWorker:
         await self.worker_engines.wake_up()
         self.metrics.total_kv_blocks.set(self.cfg.num_gpu_blocks)
 
+    # Its LoRA adapters (turbine/worker/lora.py checks them and runs the load / unload sequence).
+    def lora_refusal(self) -> str | None:
+        return None if self.cfg.enable_lora else "this worker takes no LoRA adapters: start it with --enable-lora"
+
+    @property
+    def max_lora_rank(self) -> int | None:
+        return self.cfg.max_lora_rank
+
+    @property
+    def base_model_dir(self) -> str | None:
+        return self.cfg.tokenizer_path  # the model's folder (config and, for real models, weights)
+
+    async def add(self, name: str, lora_id: int, path: str) -> None:
+        self.adapters[name] = lora_id
+
+    async def remove(self, name: str, lora_id: int) -> None:
+        self.adapters.pop(name, None)
+        for engine in self.engines:  # its active slot is free again, as vLLM's remove_lora frees it
+            if engine.scheduler.lora_slots is not None:
+                engine.scheduler.lora_slots.discard(name)
+
     def _load_reporter(self, rank: int):
         return lambda scheduler: self._publish_load(rank, scheduler)
 
     def _publish_load(self, rank: int, sched: Scheduler) -> None:
         # Requests pulling their KV count as waiting, as in vLLM (they sit in its waiting queue).
+        slots = sched.lora_slots
         self.events.load.update(rank, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
-                                num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling))
+                                num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling),
+                                max_loras=slots.capacity if slots else 0, active_loras=slots.resident if slots else ())
 
     def refresh_gauges(self) -> None:
         self.metrics.engine_unfinished.set(sum(e.scheduler.num_unfinished for e in self.engines))
@@ -160,14 +188,14 @@ def _pool_events(publisher: KvEventPublisher, drop_after: int | None):
     publishes that many and silently drops the rest, to exercise routers' warnings."""
     publish = publisher.publish
     if drop_after is None:
-        return lambda event: publish([event])
+        return lambda event, lora_name=None: publish([event], lora_name=lora_name)
     left = drop_after
 
-    def publish_then_drop(event) -> None:
+    def publish_then_drop(event, lora_name=None) -> None:
         nonlocal left
         if left > 0:
             left -= 1
-            publish([event])
+            publish([event], lora_name=lora_name)
 
     return publish_then_drop
 
@@ -217,7 +245,7 @@ class SimulatedEngines:
         # One event plane for all the workers here (nats: one connection).
         self.workers = [SimulatedWorker(self.cfg, engines, health, plane, instance_id)
                         for engines, instance_id in zip(self.built, self.instance_ids)]
-        return [Instance(w.server, w.card, sleep=w) for w in self.workers]
+        return [Instance(w.server, w.card, sleep=w, lora=w, metrics=w.metrics) for w in self.workers]
 
     async def canary(self) -> str | None:
         for reason in await asyncio.gather(*(w.canary() for w in self.workers)):

@@ -57,6 +57,8 @@ class PlannerService:
         for card in cards:
             if card.namespace != self.cfg.namespace or card.path not in live:
                 continue
+            if card.lora_name is not None:  # a LoRA adapter's card: its instance counts by its base card
+                continue
             if self.cfg.model is not None and card.name != self.cfg.model:
                 continue
             if card.disaggregation_mode in self.cfg.roles:

@@ -68,12 +68,30 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     data_parallel_size: int = 1
     # Whether it takes GenerateRequest.prompt_embeds (the vLLM worker's --enable-prompt-embeds).
     accepts_prompt_embeds: bool = False
+    # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
+    # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
+    # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the
+    # instance, under the instance's path (see `key`).
+    lora_name: str | None = None
+    lora_id: int | None = None
+    base_model: str | None = None
     v: int = WIRE_VERSION
 
     @property
     def path(self) -> str:
         """The path of the instance this card belongs to."""
         return instance_path(self.namespace, self.component, self.endpoint, self.instance_id)
+
+    @property
+    def key(self) -> str:
+        """Where the card lives in discovery: the instance's path for its base card, below it
+        for an adapter's (so an instance may publish several, and each goes with it)."""
+        if self.lora_name is None:
+            return self.path
+        return f"{self.path}/{LORA_KEY}/{self.lora_name}"
+
+
+LORA_KEY = "lora"
 
 
 # The output parsers a card may name (tool_call_parser, reasoning_parser); the frontend's

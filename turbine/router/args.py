@@ -4,12 +4,12 @@ Its KV routing flags are the frontend's kv mode's (turbine.router.config)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 from turbine.config import DEFAULT_NAMESPACE, ClusterSecurityConfig, DiscoveryConfig, check, config_errors_to, flag
 from turbine.config import add_cluster_security_args, add_discovery_args, cluster_security_from_args
 from turbine.config import discovery_config_from_args
+from turbine.flag_sources import add_config_arg, env_errors, env_int, env_str, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.router.config import KvRouterConfig, add_kv_router_args, kv_router_config_from_args
 from turbine.tracing import add_tracing_args
@@ -42,20 +42,29 @@ class RouterServiceConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
+    with env_errors("python -m turbine.router"):
+        return _build_parser()
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    env = env_str
     p = argparse.ArgumentParser(
         prog="python -m turbine.router",
         description="Standalone KV-aware router: follows the workers in discovery and answers "
                     "best_worker (plus first_token / finished notices) over the request plane.")
+    add_config_arg(p)
     g = p.add_argument_group("Turbine router")
     g.add_argument("--namespace", default=env("TURBINE_NAMESPACE", DEFAULT_NAMESPACE),
-                   help="register in this namespace and route among its workers")
-    g.add_argument("--host", default=env("TURBINE_REQUEST_PLANE_HOST", "127.0.0.1"), help="request-plane bind address")
-    g.add_argument("--port", type=int, default=int(env("TURBINE_REQUEST_PLANE_PORT", "0")),
-                   help="request-plane port (0 = any free port)")
-    g.add_argument("--system-host", default=env("TURBINE_SYSTEM_HOST", "127.0.0.1"))
-    g.add_argument("--system-port", type=int, default=int(env("TURBINE_SYSTEM_PORT")) if env("TURBINE_SYSTEM_PORT")
-                   else None, help="port of the status server (/health, /live, /metrics); off when unset")
+                   help="register in this namespace and route among its workers (env TURBINE_NAMESPACE)")
+    g.add_argument("--host", default=env("TURBINE_REQUEST_PLANE_HOST", "127.0.0.1"),
+                   help="request-plane bind address (env TURBINE_REQUEST_PLANE_HOST; default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=env_int("TURBINE_REQUEST_PLANE_PORT", 0),
+                   help="request-plane port (0 = any free port; env TURBINE_REQUEST_PLANE_PORT)")
+    g.add_argument("--system-host", default=env("TURBINE_SYSTEM_HOST", "127.0.0.1"),
+                   help="bind address of the status server (env TURBINE_SYSTEM_HOST; default 127.0.0.1)")
+    g.add_argument("--system-port", type=int, default=env_int("TURBINE_SYSTEM_PORT", None),
+                   help="port of the status server (/health, /live, /metrics); off when unset "
+                        "(env TURBINE_SYSTEM_PORT)")
     g.add_argument("--router-request-ttl", type=float, default=DEFAULT_REQUEST_TTL_S, metavar="SECONDS",
                    help="a placed request whose 'finished' notice has not come after this long stops counting "
                         "as load (its caller is presumed gone)")
@@ -69,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_router_args(argv: list[str] | None = None) -> RouterServiceConfig:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_config_file(parser, argv))
     kv = kv_router_config_from_args(args, parser)
     discovery = discovery_config_from_args(args, parser)
     security = cluster_security_from_args(args, parser)

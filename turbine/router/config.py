@@ -16,6 +16,10 @@ from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
 # 2026-11-26) weight 4 beat 1 on TTFT p50/p99 and cache hits for both workloads; computing a block
 # of prompt costs the engine far more than holding one more block while decoding.
 DEFAULT_OVERLAP_WEIGHT = 4.0
+# A request whose adapter is not in a worker's active LoRA slots costs that worker this many blocks
+# more (the swap, and the wait for a slot). Chosen from the LoRA fleet benchmark (benchmarks/RESULTS.md,
+# "Adapter-aware routing").
+DEFAULT_LORA_SWAP_WEIGHT = 64.0
 
 
 @dataclass(frozen=True)
@@ -27,12 +31,15 @@ class KvRouterConfig:
     # Expected KV events later than this after a first token: a warning naming the worker.
     events_deadline_s: float = flag("--router-kv-events-deadline", default=DEFAULT_DEADLINE_S)
     approx_ttl_s: float = DEFAULT_TTL_S  # approximate mode: how long a routed prefix counts as cached
+    # LoRA: the extra cost, in blocks, of a worker whose active slots lack the request's adapter; 0: ignore slots.
+    lora_swap_weight: float = flag("--router-lora-swap-weight", default=DEFAULT_LORA_SWAP_WEIGHT)
 
     def __post_init__(self):
         check(self, self.overlap_weight >= 0, "overlap_weight", "must be >= 0")
         check(self, self.temperature >= 0, "temperature", "must be >= 0")
         check(self, self.events_deadline_s > 0, "events_deadline_s", "must be > 0")
         check(self, self.approx_ttl_s > 0, "approx_ttl_s", "must be > 0")
+        check(self, self.lora_swap_weight >= 0, "lora_swap_weight", "must be >= 0")
 
 
 def add_kv_router_args(group, scope: str = "") -> None:
@@ -48,10 +55,14 @@ def add_kv_router_args(group, scope: str = "") -> None:
     group.add_argument("--router-kv-events-deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
                        help=f"{scope}warn (naming the worker) when a worker's KV events have not arrived this "
                             "long after it prefilled blocks the router did not know it held")
+    group.add_argument("--router-lora-swap-weight", type=float, default=DEFAULT_LORA_SWAP_WEIGHT, metavar="BLOCKS",
+                       help=f"{scope}a request for a LoRA adapter costs a worker whose active adapter slots lack it "
+                            f"this many KV blocks more (default {DEFAULT_LORA_SWAP_WEIGHT:g}); 0 ignores the slots")
 
 
 def kv_router_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> KvRouterConfig:
     with config_errors_to(parser):
         return KvRouterConfig(overlap_weight=args.router_kv_overlap_score_weight,
                               temperature=args.router_temperature, use_kv_events=args.router_kv_events,
-                              events_deadline_s=args.router_kv_events_deadline)
+                              events_deadline_s=args.router_kv_events_deadline,
+                              lora_swap_weight=args.router_lora_swap_weight)

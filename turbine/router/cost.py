@@ -13,12 +13,22 @@ the size of the request being routed. Counting the queued requests' cached prefi
 whole context) was measured and left out: on the Mooncake trace at 200 % of capacity it spread
 conversations away from their caches, lowering the hit rate and the fleet's throughput
 (benchmarks/RESULTS.md, KV routing under overload).
+
+LoRA: a request for an adapter that a worker does not hold in its active slots (as its last load
+report lists them, plus the adapters of the requests this router sent it that have not finished)
+costs that worker `lora_swap_weight` blocks more: the engine must swap the adapter in before the
+prefill. Twice that where every slot serves unfinished requests of other adapters that this router
+sent there: the request also waits for one of those adapters to drain (vLLM batches at most
+max_loras adapters). Without that second level, the few requests of rare adapters landed on workers
+whose slots the popular adapters kept busy and waited there for seconds (the TTFT tail; benchmarks/
+RESULTS.md, "Adapter-aware routing").
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from turbine.protocol.load_metrics import LoadMetrics
@@ -41,6 +51,7 @@ class _Sent:
     prefill_tokens: int  # 0 once its first token came
     blocks: int
     handed_over: bool = False  # the worker's own reports now include its blocks
+    lora_name: str | None = None
 
 
 class LoadTracker:
@@ -64,6 +75,7 @@ class LoadTracker:
         self._reports: dict[WorkerKey, LoadMetrics] = {}  # each worker's latest report
         self._awaiting_report: dict[WorkerKey, set[str]] = {}  # first token seen, not handed over
         self._waiting: dict[WorkerKey, int] = {}  # requests sent, no first token yet
+        self._loras: dict[WorkerKey, Counter[str]] = {}  # adapters of the unfinished requests sent there
 
     def load(self, worker: WorkerKey) -> WorkerLoad:
         own = self._own.get(worker) or WorkerLoad()
@@ -84,13 +96,35 @@ class LoadTracker:
     def reporting_workers(self) -> list[WorkerKey]:
         return list(self._reports)
 
-    def add(self, request_id: str, worker: WorkerKey, prefill_tokens: int, blocks: int) -> None:
+    def lora_swaps(self, worker: WorkerKey, lora_name: str) -> int:
+        """What a request of this adapter costs the worker, in adapter swaps. 0: the adapter is (or is
+        about to be) in one of its active slots: its last report lists it, or a request of it that this
+        router sent there has not finished (the worker swapped it in for that request, and a request of
+        the same adapter joins it). 1: it is not. 2: besides, every slot serves unfinished requests this
+        router sent there of other adapters, so the request also waits for one of them to drain."""
+        report = self._reports.get(worker)
+        mine = self._loras.get(worker, {})
+        if mine.get(lora_name):
+            return 0
+        slots = report.max_loras if report is not None else 0
+        busy = bool(slots) and len(mine) >= slots
+        if report is not None and lora_name in report.active_loras and not busy:
+            return 0  # (a slot the report lists can be taken by then: not while every slot is busy)
+        return 2 if busy else 1
+
+    def lora_active(self, worker: WorkerKey, lora_name: str) -> bool:
+        return self.lora_swaps(worker, lora_name) == 0
+
+    def add(self, request_id: str, worker: WorkerKey, prefill_tokens: int, blocks: int,
+            lora_name: str | None = None) -> None:
         self.free(request_id)  # routed again (its first worker was unreachable): it counts only once
         load = self._own.setdefault(worker, WorkerLoad())
         load.prefill_tokens += prefill_tokens
         load.active_blocks += blocks
         self._waiting[worker] = self._waiting.get(worker, 0) + 1
-        self._sent[request_id] = _Sent(worker, prefill_tokens, blocks)
+        self._sent[request_id] = _Sent(worker, prefill_tokens, blocks, lora_name=lora_name)
+        if lora_name:
+            self._loras.setdefault(worker, Counter())[lora_name] += 1
 
     def _started(self, sent: _Sent) -> None:
         """The request waits no more (its first token came, or it ended before)."""
@@ -118,7 +152,14 @@ class LoadTracker:
 
     def free(self, request_id: str) -> None:
         sent = self._sent.pop(request_id, None)
-        if sent is None or sent.handed_over:
+        if sent is None:
+            return
+        if sent.lora_name:
+            loras = self._loras[sent.worker]
+            loras[sent.lora_name] -= 1
+            if not loras[sent.lora_name]:
+                del loras[sent.lora_name]
+        if sent.handed_over:
             return  # not counted here any more: the worker's next report drops its blocks
         awaiting = self._awaiting_report.get(sent.worker)
         if awaiting is not None and request_id in awaiting:
@@ -129,7 +170,7 @@ class LoadTracker:
 
     def forget_instance(self, instance_id: str) -> None:
         """Every data-parallel rank of an instance (it left discovery)."""
-        for table in (self._own, self._reports, self._awaiting_report, self._waiting):
+        for table in (self._own, self._reports, self._awaiting_report, self._waiting, self._loras):
             for w in [w for w in table if w.instance_id == instance_id]:
                 del table[w]
         self._sent = {r: s for r, s in self._sent.items() if s.worker.instance_id != instance_id}
@@ -146,7 +187,11 @@ def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
 
 
 def worker_costs(overlaps: dict[WorkerKey, int], loads: dict[WorkerKey, WorkerLoad], prompt_tokens: int,
-                 block_size: int, overlap_weight: float) -> dict[WorkerKey, float]:
+                 block_size: int, overlap_weight: float, lora_swaps: dict[WorkerKey, int] | None = None,
+                 lora_swap_weight: float = 0.0) -> dict[WorkerKey, float]:
+    """`lora_swaps`: per worker, what the request's adapter costs it in swaps (LoadTracker.lora_swaps);
+    each costs `lora_swap_weight` blocks."""
+    lora_swaps = lora_swaps or {}
     costs = {}
     context_blocks = new_blocks(prompt_tokens, 0, block_size)  # the size of another router's queued request
     for worker, load in loads.items():
@@ -154,7 +199,7 @@ def worker_costs(overlaps: dict[WorkerKey, int], loads: dict[WorkerKey, WorkerLo
         prefill_blocks = (load.prefill_tokens + prompt_tokens - overlap * block_size) / block_size
         decode_blocks = (load.active_blocks + load.other_waiting * context_blocks
                          + new_blocks(prompt_tokens, overlap, block_size))
-        costs[worker] = overlap_weight * prefill_blocks + decode_blocks
+        costs[worker] = overlap_weight * prefill_blocks + decode_blocks + lora_swap_weight * lora_swaps.get(worker, 0)
     return costs
 
 

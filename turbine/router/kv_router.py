@@ -22,6 +22,7 @@ class Decision:
     seconds: float  # decision latency, for the router's metrics
     overlap_ratio: float  # cached share of the prompt's full blocks on the chosen worker
     prompt_blocks: int = 0  # full blocks in the prompt
+    lora_active: bool | None = None  # the chosen worker had the request's adapter active (None: no adapter)
 
 
 class KvRouter:
@@ -47,16 +48,20 @@ class KvRouter:
         hashes = block_hashes(token_ids, bs, lora_name=lora_name)
         overlaps = self.index.find_matches(hashes)
         loads = {w: self.loads.load(w) for w in workers}
-        costs = worker_costs(overlaps, loads, len(token_ids), bs, self.cfg.overlap_weight)
+        # An adapter's request prefers a worker that has the adapter active: elsewhere it waits for a swap.
+        swaps = {w: self.loads.lora_swaps(w, lora_name) for w in workers} if lora_name else {}
+        costs = worker_costs(overlaps, loads, len(token_ids), bs, self.cfg.overlap_weight, swaps,
+                             self.cfg.lora_swap_weight)
         worker = choose_worker(costs, loads, self.cfg.temperature, self._rng)
         overlap = overlaps.get(worker, 0)
         if track:
             self.loads.add(request_id, worker, prefill_tokens=len(token_ids) - overlap * bs,
-                           blocks=new_blocks(len(token_ids), overlap, bs))
+                           blocks=new_blocks(len(token_ids), overlap, bs), lora_name=lora_name)
             if isinstance(self.index, ApproxKvIndexer):
                 self.index.record(worker, hashes)
         return Decision(worker, overlap, costs, time.perf_counter() - started,
-                        overlap / len(hashes) if hashes else 0.0, len(hashes))
+                        overlap / len(hashes) if hashes else 0.0, len(hashes),
+                        (swaps[worker] == 0) if lora_name else None)
 
     def first_token(self, request_id: str) -> None:
         self.loads.prefill_done(request_id)

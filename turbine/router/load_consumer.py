@@ -21,6 +21,10 @@ from turbine.runtime.event_plane import LOAD_METRICS_TOPIC
 
 log = logging.getLogger("turbine.router")
 
+# More LoRA slots than any engine has: a report claiming more is hostile or broken (its adapter
+# list would grow the tracker without bound).
+MAX_LORA_SLOTS = 1024
+
 
 class LoadMetricsConsumer:
     def __init__(self, loads: LoadTracker, subscriber: RouterEventSubscriber | None = None):
@@ -76,6 +80,11 @@ class LoadMetricsConsumer:
             self.rejected += 1
             log.warning("load report of worker %s for dp rank %d dropped: its card has %d rank(s)",
                         metrics.instance_id, metrics.dp_rank, self._ranks.get(metrics.instance_id, 1))
+            return
+        if not 0 <= metrics.max_loras <= MAX_LORA_SLOTS or len(metrics.active_loras) > metrics.max_loras:
+            self.rejected += 1
+            log.warning("load report of worker %s dropped: %d active LoRA adapters for %d slots",
+                        metrics.instance_id, len(metrics.active_loras), metrics.max_loras)
             return
         self.received += 1
         self.loads.report(WorkerKey(metrics.instance_id, metrics.dp_rank), metrics)

@@ -49,5 +49,9 @@ class RouterMetrics:
         self.worker_pending_blocks = Gauge("turbine_router_worker_pending_blocks",
                                            "KV blocks of requests the router sent to the worker that its "
                                            "reports do not include yet", ["model", "worker"], registry=r)
+        self.lora_decisions = Counter("turbine_router_lora_decisions",
+                                      "decisions for LoRA adapter requests, by whether the chosen worker had the "
+                                      "adapter active (in its slots, or with a request of it from this router)",
+                                      ["model", "active"], registry=r)
         self.load_reports = Counter("turbine_router_load_reports", "worker load reports received", ["model"],
                                     registry=r)

@@ -65,6 +65,8 @@ class ModelKvRouter:
             decisions.inc()
             seconds.observe(decision.seconds)
             overlap.observe(decision.overlap_ratio)
+            if decision.lora_active is not None:
+                self.metrics.lora_decisions.labels(self.model, "true" if decision.lora_active else "false").inc()
         if track and self.watchdog is not None and decision.overlap_blocks < decision.prompt_blocks:
             # New full blocks for that worker: it must publish BlockStored for them.
             self.watchdog.expect(request_id, decision.worker.instance_id)

@@ -49,6 +49,8 @@ class RouterService:
         # The live instances of each (model, component): instance id -> its generate endpoint's record.
         self._pools: dict[PoolKey, dict[str, InstanceRecord]] = {}
         self._placed: dict[str, tuple[ModelKvRouter, float]] = {}  # request id -> its router, when placed
+        # LoRA adapters: (base model, component) -> adapter name -> the instances that hold it.
+        self._holders: dict[PoolKey, dict[str, set[str]]] = {}
         self.registered = False
 
     # -- discovery --------------------------------------------------------------------
@@ -57,12 +59,17 @@ class RouterService:
         by_path = {rec.path: rec for rec in instances}
         pools: dict[PoolKey, dict[str, InstanceRecord]] = {}
         pool_cards: dict[PoolKey, dict[str, ModelCard]] = {}
+        holders: dict[PoolKey, dict[str, set[str]]] = {}
         for card in sorted(cards, key=lambda c: c.instance_id):
             if card.namespace != self.cfg.namespace:
                 continue
             rec = by_path.get(card.path)
             if rec is None:
                 continue  # the card outlived its instance record (or arrived first)
+            if card.lora_name is not None:  # an adapter: routed by its base model's router, on its holders
+                holders.setdefault((card.base_model or "", card.component), {}).setdefault(
+                    card.lora_name, set()).add(card.instance_id)
+                continue
             key = (card.name, card.component)
             pools.setdefault(key, {})[card.instance_id] = rec
             pool_cards.setdefault(key, {})[card.instance_id] = card
@@ -74,6 +81,7 @@ class RouterService:
             if len(pools.get(key, ())) != len(self._pools.get(key, ())):
                 log.info("model %r component %r: %d worker(s)", key[0], key[1], len(pools.get(key, ())))
         self._pools = pools
+        self._holders = holders
 
     def _new_router(self, card: ModelCard) -> ModelKvRouter:
         return ModelKvRouter(card.name, self.cfg.kv, card.kv_block_size, self.metrics)
@@ -107,7 +115,8 @@ class RouterService:
             raise ValueError("token_ids is empty")
         if min(req.token_ids) < 0 or max(req.token_ids) > _MAX_TOKEN_ID:
             raise ValueError("token_ids: every token id must be between 0 and 2**32-1")
-        components = sorted(c for (model, c), pool in self._pools.items() if model == req.model and pool)
+        model, lora_name = self._model_and_adapter(req)
+        components = sorted(c for (m, c), pool in self._pools.items() if m == model and pool)
         if not components:
             raise ValueError(f"no live worker serves model {req.model!r} in namespace {self.cfg.namespace!r}")
         component = req.component
@@ -122,15 +131,33 @@ class RouterService:
         track = req.request_id is not None
         if track and req.request_id in self._placed:
             raise ValueError(f"request_id {req.request_id!r} is already placed (send 'finished' first)")
-        key = (req.model, component)
+        key = (model, component)
         pool, router = self._pools[key], self._routers[key]
-        decision = router.decide(req.request_id or "", req.token_ids, list(pool), req.lora_name, track=track)
+        if lora_name is not None:  # only the workers that hold the adapter
+            held = self._holders.get(key, {}).get(lora_name, set())
+            pool = {i: rec for i, rec in pool.items() if i in held}
+            if not pool:
+                raise ValueError(f"no live worker of model {model!r} in component {component!r} holds the LoRA "
+                                 f"adapter {lora_name!r}")
+        decision = router.decide(req.request_id or "", req.token_ids, list(pool), lora_name, track=track)
         if track:
             self._placed[req.request_id] = (router, time.monotonic())
         rec = pool[decision.worker.instance_id]
         return BestWorkerReply(instance_id=rec.instance_id, address=rec.address, endpoint=rec.endpoint,
                                component=component, dp_rank=decision.worker.dp_rank,
                                overlap_blocks=decision.overlap_blocks, prompt_blocks=decision.prompt_blocks)
+
+    def _model_and_adapter(self, req: BestWorkerRequest) -> tuple[str, str | None]:
+        """(base model, adapter) of a request: `model` may name an adapter (then it is the
+        adapter), or the base model with `lora_name` naming one of its adapters."""
+        bases = {m for (m, _c), by_name in self._holders.items() if req.model in by_name}
+        if bases and not any(m == req.model for m, _c in self._pools):
+            if req.lora_name is not None and req.lora_name != req.model:
+                raise ValueError(f"model {req.model!r} is a LoRA adapter; lora_name {req.lora_name!r} contradicts it")
+            if len(bases) > 1:
+                raise ValueError(f"adapter {req.model!r} adapts several models ({', '.join(sorted(bases))})")
+            return bases.pop(), req.model
+        return req.model, req.lora_name
 
     def expire(self, now: float | None = None) -> int:
         """Stop counting placed requests whose `finished` never came within the TTL."""

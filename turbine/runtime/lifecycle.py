@@ -21,9 +21,22 @@ def stop_on_signals(stopping: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stopping.set)
 
 
-async def drain_and_stop(servers: list[RequestPlaneServer], grace_s: float) -> None:
+# After unregistering, how long a worker keeps serving even when idle: a frontend that has not
+# seen the change yet (file discovery polls every 0.25 s) may still send it a request, on a
+# connection it already has; closing that connection under it would fail the request unless
+# the frontend migrates. Bounded by the grace period.
+UNREGISTER_SETTLE_S = 1.0
+
+
+async def drain_and_stop(servers: list[RequestPlaneServer], grace_s: float, settle_s: float = 0.0) -> None:
     """Wait up to `grace_s` for open streams to finish (call after unregistering, so no new
-    ones arrive), then stop every server: streams still open end with `shutting_down`."""
+    ones arrive; those sent in the first `settle_s` seconds by routers that had not seen it
+    yet are served too), then stop every server: streams still open end with `shutting_down`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    if grace_s > 0 and settle_s > 0:
+        await asyncio.sleep(min(settle_s, grace_s))
+    grace_s = max(0.0, deadline - loop.time())
     inflight = sum(s.inflight for s in servers)
     if grace_s > 0 and inflight:
         log.info("waiting up to %.0fs for %d in-flight requests", grace_s, inflight)

@@ -8,6 +8,7 @@ import platform
 from dataclasses import dataclass
 
 from turbine.config import check, flag
+from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
 from turbine.vllm.sleep import platform_sleep_refusal
@@ -44,11 +45,19 @@ class WorkerConfig(ServingConfig):
 
 
 def build_parser():
+    with env_errors("python -m turbine.vllm"):
+        return _build_parser()
+
+
+def _build_parser():
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="python -m turbine.vllm",
                                     description="Turbine vLLM worker: token-in/token-out generation.")
+    # Turbine reads --config itself (vLLM's parser would too, but it drops a `false` switch that has no
+    # --no- form and raises instead of naming a bad file), for the same precedence as every process.
+    add_config_arg(parser)
     # vLLM's own parser defines --reasoning-parser (read as Turbine's --dyn-reasoning-parser).
     add_serving_args(parser, reasoning_parser_alias=False)
     parser.add_argument("--connector", default=None,
@@ -71,7 +80,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_config_file(parser, argv))
 
     served = args.served_model_name
     if isinstance(served, list):
@@ -96,6 +105,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
 
+    if serving.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     _configure_connector(args, parser, serving)
     if args.enable_sleep_mode and (reason := platform_sleep_refusal()):
         parser.error(f"--enable-sleep-mode: {reason}")

@@ -28,10 +28,11 @@ worker says at start that it was not tested on it.
 from __future__ import annotations
 
 import logging
-import os
 
 import vllm
 from vllm.exceptions import VLLMValidationError
+
+from turbine.flag_sources import env_int
 
 log = logging.getLogger("turbine.vllm")
 
@@ -79,7 +80,7 @@ def dense_within_budget(tensor: object, *, parameter: str, max_bytes: int | None
     if not isinstance(tensor, torch.Tensor):
         raise VLLMValidationError(f"`{parameter}` payload did not deserialize to a torch.Tensor.", parameter=parameter)
     if max_bytes is None:
-        max_bytes = int(os.environ.get("VLLM_MAX_EMBED_DECODE_BYTES", DEFAULT_MAX_DENSE_BYTES))
+        max_bytes = env_int("VLLM_MAX_EMBED_DECODE_BYTES", DEFAULT_MAX_DENSE_BYTES)
     dense_bytes = tensor.numel() * tensor.element_size()
     if max_bytes > 0 and dense_bytes > max_bytes:
         raise VLLMValidationError(f"`{parameter}` declares shape {tuple(tensor.shape)}, which would take "

@@ -13,6 +13,8 @@ import random
 import socket
 import tempfile
 
+from turbine.flag_sources import env_int
+
 CONNECTORS = ("nixl", "lmcache", "kvbm", "none")
 
 
@@ -89,8 +91,8 @@ def claim_nixl_side_channel(host: str, data_parallel_size: int = 1) -> int:
     worker, so two on one host collide) and exports it, with the host, for the engine.
     The user's VLLM_NIXL_SIDE_CHANNEL_PORT wins. Each data-parallel rank uses port + rank."""
     os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
-    if "VLLM_NIXL_SIDE_CHANNEL_PORT" in os.environ:
-        return int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    if (given := env_int("VLLM_NIXL_SIDE_CHANNEL_PORT", None)) is not None:
+        return given
     port = _claim_port_run(host, data_parallel_size)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     return port

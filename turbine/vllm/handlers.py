@@ -29,6 +29,7 @@ from turbine.protocol.generate import (
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.compat import CLIENT_ERRORS
+from turbine.vllm.lora import NO_LORA, VllmLora
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
 from turbine.vllm.prompt_embeds import load_prompt_embeds
 from turbine.worker.admission import Admission
@@ -36,7 +37,6 @@ from turbine.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("turbine.vllm")
 
-LORA_UNSUPPORTED = "LoRA adapters are not supported by this worker"
 STRUCTURED = "structured_outputs"  # the GenerateRequest field named in its errors
 
 # What a prefill worker asks of its KV connector: keep the prompt's KV for a decode worker to pull.
@@ -130,8 +130,9 @@ class Handlers:
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
                  data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, loras: VllmLora | None = None):
         self.engine = engine
+        self.loras = loras  # the LoRA adapters loaded (None: the worker takes none)
         self.admission = admission or Admission(None, None)  # overload control (no bounds by default)
         self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
         self.chat_template = chat_template  # text mode: --custom-jinja-template's text (None: the model's)
@@ -149,8 +150,7 @@ class Handlers:
 
     def sampling_params(self, req: GenerateRequest, prompt_len: int | None = None) -> SamplingParams:
         """The request checked and turned into the engine's SamplingParams (InvalidRequest if bad)."""
-        if req.lora_name is not None:
-            raise InvalidRequest(f"lora_name {req.lora_name!r}: {LORA_UNSUPPORTED}")
+        self.lora_request(req)  # an adapter that is not loaded here: refused before any work
         if req.dp_rank is not None and not 0 <= req.dp_rank < self.data_parallel_size:
             raise InvalidRequest(f"dp_rank {req.dp_rank} out of range: this worker has data-parallel ranks "
                                  f"0..{self.data_parallel_size - 1}")
@@ -187,20 +187,30 @@ class Handlers:
             dtype=self.model_config.dtype, max_model_len=self.max_model_len)
         return {"prompt_embeds": embeds}
 
+    def lora_request(self, req: GenerateRequest):
+        """The engine's LoRARequest for the request's adapter (None: the base model)."""
+        if req.lora_name is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequest(f"lora_name {req.lora_name!r}: {NO_LORA}", param="lora_name")
+        return self.loras.request(req.lora_name)
+
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         return kwargs
 
-    def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
+    def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str,
+                         lora=None):
         # Tracing: the engine's spans join the request's trace (the worker's span is current here).
         trace = tracing.current_carrier()
         if trace is None:
-            return self.engine.generate(prompt, params, engine_id, data_parallel_rank=req.dp_rank)
+            return self.engine.generate(prompt, params, engine_id, lora_request=lora, data_parallel_rank=req.dp_rank)
         headers = {"traceparent": trace[0], "tracestate": trace[1]} if trace[1] else {"traceparent": trace[0]}
-        return self.engine.generate(prompt, params, engine_id, data_parallel_rank=req.dp_rank, trace_headers=headers)
+        return self.engine.generate(prompt, params, engine_id, lora_request=lora, data_parallel_rank=req.dp_rank,
+                                    trace_headers=headers)
 
-    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
+    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str, lora=None):
         """The engine's outputs for the request, and the engine-side id they run under."""
-        return self._engine_generate(req, prompt, params, engine_id), engine_id
+        return self._engine_generate(req, prompt, params, engine_id, lora), engine_id
 
     def _finished(self, chunk: GenerateOutput, out) -> None:
         """The role's additions to a choice's last chunk."""
@@ -216,11 +226,14 @@ class Handlers:
         completion_tokens = [0] * params.n
         prompt_len = len(prompt["prompt_embeds"]) if "prompt_embeds" in prompt else len(req.token_ids)
         # Refused (OVERLOADED) here, before the engine sees it: nothing to abort or free.
+        lora = self.lora_request(req)  # checked in _prepared, with no await since
         ticket = self.admission.admit(0 if req.kv_transfer_params is not None else prompt_len)
+        # The adapter is held until the request ends: an unload waits for it (VllmLora.remove).
+        held = self.loras.hold(req.lora_name) if lora is not None else None
         finished = False
         self.metrics.inflight.inc()
         try:
-            outputs, engine_id = await self._outputs(req, prompt, params, engine_id)
+            outputs, engine_id = await self._outputs(req, prompt, params, engine_id, lora)
             prompt_sent = False
             async for out in outputs:
                 ticket.started()
@@ -276,6 +289,8 @@ class Handlers:
             raise InvalidRequest(str(exc)) from exc
         finally:
             ticket.release()
+            if held is not None:
+                held()
             self.metrics.inflight.dec()
             if not finished:
                 # Caller cancelled or went away: free the engine's KV blocks now.
@@ -328,11 +343,11 @@ class DecodeHandlers(Handlers):
             kwargs["extra_args"] = {"kv_transfer_params": checked_kv_transfer_params(req.kv_transfer_params)}
         return kwargs
 
-    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str):
+    async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str, lora=None):
         """Waits for the first output of a request whose KV comes from a prefill worker. If the
         KV does not arrive within --kv-transfer-timeout (prefill worker hung or gone), the
         request is aborted and computed here from scratch: slower, never stuck."""
-        outputs = self._engine_generate(req, prompt, params, engine_id)
+        outputs = self._engine_generate(req, prompt, params, engine_id, lora)
         if not params.extra_args:
             return outputs, engine_id
         try:
@@ -345,7 +360,7 @@ class DecodeHandlers(Handlers):
             await self.engine.abort(engine_id)
             params.extra_args = None
             engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
-            return self._engine_generate(req, prompt, params, engine_id), engine_id
+            return self._engine_generate(req, prompt, params, engine_id, lora), engine_id
         return _prepend(first, outputs), engine_id
 
 

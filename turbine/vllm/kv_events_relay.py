@@ -38,10 +38,11 @@ def translate(event) -> KvEvent | None:
     token ids as a list; they are packed here, once (OverflowError / TypeError if they are not
     u32 token ids)."""
     if isinstance(event, vllm_events.BlockStored):
-        if any(event.extra_keys or ()):
-            # Blocks keyed by more than their tokens (prompt embeddings, whose token ids are
-            # placeholders; media; a cache salt): a router hashing token ids would take them for
-            # another prompt. Not relayed; blocks stored under them then have an unknown parent.
+        if any(_beyond_lora(keys, event.lora_name) for keys in event.extra_keys or ()):
+            # Blocks keyed by more than their tokens and adapter (prompt embeddings, whose token
+            # ids are placeholders; media; a cache salt): a router hashing token ids would take
+            # them for another prompt. Not relayed; blocks stored under them then have an unknown
+            # parent. The adapter is relayed as the batch's lora_name, which salts routers' hashes.
             return None
         return BlockStored(block_hashes=[engine_hash(h) for h in event.block_hashes],
                            parent_hash=None if event.parent_block_hash is None
@@ -52,6 +53,15 @@ def translate(event) -> KvEvent | None:
     if isinstance(event, vllm_events.AllBlocksCleared):
         return AllBlocksCleared()
     return None
+
+
+def _beyond_lora(keys, lora_name: str | None) -> bool:
+    """Whether a block's extra keys hold more than its adapter's name (vLLM lists it first)."""
+    if not keys:
+        return False
+    if lora_name is not None and keys[0] == lora_name:
+        keys = keys[1:]
+    return bool(keys)
 
 
 class VllmKvEventsRelay:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from turbine.worker.load_publisher import LoadMetricsPublisher
+from turbine.worker.lora_slots import LoraSlots
 
 
 class LoadMetricsStatLogger(StatLoggerBase):
@@ -23,6 +24,15 @@ class LoadMetricsStatLogger(StatLoggerBase):
         self.engine_index = engine_index  # the data-parallel rank
         self.publisher = publisher
         self.active_blocks_gauge = active_blocks_gauge  # the worker's /metrics (a rank-0 view)
+        # vLLM keeps the active adapters in an LRU of max_loras GPU slots inside the engine core
+        # (its model runner's LRUCacheWorkerLoRAManager), in another process, and its stats do not
+        # carry the slots. What the stats carry is the adapters of the running requests
+        # (running_lora_adapters); each of those is in a slot. So the worker keeps an LRU of the
+        # same capacity over them: the adapters it reports active are the ones most recently run.
+        # (vLLM fills running_lora_adapters only while it logs stats: with --disable-log-stats the
+        # report names no adapters and routers see every worker's slots as empty.)
+        lora_config = getattr(vllm_config, "lora_config", None)
+        self.lora_slots = LoraSlots(lora_config.max_loras) if lora_config is not None else None
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if scheduler_stats is None:
@@ -33,6 +43,10 @@ class LoadMetricsStatLogger(StatLoggerBase):
         active = round(scheduler_stats.kv_cache_usage * usable)
         if self.active_blocks_gauge is not None and self.engine_index == 0:
             self.active_blocks_gauge.set(active)
+        slots = self.lora_slots
+        if slots is not None:
+            running = [name for name, n in (scheduler_stats.running_lora_adapters or {}).items() if n > 0]
+            slots.touch(running[-slots.capacity:] if slots.capacity else ())
         if self.publisher is None:
             return
         self.publisher.update(
@@ -41,6 +55,8 @@ class LoadMetricsStatLogger(StatLoggerBase):
             kv_total_blocks=total,
             num_running=scheduler_stats.num_running_reqs,
             num_waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+            max_loras=slots.capacity if slots is not None else 0,
+            active_loras=slots.resident if slots is not None else (),
         )
 
     def log_engine_initialized(self) -> None:

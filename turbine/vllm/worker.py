@@ -29,6 +29,7 @@ from turbine.vllm.embed import EmbedHandlers, pooling_canary
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+from turbine.vllm.lora import VllmLora
 from turbine.vllm.load_metrics import stat_logger_factory
 from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS
@@ -97,12 +98,13 @@ class VllmEngine:
         engine = self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
         vcfg = engine.vllm_config
         self.metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
+        loras = VllmLora(engine, cfg.model_path, cfg.served_model_name)
         handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             engine, self.metrics, on_cleared=self.relay.cleared if self.relay else None,
             kv_transfer_timeout=cfg.kv_transfer_timeout, on_success=health.succeeded,
             data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer,
             chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None,
-            admission=cfg.admission(self.metrics))
+            admission=cfg.admission(self.metrics), loras=loras)
 
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
@@ -127,7 +129,7 @@ class VllmEngine:
             endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
         sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))
-        return [Instance(server, card, sleep=sleep)]
+        return [Instance(server, card, sleep=sleep, lora=None if self.pooling else loras, metrics=self.metrics)]
 
     async def canary(self) -> str | None:
         return await (pooling_canary(self.engine) if self.pooling else engine_canary(self.engine))

@@ -7,6 +7,7 @@ from flags); `serving_fields_from_args` only reads the flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -23,7 +24,9 @@ from turbine.config import (
     discovery_config_from_args,
     flag,
 )
+from turbine.flag_sources import env_float, env_int, env_str
 from turbine.model.prepare import DEFAULT_MODEL, resolve
+from turbine.protocol.lora import lora_name_problem
 from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
@@ -76,6 +79,9 @@ class ServingConfig:
     # with OVERLOADED and the frontend tries another worker. 0 turns a bound off.
     max_waiting_requests: int = flag("--max-waiting-requests", default=DEFAULT_MAX_WAITING_REQUESTS)
     max_queued_prefill_tokens: int = flag("--max-queued-prefill-tokens", default=DEFAULT_MAX_QUEUED_PREFILL_TOKENS)
+    # LoRA adapters loaded at start, (name, source URI) pairs (turbine/worker/lora.py); those
+    # loaded at run time are not brought back by a restart.
+    lora_modules: tuple[tuple[str, str], ...] = flag("--lora-modules", default=())
 
     def __post_init__(self):
         for name in ("namespace", "component", "endpoint"):
@@ -110,6 +116,12 @@ class ServingConfig:
         self.security.check_listen(self, "host", self.host)  # the request plane and the zmq event plane
         for name in ("max_waiting_requests", "max_queued_prefill_tokens"):
             check(self, getattr(self, name) >= 0, name, "must be >= 0 (0: no bound)")
+        names = [name for name, _ in self.lora_modules]
+        for name in names:
+            problem = lora_name_problem(name)
+            check(self, problem is None, "lora_modules", problem or "")
+            check(self, name != self.served_model_name, "lora_modules", f"{name!r} is the served model's name")
+        check(self, len(set(names)) == len(names), "lora_modules", "an adapter name is given twice")
 
     def admission(self, metrics: WorkerMetrics | None = None) -> Admission:
         """The worker's overload control with these bounds."""
@@ -150,21 +162,26 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
     """`reasoning_parser_alias`: also define vLLM's spelling --reasoning-parser (the vLLM
     worker leaves it to vLLM's own parser, which defines it, and reads it from there)."""
     group = parser.add_argument_group("Turbine worker")
-    env = os.environ.get
-    group.add_argument("--namespace", default=env("TURBINE_NAMESPACE", DEFAULT_NAMESPACE))
+    env = env_str
+    group.add_argument("--namespace", default=env("TURBINE_NAMESPACE", DEFAULT_NAMESPACE),
+                       help=f"namespace it registers in (env TURBINE_NAMESPACE; default {DEFAULT_NAMESPACE})")
     group.add_argument("--component", default=env("TURBINE_COMPONENT"),
-                       help="component it registers as (default: 'prefill' for prefill workers, else 'backend')")
+                       help="component it registers as (env TURBINE_COMPONENT; default: 'prefill' for prefill "
+                            "workers, else 'backend')")
     group.add_argument("--endpoint", default=env("TURBINE_ENDPOINT", "generate"),
-                       help="endpoint name, or a full 'namespace.component.endpoint' (dyn:// prefix allowed)")
+                       help="endpoint name, or a full 'namespace.component.endpoint' (dyn:// prefix allowed; "
+                            "env TURBINE_ENDPOINT)")
     group.add_argument("--host", default=env("TURBINE_REQUEST_PLANE_HOST", "127.0.0.1"),
-                       help="request-plane bind address")
-    group.add_argument("--port", type=int, default=int(env("TURBINE_REQUEST_PLANE_PORT", "0")),
-                       help="request-plane port (0 = any free port)")
-    group.add_argument("--system-host", default=env("TURBINE_SYSTEM_HOST", "127.0.0.1"))
-    group.add_argument("--system-port", type=int, default=_opt_int(env("TURBINE_SYSTEM_PORT")),
-                       help="port of the status server (/health, /live, /metrics); off when unset")
+                       help="request-plane bind address (env TURBINE_REQUEST_PLANE_HOST; default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=env_int("TURBINE_REQUEST_PLANE_PORT", 0),
+                       help="request-plane port (0 = any free port; env TURBINE_REQUEST_PLANE_PORT)")
+    group.add_argument("--system-host", default=env("TURBINE_SYSTEM_HOST", "127.0.0.1"),
+                       help="bind address of the status server (env TURBINE_SYSTEM_HOST; default 127.0.0.1)")
+    group.add_argument("--system-port", type=int, default=env_int("TURBINE_SYSTEM_PORT", None),
+                       help="port of the status server (/health, /live, /metrics); off when unset "
+                            "(env TURBINE_SYSTEM_PORT)")
     group.add_argument("--endpoint-types", default=env("TURBINE_ENDPOINT_TYPES", "chat,completions"),
-                       help="comma-separated subset of: chat, completions")
+                       help="comma-separated subset of: chat, completions (env TURBINE_ENDPOINT_TYPES)")
     group.add_argument("--dyn-tool-call-parser", "--tool-call-parser", dest="dyn_tool_call_parser",
                        default=env("TURBINE_TOOL_CALL_PARSER"),
                        help=f"how the frontend finds tool calls in this model's output: "
@@ -175,12 +192,13 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
     if reasoning_parser_alias:
         group.add_argument("--reasoning-parser", dest="reasoning_parser", default=None,
                            help="vLLM's spelling of --dyn-reasoning-parser")
-    group.add_argument("--custom-jinja-template", default=env("TURBINE_CUSTOM_JINJA_TEMPLATE"))
-    group.add_argument("--migration-limit", type=int, default=int(env("TURBINE_MIGRATION_LIMIT", "0")),
+    group.add_argument("--custom-jinja-template", default=env("TURBINE_CUSTOM_JINJA_TEMPLATE"),
+                       help="a chat-template file that replaces the tokenizer's (env TURBINE_CUSTOM_JINJA_TEMPLATE)")
+    group.add_argument("--migration-limit", type=int, default=env_int("TURBINE_MIGRATION_LIMIT", 0),
                        help="times the frontend may move a request of this model to another worker when its "
                             "worker fails (in the model card; a frontend's own --migration-limit overrides it)")
     group.add_argument("--graceful-shutdown-timeout", type=float,
-                       default=float(env("TURBINE_GRACEFUL_SHUTDOWN_TIMEOUT", "30")),
+                       default=env_float("TURBINE_GRACEFUL_SHUTDOWN_TIMEOUT", 30.0),
                        help="seconds in-flight requests may take to finish after SIGTERM")
     group.add_argument("--event-plane", default=env("TURBINE_EVENT_PLANE", "zmq"),
                        help="how KV events and load metrics reach routers: zmq (each worker binds a PUB "
@@ -188,7 +206,7 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
     group.add_argument("--nats-server", default=env("TURBINE_NATS_SERVER", DEFAULT_NATS_SERVER),
                        help="NATS server for --event-plane nats (nats://HOST:PORT)")
     group.add_argument("--kv-events-buffer", type=int,
-                       default=int(env("TURBINE_KV_EVENTS_BUFFER", str(DEFAULT_REPLAY_BUFFER))),
+                       default=env_int("TURBINE_KV_EVENTS_BUFFER", DEFAULT_REPLAY_BUFFER),
                        help="recent KV event batches kept (up to 8 MiB) to replay to a router that missed "
                             "some; beyond them it gets a snapshot of the whole cache")
     group.add_argument("--disaggregation-mode", default=env("TURBINE_DISAGGREGATION_MODE"),
@@ -197,19 +215,43 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
     group.add_argument("--is-prefill-worker", action="store_true", help="same as --disaggregation-mode prefill")
     group.add_argument("--is-decode-worker", action="store_true", help="same as --disaggregation-mode decode")
     group.add_argument("--kv-transfer-timeout", type=float,
-                       default=float(env("TURBINE_KV_TRANSFER_TIMEOUT", "30")),
+                       default=env_float("TURBINE_KV_TRANSFER_TIMEOUT", 30.0),
                        help="decode workers: seconds to wait for a prefill worker's KV before computing "
                             "the prompt here instead")
     group.add_argument("--max-waiting-requests", type=int,
-                       default=int(env("TURBINE_MAX_WAITING_REQUESTS", str(DEFAULT_MAX_WAITING_REQUESTS))),
+                       default=env_int("TURBINE_MAX_WAITING_REQUESTS", DEFAULT_MAX_WAITING_REQUESTS),
                        help="refuse new requests (error 'overloaded': the frontend tries another worker) while "
                             "this many accepted requests have no first token yet; 0: no bound")
     group.add_argument("--max-queued-prefill-tokens", type=int,
-                       default=int(env("TURBINE_MAX_QUEUED_PREFILL_TOKENS", str(DEFAULT_MAX_QUEUED_PREFILL_TOKENS))),
+                       default=env_int("TURBINE_MAX_QUEUED_PREFILL_TOKENS", DEFAULT_MAX_QUEUED_PREFILL_TOKENS),
                        help="refuse new requests ('overloaded') whose prompt would take the prompt tokens "
                             "waiting to be computed past this; 0: no bound")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to load at start (as vLLM spells it): NAME=SOURCE (a folder, "
+                            "file:// or hf:// URI) or JSON {\"name\": ..., \"path\": ...}; needs an engine that "
+                            "takes adapters (vLLM: --enable-lora)")
     add_discovery_args(parser)
     add_cluster_security_args(parser)
+
+
+def lora_modules_from_args(values: list[str] | None, parser: argparse.ArgumentParser) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=SOURCE or JSON {"name", "path"} (vLLM's two spellings)."""
+    modules = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                obj = json.loads(value)
+                name, path = obj["name"], obj["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                parser.error(f"--lora-modules {value!r}: JSON must be an object with 'name' and 'path'")
+            if not isinstance(name, str) or not isinstance(path, str):
+                parser.error(f"--lora-modules {value!r}: 'name' and 'path' must be strings")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                parser.error(f"--lora-modules {value!r}: expected NAME=SOURCE")
+        modules.append((name, path))
+    return tuple(modules)
 
 
 def disaggregation_mode_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -225,10 +267,6 @@ def disaggregation_mode_from_args(args: argparse.Namespace, parser: argparse.Arg
     if len(set(said.values())) > 1:
         parser.error(f"{' and '.join(said)} contradict each other: give one role")
     return next(iter(said.values()), "agg")
-
-
-def _opt_int(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 def serving_fields_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -277,6 +315,7 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
         security=cluster_security_from_args(args, parser),
         max_waiting_requests=args.max_waiting_requests, max_queued_prefill_tokens=args.max_queued_prefill_tokens,
+        lora_modules=lora_modules_from_args(getattr(args, "lora_modules", None), parser),
     )
 
 

@@ -26,10 +26,11 @@ from turbine.config import make_registry
 from turbine.protocol.discovery import ModelCard
 from turbine.runtime import cluster_auth
 from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
-from turbine.runtime.lifecycle import drain_and_stop, stop_on_signals
+from turbine.runtime.lifecycle import UNREGISTER_SETTLE_S, drain_and_stop, stop_on_signals
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health, make_app, serve_status
 from turbine.worker.config import ServingConfig
+from turbine.worker.lora import LoraControls, LoraEngine, LoraManager, NoLora
 from turbine.worker.sleep import CannotSleep, EngineSleep, InstanceSleep, SleepControls
 from turbine.worker.snapshot import (
     RESTORE_COMPLETE,
@@ -48,11 +49,14 @@ EXIT_ENGINE_DEAD = 3
 @dataclass
 class Instance:
     """One served instance: its request-plane server (endpoints registered, not started yet),
-    its model card, and how its engine sleeps (None: it cannot)."""
+    its model card, how its engine sleeps (None: it cannot), how it takes LoRA adapters (None:
+    it takes none) and the metrics its adapters are counted in."""
 
     server: RequestPlaneServer
     card: ModelCard
     sleep: EngineSleep | None = None
+    lora: LoraEngine | None = None
+    metrics: object | None = None  # its WorkerMetrics
 
 
 class EngineKind(Protocol):
@@ -102,6 +106,7 @@ class WorkerHost:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self.health = Health()
+        self.loras = LoraControls()  # every instance's LoRA adapters (the status routes)
         self._engine_closed = False
 
     async def run(self) -> int:
@@ -137,7 +142,7 @@ class WorkerHost:
         cfg = self.cfg
         if cfg.system_port is None:
             return None
-        app = make_app(self.health, self.engine.refresh_gauges, routes=controls.routes())
+        app = make_app(self.health, self.engine.refresh_gauges, routes=[*controls.routes(), *self.loras.routes()])
         status_server = await serve_status(app, cfg.system_host, cfg.system_port)
         log.info("status server on http://%s:%d", cfg.system_host, cfg.system_port)
         return status_server
@@ -187,6 +192,13 @@ class WorkerHost:
                                         registry, cfg.graceful_shutdown_timeout, on_change)
                 sleeper.serve()
                 controls.instances.append(sleeper)
+                loras = LoraManager(i.card, i.lora or NoLora("this worker kind takes no LoRA adapters"), sleeper,
+                                    i.metrics)
+                loras.serve(i.server)
+                self.loras.managers.append(loras)
+            # --lora-modules: loaded before registration, so their cards go out with the instance.
+            if not await self._load_start_adapters():
+                return self.exit_code
             servers = [i.server for i in instances]
             for server in servers:
                 await server.start()
@@ -201,7 +213,8 @@ class WorkerHost:
             health.set_not_ready()
             # Unregister first so no new traffic arrives, then let in-flight requests finish.
             await controls.unregister_all()
-            await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0)
+            await drain_and_stop(servers, cfg.graceful_shutdown_timeout if self.exit_code == 0 else 0,
+                                 settle_s=UNREGISTER_SETTLE_S)
         finally:
             if registry is not None:
                 await registry.backend.close()
@@ -209,6 +222,16 @@ class WorkerHost:
             if plane is not None:
                 await plane.close()
         return self.exit_code
+
+    async def _load_start_adapters(self) -> bool:
+        for name, uri in self.cfg.lora_modules:
+            for manager in self.loras.managers:
+                reply = await manager.load(name, uri)
+                if reply.status != "success":
+                    log.error("--lora-modules %s=%s: %s", name, uri, reply.message)
+                    self.exit_code = EXIT_BAD_CONFIG
+                    return False
+        return True
 
     def _engine_died(self, task: asyncio.Task) -> None:
         if task.cancelled():

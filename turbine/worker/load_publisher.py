@@ -18,7 +18,8 @@ from turbine.runtime.event_plane import LOAD_METRICS_TOPIC
 MIN_INTERVAL_S = 0.05
 KEEPALIVE_S = 5.0
 
-_State = tuple[int, int, int, int]  # kv_active_blocks, kv_total_blocks, num_running, num_waiting
+# kv_active_blocks, kv_total_blocks, num_running, num_waiting, max_loras, active_loras
+_State = tuple[int, int, int, int, int, tuple[str, ...]]
 
 
 class LoadMetricsPublisher:
@@ -37,9 +38,10 @@ class LoadMetricsPublisher:
         self.published = 0
 
     def update(self, dp_rank: int, kv_active_blocks: int, kv_total_blocks: int, num_running: int,
-               num_waiting: int) -> None:
-        """The engine's current numbers for one rank; call as often as you like (cheap when unchanged)."""
-        state = (kv_active_blocks, kv_total_blocks, num_running, num_waiting)
+               num_waiting: int, max_loras: int = 0, active_loras: tuple[str, ...] = ()) -> None:
+        """The engine's current numbers for one rank; call as often as you like (cheap when unchanged).
+        `max_loras`, `active_loras`: its LoRA slots and the adapters in them, least recently used first."""
+        state = (kv_active_blocks, kv_total_blocks, num_running, num_waiting, max_loras, active_loras)
         if self._sent.get(dp_rank) == state:
             self._held.pop(dp_rank, None)  # back to what subscribers already have
             return
@@ -62,10 +64,10 @@ class LoadMetricsPublisher:
             self._send(dp_rank, state)
 
     def _send(self, dp_rank: int, state: _State) -> None:
-        active, total, running, waiting = state
+        active, total, running, waiting, max_loras, loras = state
         self.events_plane.publish(LOAD_METRICS_TOPIC, LoadMetrics(
             instance_id=self.instance_id, dp_rank=dp_rank, kv_active_blocks=active, kv_total_blocks=total,
-            num_running=running, num_waiting=waiting))
+            num_running=running, num_waiting=waiting, max_loras=max_loras, active_loras=list(loras)))
         self._sent[dp_rank] = state
         self._sent_at[dp_rank] = self._clock()
         self.published += 1

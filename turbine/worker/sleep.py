@@ -14,6 +14,7 @@ acting on every instance of the process, or on the one named by `instance_id`)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -62,6 +63,9 @@ class InstanceSleep:
                  drain_timeout: float, on_change: Callable[[], None] = lambda: None):
         self.server, self.card, self.engine, self.registry = server, card, engine, registry
         self.records: list[InstanceRecord] = []
+        # Cards of the LoRA adapters loaded here (adapter name -> card): published with the
+        # instance, withdrawn with it.
+        self.adapter_cards: dict[str, ModelCard] = {}
         self.drain_timeout = drain_timeout  # default: the worker's --graceful-shutdown-timeout
         self.on_change = on_change
         self.level = 0  # 0: awake
@@ -125,12 +129,39 @@ class InstanceSleep:
             return self.reply("awake")
 
     async def register(self) -> None:
-        """Publish the instance (its server is listening): from now on it is routed to."""
+        """Publish the instance (its server is listening): from now on it is routed to. Its
+        adapters' cards follow the base card."""
         self.records = await register(self.registry, self.card, advertised_address(self.server.address))
+        for card in list(self.adapter_cards.values()):
+            await self.registry.register_model(card)
 
     async def unregister(self) -> None:
+        if self.records:
+            for card in list(self.adapter_cards.values()):
+                try:
+                    await self.registry.unregister_model(card)
+                except Exception as exc:  # discovery down: the TTL removes it anyway
+                    log.warning("could not withdraw the card of adapter %r: %s", card.lora_name, exc)
         await unregister(self.registry, self.records)
         self.records = []
+
+    async def publish_adapter(self, card: ModelCard) -> None:
+        """An adapter loaded here: its card goes out now if the instance is registered (else
+        with the instance's registration). Raises if discovery refuses it (nothing kept)."""
+        if self.records:
+            try:
+                await self.registry.register_model(card)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the backend may keep it to re-put: not so
+                    await self.registry.unregister_model(card)
+                raise
+        self.adapter_cards[card.lora_name] = card
+
+    async def withdraw_adapter(self, card: ModelCard) -> None:
+        """An adapter about to be unloaded: its card goes. Raises if discovery fails (kept)."""
+        if self.records:
+            await self.registry.unregister_model(card)
+        self.adapter_cards.pop(card.lora_name, None)
 
     async def _serve_again(self) -> None:
         for endpoint in self._served:
@@ -196,8 +227,8 @@ class SleepControls:
         return bool(self.instances) and all(i.level for i in self.instances)
 
     def routes(self) -> list[Route]:
-        return [Route("/engine/sleep", _keyed(self._sleep), methods=["POST"]),
-                Route("/engine/wake_up", _keyed(self._wake_up), methods=["POST"]),
+        return [Route("/engine/sleep", keyed_route(self._sleep), methods=["POST"]),
+                Route("/engine/wake_up", keyed_route(self._wake_up), methods=["POST"]),
                 Route("/engine/is_sleeping", self._is_sleeping, methods=["GET"])]
 
     def _chosen(self, instance_id: str | None) -> list[InstanceSleep]:
@@ -206,71 +237,71 @@ class SleepControls:
         return [i for i in self.instances if i.instance_id == instance_id]
 
     async def _sleep(self, request: Request) -> JSONResponse:
-        body, instance_id, error = await _body(request)
+        body, instance_id, error = await read_body(request)
         if error is not None:
             return error
         try:
             req = msgspec.convert(body, SleepRequest)
         except msgspec.ValidationError as exc:
-            return _error(400, f"bad sleep request: {exc}")
+            return error_json(400, f"bad sleep request: {exc}")
         return await self._each(instance_id, lambda i: i.sleep(req.level, req.drain_timeout))
 
     async def _wake_up(self, request: Request) -> JSONResponse:
-        body, instance_id, error = await _body(request)
+        body, instance_id, error = await read_body(request)
         if error is not None:
             return error
         if body:
-            return _error(400, f"bad wake_up request: unknown field(s) {', '.join(sorted(body))}")
+            return error_json(400, f"bad wake_up request: unknown field(s) {', '.join(sorted(body))}")
         return await self._each(instance_id, lambda i: i.wake_up())
 
     async def _is_sleeping(self, request: Request) -> JSONResponse:
         chosen = self._chosen(request.query_params.get("instance_id"))
         if not chosen:
-            return _error(404 if self.instances else 503, "no such instance" if self.instances else "starting")
+            return error_json(404 if self.instances else 503, "no such instance" if self.instances else "starting")
         return JSONResponse({"is_sleeping": all(i.level for i in chosen),
                              "instances": {i.instance_id: i.level for i in chosen}})
 
     async def _each(self, instance_id: str | None, action) -> JSONResponse:
         chosen = self._chosen(instance_id)
         if not chosen:
-            return _error(404 if self.instances else 503, "no such instance" if self.instances else "starting")
+            return error_json(404 if self.instances else 503, "no such instance" if self.instances else "starting")
         try:
             replies = await asyncio.gather(*(action(i) for i in chosen))
         except SleepUnsupported as exc:
-            return _error(501, str(exc))
+            return error_json(501, str(exc))
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_json(400, str(exc))
         status = 200 if all(r.status == "success" for r in replies) else 409
         return JSONResponse({"status": "success" if status == 200 else "error",
                              "instances": {i.instance_id: msgspec.to_builtins(r) for i, r in zip(chosen, replies)}},
                             status_code=status)
 
 
-def _keyed(handler):
+def keyed_route(handler):
     """A state-changing route: with a cluster key, only a caller that presents it (as a bearer
     token) may act; anyone who can reach the status port could otherwise take a worker out."""
     async def checked(request: Request) -> JSONResponse:
         if not cluster_auth.current().allows_control(request.headers.get("authorization")):
-            return _error(401, "this worker has a cluster key: send it as 'Authorization: Bearer <key>'")
+            return error_json(401, "this worker has a cluster key: send it as 'Authorization: Bearer <key>'")
         return await handler(request)
     return checked
 
 
-async def _body(request: Request) -> tuple[dict, str | None, JSONResponse | None]:
+async def read_body(request: Request) -> tuple[dict, str | None, JSONResponse | None]:
     raw = await request.body()
     if not raw.strip():
         return {}, None, None
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        return {}, None, _error(400, f"body is not JSON: {exc}")
+        return {}, None, error_json(400, f"body is not JSON: {exc}")
     if not isinstance(body, dict):
-        return {}, None, _error(400, "body must be a JSON object")
+        return {}, None, error_json(400, "body must be a JSON object")
     instance_id = body.pop("instance_id", None)
     if instance_id is not None and not isinstance(instance_id, str):
-        return {}, None, _error(400, "instance_id must be a string")
+        return {}, None, error_json(400, "instance_id must be a string")
     return body, instance_id, None
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def error_json(status: int, message: str) -> JSONResponse:
     return JSONResponse({"status": "error", "message": message}, status_code=status)

@@ -28,6 +28,10 @@ _waiting_requests = Gauge("turbine_worker_waiting_requests",
                           LABELS)
 _queued_prefill_tokens = Gauge("turbine_worker_queued_prefill_tokens",
                                "prompt tokens of the waiting requests still to compute", LABELS)
+_lora_engine_loads = Counter("turbine_worker_lora_engine_loads",
+                            "LoRA adapters handed to the engine to load (a load of a name already loaded is "
+                            "answered without the engine)", LABELS)
+_loras_loaded = Gauge("turbine_worker_loras_loaded", "LoRA adapters loaded", LABELS)
 
 
 class WorkerMetrics:
@@ -42,6 +46,8 @@ class WorkerMetrics:
         self.active_kv_blocks = _active_kv_blocks.labels(*self._values)
         self.waiting_requests = _waiting_requests.labels(*self._values)
         self.queued_prefill_tokens = _queued_prefill_tokens.labels(*self._values)
+        self.lora_engine_loads = _lora_engine_loads.labels(*self._values)
+        self.loras_loaded = _loras_loaded.labels(*self._values)
 
     def request_done(self, outcome: str) -> None:
         _requests.labels(*self._values, outcome).inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from tests.unit.frontend.test_dispatch import Run, closed_port_address
@@ -245,3 +246,37 @@ async def test_discovery_turns_disaggregation_on_and_off(tokenizer, monkeypatch)
     await table._apply([record(d)], [d])
     assert not table.models["m"].prefill_instances  # back to aggregated
     assert table.models["m"].decode_caches is None
+
+
+def adapter(c: ModelCard, name: str) -> ModelCard:
+    return msgspec.structs.replace(c, name=name, lora_name=name, lora_id=1, base_model=c.name)
+
+
+async def test_adapters_are_models_of_their_holders(tokenizer, monkeypatch):
+    """An adapter's cards make it a model: parent = base, only the instances holding it, the
+    base's router; its prefill workers are those holding it, else it is served aggregated."""
+    table = ModelTable(Registry(), lambda c: RoundRobinRouter())
+
+    async def fake_tokenizer(c):
+        return tokenizer
+
+    monkeypatch.setattr(table, "_tokenizer", fake_tokenizer)
+    d1, d2, p = card("d1"), card("d2"), card("p", "prefill")
+    cards = [d1, d2, p, adapter(d1, "sql"), adapter(d2, "m")]  # an adapter named as the base model: skipped
+    await table._apply([record(c) for c in (d1, d2, p)], cards)
+    base, sql = table.models["m"], table.models["sql"]
+    assert (sql.parent, sql.lora_name, base.parent) == ("m", "sql", None)
+    assert [i.instance_id for i in sql.instances] == ["d1"] and len(base.instances) == 2
+    assert sql.router is base.router and sql.tokenizer is base.tokenizer
+    assert sql.prefill_instances == [] and sql.lora_fallback  # no prefill worker holds it
+    await table._apply([record(c) for c in (d1, d2, p)], [*cards, adapter(p, "sql")])
+    sql = table.models["sql"]
+    assert [i.instance_id for i in sql.prefill_instances] == ["p"] and not sql.lora_fallback
+    assert sql.decode_caches is not None and sql.decode_caches is not table.models["m"].decode_caches
+    await table._apply([record(c) for c in (d2, p)], [*cards, adapter(p, "sql")])  # its holder left
+    assert "sql" not in table.models
+    # the adapter's request carries its name
+    from turbine.frontend.preprocess import preprocess
+    await table._apply([record(c) for c in (d1, d2)], [d1, d2, adapter(d1, "sql")])
+    prepared = await preprocess(b'{"model": "sql", "prompt": "hi", "max_tokens": 2}', "completions", table)
+    assert prepared.request.lora_name == "sql" and prepared.request.model == "sql"

@@ -167,7 +167,7 @@ async def test_invalid_requests_raise_a_typed_error():
                            (request(prompt=[5, 1000]), "vocabulary"),
                            (request(max_tokens=2, min_tokens=3), "min_tokens"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5], lora_name="sql"),
-                            "LoRA adapters are not supported by this worker"),
+                            "no such LoRA adapter is loaded on this worker"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[], prompt_embeds=b"PK"),
                             "prompt_embeds: the mocker does not take prompt embeddings"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5],

@@ -42,6 +42,17 @@ def test_blocks_keyed_by_more_than_tokens_are_not_relayed():
     assert isinstance(translate(plain), BlockStored)
 
 
+def test_an_adapters_blocks_are_relayed_its_name_being_their_only_extra_key():
+    """vLLM lists a LoRA request's adapter name first in each block's extra keys; the relay sends
+    the name as the batch's lora_name (routers salt their hashes with it)."""
+    lora = vllm_events.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=TOKENS[:4], block_size=BS,
+                                   lora_id=3, medium="GPU", lora_name="sql", extra_keys=[("sql",)])
+    assert isinstance(translate(lora), BlockStored)
+    salted = vllm_events.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=TOKENS[:4], block_size=BS,
+                                     lora_id=3, medium="GPU", lora_name="sql", extra_keys=[("sql", "salt")])
+    assert translate(salted) is None
+
+
 def test_removals_and_clears_are_relayed():
     assert translate(vllm_events.BlockRemoved(block_hashes=[5, b"\x02"], medium="GPU")) == BlockRemoved(
         block_hashes=[5, engine_hash(b"\x02")])

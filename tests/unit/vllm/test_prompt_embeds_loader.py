@@ -73,7 +73,7 @@ class Engine:
         self.vllm_config = SimpleNamespace(model_config=model_config)
         self.prompts = []
 
-    async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         self.prompts.append((prompt, params.max_tokens))
         comp = SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)
         yield SimpleNamespace(outputs=[comp], finished=True, num_cached_tokens=0, kv_transfer_params=None)

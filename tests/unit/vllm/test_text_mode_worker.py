@@ -33,7 +33,7 @@ class TextEngine(Engine):
         self.template = params.chat_template
         return messages, {"prompt_token_ids": [1] * len(messages[0]["content"])}
 
-    async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         self.prompts.append(prompt["prompt_token_ids"])
         self.params.append(params)
         for text, fin in (("Hel", None), ("lo", "stop")):

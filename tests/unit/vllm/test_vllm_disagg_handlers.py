@@ -29,7 +29,7 @@ class Engine:
         self.aborted: list[str] = []
         self.ranks: list[int | None] = []
 
-    async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         self.calls.append((request_id, bool(params.extra_args)))
         self.ranks.append(data_parallel_rank)
         if params.extra_args:
@@ -100,17 +100,17 @@ async def test_typed_errors_lora_dp_rank_and_aborts_we_did_not_cause():
     assert engine.ranks == [1]  # the router's rank reaches the engine
     for bad, words in ((GenerateRequest(request_id="x", model="m", token_ids=[1], dp_rank=2), "dp_rank 2"),
                        (GenerateRequest(request_id="x", model="m", token_ids=[1], lora_name="sql"),
-                        "LoRA adapters are not supported"),
+                        "takes no LoRA adapters"),
                        (GenerateRequest(request_id="x", model="m", token_ids=[]), "token_ids is empty")):
         with pytest.raises(InvalidRequest, match=words) as info:
             [o async for o in h.generate(bad, None)]
         assert info.value.error.code == "invalid_request"
 
-    async def aborted(prompt, params, request_id, *, data_parallel_rank=None):
+    async def aborted(prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         comp = SimpleNamespace(index=0, token_ids=[], logprobs=None, finish_reason="abort", stop_reason=None)
         yield SimpleNamespace(outputs=[comp], finished=True, num_cached_tokens=0, kv_transfer_params=None)
 
-    async def dead(prompt, params, request_id, *, data_parallel_rank=None):
+    async def dead(prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         from vllm.v1.engine.exceptions import EngineDeadError
         raise EngineDeadError()
         yield

@@ -39,7 +39,7 @@ def test_options_the_backends_ignore_per_request_are_refused():
 class Refusing(Engine):
     """Raises as AsyncLLM.generate does when its input processor refuses the constraint."""
 
-    async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         raise VLLMValidationError("Grammar error: Unimplemented keys: [\"uniqueItems\"]")
         yield
 
@@ -47,7 +47,7 @@ class Refusing(Engine):
 class FailsTheRequest(Engine):
     """Finishes the request with vLLM's request-level error (a grammar that failed to compile)."""
 
-    async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         comp = SimpleNamespace(index=0, token_ids=[], logprobs=None, finish_reason="error", stop_reason=None)
         yield SimpleNamespace(outputs=[comp], finished=True, num_cached_tokens=0, kv_transfer_params=None)
 

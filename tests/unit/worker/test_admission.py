@@ -62,7 +62,7 @@ class Engine:
         self.calls: list[str] = []
         self.go = asyncio.Event()
 
-    async def generate(self, prompt, params, request_id, *, data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id, *, lora_request=None, data_parallel_rank=None):
         self.calls.append(request_id)
         await self.go.wait()
         comp = SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)

@@ -118,3 +118,29 @@ async def test_the_consumer_feeds_the_load_tracker_and_forgets_departed_workers(
         consumer.close()
         pub.close()
         plane.close()
+
+
+async def test_the_active_lora_adapters_travel_in_the_report():
+    plane = EventPublisher()
+    tracker = LoadTracker()
+    consumer = LoadMetricsConsumer(tracker)
+    consumer.sync({"w1": card("w1", plane.address)})
+    pub = LoadMetricsPublisher(plane, "w1", min_interval_s=0, keepalive_s=0)
+    try:
+        for n in range(200):  # until the subscription is up: each distinct state is a new message
+            pub.update(0, kv_active_blocks=n, kv_total_blocks=99, num_running=1, num_waiting=0, max_loras=2,
+                       active_loras=("x", "y"))
+            await asyncio.sleep(0.01)
+            if tracker.reported(WorkerKey("w1")) is not None:
+                break
+        report = tracker.reported(WorkerKey("w1"))
+        assert report.max_loras == 2 and report.active_loras == ["x", "y"]
+        assert tracker.lora_active(WorkerKey("w1"), "y") and not tracker.lora_active(WorkerKey("w1"), "z")
+        sent = pub.published
+        pub.update(0, kv_active_blocks=n, kv_total_blocks=99, num_running=1, num_waiting=0, max_loras=2,
+                   active_loras=("y", "z"))  # only the slots changed: that is news too
+        assert pub.published == sent + 1
+    finally:
+        consumer.close()
+        pub.close()
+        plane.close()

@@ -2,6 +2,8 @@
 
 Keys: instances/{ns}/{component}/{endpoint}/{instance_id} -> msgpack InstanceRecord
       models/{ns}/{component}/{endpoint}/{instance_id}    -> msgpack ModelCard
+      models/{ns}/{component}/{endpoint}/{instance_id}/lora/{name} -> msgpack ModelCard of an adapter
+      (a card is served only while its instance record is there, and lives on its process's lease)
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ def _checked(path: str) -> str:
     return path
 
 
+def _card_key(card: ModelCard) -> str:
+    _checked(card.path)
+    if card.lora_name is not None and (not card.lora_name or "/" in card.lora_name):
+        raise ValueError(f"an adapter's name must be non-empty and contain no '/': {card.lora_name!r}")
+    return card.key
+
+
 def _decode_all(entries: dict[str, bytes], prefix: str, type_: type[T]) -> list[T]:
     """Decode the values under `prefix` in key order; a bad value is logged and skipped."""
     items = []
@@ -50,10 +59,15 @@ class Registry:
         await self.backend.put(INSTANCES + _checked(rec.path), codec.encode(rec))
 
     async def register_model(self, card: ModelCard) -> None:
-        await self.backend.put(MODELS + _checked(card.path), codec.encode(card))
+        await self.backend.put(MODELS + _card_key(card), codec.encode(card))
+
+    async def unregister_model(self, card: ModelCard) -> None:
+        """Remove one card (e.g. an unloaded adapter's); its instance stays."""
+        await self.backend.delete(MODELS + _card_key(card))
 
     async def unregister_instance(self, rec: InstanceRecord) -> None:
-        """Remove the instance and the model card published under the same path."""
+        """Remove the instance and the (base) model card published under the same path; its
+        adapters' cards are removed by whoever published them (and go with the lease)."""
         path = rec.path
         await self.backend.delete(MODELS + path)
         await self.backend.delete(INSTANCES + path)

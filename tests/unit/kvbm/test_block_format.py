@@ -1,0 +1,55 @@
+"""The block file format: round trip, and every kind of damage is refused."""
+
+import pytest
+
+from turbine.kvbm.block import HEADER_SIZE, Block, CorruptBlock, decode, encode, file_name, hash_of_name
+
+
+def test_round_trip_keeps_every_field():
+    b = Block(0xFFFF_FFFF_FFFF_FFFF, 0x1234, 16, bytes(range(256)) * 4)
+    assert decode(encode(b), b.block_hash) == b
+    root = Block(7, None, 3, b"xyz")
+    assert decode(encode(root), 7) == root  # a chain's first block: no parent, distinct from parent 0
+    assert len(encode(root)) == HEADER_SIZE + 3
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "truncate_header", "grow",
+                                    "magic", "wrong_hash"])
+def test_damage_is_detected(damage):
+    b = Block(42, 41, 16, b"\x01" * 1000)
+    raw = bytearray(encode(b))
+    expected = 42
+    if damage == "flip_payload":
+        raw[HEADER_SIZE + 500] ^= 0x40
+    elif damage == "flip_header":
+        raw[24] ^= 0x01  # the token count
+    elif damage == "truncate":
+        raw = raw[:-1]
+    elif damage == "truncate_header":
+        raw = raw[:HEADER_SIZE - 1]
+    elif damage == "grow":
+        raw += b"\x00"
+    elif damage == "magic":
+        raw[0:4] = b"XXXX"
+    elif damage == "wrong_hash":
+        expected = 43  # a file renamed onto another block's name
+    with pytest.raises(CorruptBlock):
+        decode(bytes(raw), expected)
+
+
+def test_names():
+    assert file_name(0xAB) == "00000000000000ab.kvb"
+    assert hash_of_name(file_name(2**64 - 1)) == 2**64 - 1
+    assert hash_of_name(".00000000000000ab.123.abc.tmp") is None
+    assert hash_of_name("notahexnumber000.kvb") is None
+
+
+def test_block_checks_itself():
+    with pytest.raises(ValueError):
+        Block(-1, None, 1, b"")
+    with pytest.raises(ValueError):
+        Block(1, 2**64, 1, b"")
+    with pytest.raises(ValueError):
+        Block(1, None, 0, b"")
+    with pytest.raises(TypeError):
+        Block(1, None, 1, bytearray(b"x"))

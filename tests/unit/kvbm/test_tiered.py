@@ -1,0 +1,105 @@
+"""TieredStore: write-through, fastest-first lookup with promotion, per-tier and consolidated events."""
+
+from turbine.kvbm import Block, BlockEvent, DiskStore, HostStore, SharedStore, TieredStore, TierEvent
+from turbine.kvbm.block import HEADER_SIZE
+
+
+def blk(h: int, parent: int | None = None) -> Block:
+    return Block(h, parent, 16, bytes([h % 256]) * 100)
+
+
+def three(tmp_path, host_blocks=2, disk_blocks=3, shared_blocks=100):
+    per_file = 100 + HEADER_SIZE
+    return TieredStore([HostStore(host_blocks * 100), DiskStore(str(tmp_path / "d"), disk_blocks * per_file),
+                        SharedStore(str(tmp_path / "s"), shared_blocks * per_file)])
+
+
+def sample(store, name, tier=None):
+    return store.metrics.registry.get_sample_value(name, {"tier": tier} if tier else {}) or 0
+
+
+def test_write_through_every_tier(tmp_path):
+    s = three(tmp_path)
+    assert s.put(blk(1)) == ["host", "disk", "shared"]
+    assert s.tiers_of(1) == {"host", "disk", "shared"}
+    assert s.take_tier_events() == [TierEvent("stored", t, 1) for t in ("host", "disk", "shared")]
+    assert s.take_events() == [BlockEvent("stored", "host", 1, None)]  # one, from the tier it appeared in first
+    assert s.put(blk(1)) == ["host", "disk", "shared"] and s.take_events() == []  # again: nothing new
+    for t in ("host", "disk", "shared"):
+        assert sample(s, "turbine_kvbm_blocks_stored_total", t) == 1
+        assert sample(s, "turbine_kvbm_bytes_written_total", t) == 100
+
+
+def test_lookup_fastest_first_and_promotion(tmp_path):
+    s = three(tmp_path, host_blocks=2)
+    for h in (1, 2, 3):
+        s.put(blk(h, h - 1 or None))
+    assert not s.tiers[0].contains(1)  # the host tier (2 blocks) evicted block 1; disk still has it
+    assert s.locate(1) == "disk" and s.locate(3) == "host"
+    assert s.match_prefix([1, 2, 3, 99, 3]) == ["disk", "host", "host"]
+    s.take_events()
+    got = s.get(1)
+    assert got == (blk(1), "disk")
+    assert s.tiers[0].contains(1)  # promoted: next time from memory
+    assert s.get(1) == (blk(1), "host")
+    assert sample(s, "turbine_kvbm_hits_total", "disk") == 1 and sample(s, "turbine_kvbm_hits_total", "host") == 1
+    assert s.get(12345) is None and sample(s, "turbine_kvbm_misses_total") == 1
+    # The host tier was cleared: the disk tier serves, then the shared one once disk lost it too.
+    s.clear_tier("host")
+    assert s.get(2) == (blk(2, 1), "disk")
+    s.clear_tier("host")
+    s.tiers[1].remove(2)
+    assert s.get(2) == (blk(2, 1), "shared")
+    assert s.tiers_of(2) >= {"host", "disk", "shared"}  # promoted into both faster tiers
+
+
+def test_consolidated_events_removed_only_when_gone_from_all(tmp_path):
+    s = three(tmp_path, host_blocks=1, disk_blocks=2, shared_blocks=100)
+    s.put(blk(1))
+    s.put(blk(2, 1))  # host evicts 1
+    s.put(blk(3, 2))  # host evicts 2, disk evicts 1
+    assert s.take_events() == [BlockEvent("stored", "host", 1), BlockEvent("stored", "host", 2, 1),
+                               BlockEvent("stored", "host", 3, 2)]
+    tier_events = s.take_tier_events()
+    assert TierEvent("removed", "host", 1) in tier_events and TierEvent("removed", "disk", 1) in tier_events
+    assert s.tiers_of(1) == {"shared"}
+    s.tiers[2].remove(1)  # another worker evicted it from the shared tier ...
+    assert s.take_events() == []
+    assert s.get(1) is None  # ... noticed on the next miss: block 1 is gone from all tiers
+    events = s.take_events()
+    assert BlockEvent("removed", "shared", 1) in events
+    s.clear_tier("disk")  # 2 and 3 stay in the shared tier
+    events += s.take_events()
+    assert not [e for e in events if e.kind == "removed" and e.block_hash in (2, 3)]  # still on disk
+    assert sample(s, "turbine_kvbm_blocks_removed_total", "host") == 2
+
+
+def test_shared_block_from_another_worker_appears_on_lookup(tmp_path):
+    mine = three(tmp_path / "a")
+    other = TieredStore([HostStore(1000), SharedStore(str(tmp_path / "a" / "s"), 1 << 20)])
+    other.put(blk(7))
+    assert mine.locate(7) == "shared"
+    assert mine.get(7) == (blk(7), "shared")
+    assert mine.take_events() == [BlockEvent("stored", "shared", 7, None)]
+    mine.remove(7)
+    assert mine.take_events() == [BlockEvent("removed", "shared", 7)]
+    assert mine.get(7) is None and other.tiers[0].contains(7)
+
+
+def test_corrupt_file_in_the_only_tier_removes_the_block(tmp_path):
+    s = TieredStore([DiskStore(str(tmp_path / "d"), 1 << 20)])
+    s.put(blk(5))
+    s.take_events()
+    path = s.tiers[0]._path(5)
+    with open(path, "r+b") as f:
+        f.truncate(HEADER_SIZE + 10)
+    assert s.get(5) is None
+    assert s.take_events() == [BlockEvent("removed", "disk", 5)]
+    assert sample(s, "turbine_kvbm_corrupt_blocks_total", "disk") == 1
+
+
+def test_full_tier_is_skipped_by_write_through(tmp_path):
+    s = three(tmp_path)
+    s.tiers[1]._writable = False  # as after a full disk (tested for real in test_file_safety)
+    assert s.put(blk(1)) == ["host", "shared"]
+    assert s.tiers_of(1) == {"host", "shared"}

@@ -1,0 +1,112 @@
+"""One KV block as the tiers hold it, and its file format (the disk and shared tiers).
+
+A block is named by the router's chained hash (turbine.router.hashing): the hash already names
+the model's adapter and the whole prefix, so two workers that hold the same hash hold the same KV.
+Its payload is every layer's K and V for the block's tokens as one contiguous buffer; the tiers
+never look inside it (the engine-side connector decides its layout).
+
+File format, version 1 (little-endian), one file per block named `{hash:016x}.kvb`:
+
+    offset size field
+    0      4    magic b"TKVB"
+    4      2    version (1)
+    6      2    flags (bit 0: has a parent)
+    8      8    block hash (u64; must match the file's name)
+    16     8    parent hash (u64; 0 when there is none)
+    24     4    token count (u32)
+    28     8    payload length in bytes (u64)
+    36     8    checksum: xxh3_64 of bytes 0..35 followed by the payload
+    44     …    payload
+
+A file whose size is not 44 + payload length (truncated, or grown), whose magic, version, name or
+checksum disagree is corrupt: `decode` raises `CorruptBlock` and the caller drops the file.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"TKVB"
+VERSION = 1
+_FIELDS = struct.Struct("<4sHHQQIQ")  # everything the checksum covers before the payload
+_CHECKSUM = struct.Struct("<Q")
+HEADER_SIZE = _FIELDS.size + _CHECKSUM.size  # 44
+_HAS_PARENT = 1
+_U64 = (1 << 64) - 1
+SUFFIX = ".kvb"
+
+
+class CorruptBlock(ValueError):
+    """A block file that must not be fed to the engine (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    block_hash: int
+    parent_hash: int | None
+    num_tokens: int
+    data: bytes  # all layers' K/V of the block, one contiguous buffer
+
+    def __post_init__(self):
+        if not 0 <= self.block_hash <= _U64:
+            raise ValueError(f"block_hash must be a u64, got {self.block_hash}")
+        if self.parent_hash is not None and not 0 <= self.parent_hash <= _U64:
+            raise ValueError(f"parent_hash must be a u64 or None, got {self.parent_hash}")
+        if not 0 < self.num_tokens < 1 << 32:
+            raise ValueError(f"num_tokens must be in 1..2^32-1, got {self.num_tokens}")
+        if not isinstance(self.data, bytes):
+            raise TypeError(f"data must be bytes, got {type(self.data).__name__}")
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def file_name(block_hash: int) -> str:
+    return f"{block_hash:016x}{SUFFIX}"
+
+
+def hash_of_name(name: str) -> int | None:
+    """The block hash a file name carries, None for anything else (temp files, strays)."""
+    if len(name) != 16 + len(SUFFIX) or not name.endswith(SUFFIX):
+        return None
+    try:
+        return int(name[:16], 16)
+    except ValueError:
+        return None
+
+
+def encode(block: Block) -> bytes:
+    flags = _HAS_PARENT if block.parent_hash is not None else 0
+    fields = _FIELDS.pack(MAGIC, VERSION, flags, block.block_hash, block.parent_hash or 0,
+                          block.num_tokens, len(block.data))
+    h = xxhash.xxh3_64(fields)
+    h.update(block.data)
+    return b"".join((fields, _CHECKSUM.pack(h.intdigest()), block.data))
+
+
+def decode(raw: bytes, expected_hash: int) -> Block:
+    if len(raw) < HEADER_SIZE:
+        raise CorruptBlock(f"{len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    magic, version, flags, block_hash, parent, num_tokens, length = _FIELDS.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptBlock(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CorruptBlock(f"unknown version {version}")
+    if block_hash != expected_hash:
+        raise CorruptBlock(f"holds block {block_hash:016x}, not {expected_hash:016x}")
+    if len(raw) != HEADER_SIZE + length:
+        raise CorruptBlock(f"{len(raw)} bytes, the header says {HEADER_SIZE + length} (truncated or grown)")
+    (checksum,) = _CHECKSUM.unpack_from(raw, _FIELDS.size)
+    h = xxhash.xxh3_64(raw[:_FIELDS.size])
+    payload = raw[HEADER_SIZE:]
+    h.update(payload)
+    if h.intdigest() != checksum:
+        raise CorruptBlock("checksum mismatch")
+    try:
+        return Block(block_hash, parent if flags & _HAS_PARENT else None, num_tokens, payload)
+    except ValueError as e:
+        raise CorruptBlock(str(e)) from None

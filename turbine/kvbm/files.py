@@ -1,0 +1,260 @@
+"""The file tiers: a worker's own local disk directory, and a directory several workers share.
+
+Both write a block to a temp file of a unique name in the same directory and rename it into
+place (atomic on POSIX), so a reader sees either no file or a whole one, however many writers
+race; a reader still verifies the checksum (bit rot, a crash before the data reached the disk,
+someone else's tool). No fsync: this is a cache, and a file a crash left short fails its check.
+
+A write the filesystem refuses for lack of room (ENOSPC, EDQUOT, EFBIG) disables the tier's
+writes with one warning: the worker goes on with fewer tiers, still reading what the tier holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+from turbine.kvbm.block import SUFFIX, Block, CorruptBlock, decode, encode, file_name, hash_of_name
+from turbine.kvbm.metrics import KvbmMetrics
+from turbine.kvbm.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 600.0  # a shared tier's temp file this old is a crashed writer's: removed on a scan
+
+
+class _FileStore(BlockStore):
+    def __init__(self, name: str, directory: str, capacity_bytes: int, metrics: KvbmMetrics | None):
+        super().__init__(name, capacity_bytes)
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.metrics = metrics
+        self._writable = True
+        self._lock = threading.Lock()
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    def _path(self, block_hash: int) -> str:
+        return os.path.join(self.directory, file_name(block_hash))
+
+    def _write_atomic(self, block_hash: int, raw: bytes) -> bool:
+        tmp = os.path.join(self.directory, f".{block_hash:016x}.{os.getpid()}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(raw)
+            os.replace(tmp, self._path(block_hash))
+            return True
+        except OSError as e:
+            _unlink(tmp)
+            if e.errno in FULL_ERRNOS:
+                if self._writable:
+                    log.warning("KV %s tier at %s is full (%s): writes to it are off, the worker goes on "
+                                "with the other tiers", self.name, self.directory, os.strerror(e.errno))
+                self._writable = False
+                if self.metrics:
+                    self.metrics.tier_disabled.labels(self.name).set(1)
+            else:
+                log.warning("KV %s tier: writing block %016x failed: %s", self.name, block_hash, e)
+            if self.metrics:
+                self.metrics.write_errors.labels(self.name).inc()
+            return False
+
+    def _read(self, block_hash: int) -> Block | None:
+        """The verified block; None when absent; a corrupt file is unlinked and counted, then None."""
+        path = self._path(block_hash)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            return decode(raw, block_hash)
+        except CorruptBlock as e:
+            log.warning("KV %s tier: dropping corrupt block file %s: %s", self.name, path, e)
+            _unlink(path)
+            if self.metrics:
+                self.metrics.corrupt.labels(self.name).inc()
+            return None
+
+
+class DiskStore(_FileStore):
+    """A directory that only this worker writes, bounded by file bytes, least recently used out.
+    What it holds survives a restart: the index is rebuilt from the files (oldest first by mtime)."""
+
+    def __init__(self, directory: str, capacity_bytes: int, *, name: str = "disk",
+                 metrics: KvbmMetrics | None = None):
+        super().__init__(name, directory, capacity_bytes, metrics)
+        self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, LRU order
+        self._used = 0
+        found: list[tuple[float, int, int]] = []
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                if entry.name.endswith(TMP_SUFFIX):
+                    _unlink(entry.path)  # ours, from a run that died mid-write
+                    continue
+                h = hash_of_name(entry.name)
+                if h is not None and entry.is_file():
+                    st = entry.stat()
+                    found.append((st.st_mtime, h, st.st_size))
+        for _, h, size in sorted(found):
+            self._index[h] = size
+            self._used += size
+        self._dropped(self._evict_to(0))
+
+    def put(self, block: Block) -> bool:
+        raw = encode(block)
+        if len(raw) > self.capacity_bytes or not self._writable:
+            return False
+        with self._lock:
+            if block.block_hash in self._index:
+                self._index.move_to_end(block.block_hash)
+                return True
+            evicted = self._evict_to(len(raw))
+            ok = self._write_atomic(block.block_hash, raw)
+            if ok:
+                self._index[block.block_hash] = len(raw)
+                self._used += len(raw)
+        self._dropped(evicted)
+        return ok
+
+    def _evict_to(self, room: int) -> list[int]:
+        """Unlinks least recently used files until `room` more bytes fit; the lock is held."""
+        evicted = []
+        while self._index and self._used + room > self.capacity_bytes:
+            h, size = self._index.popitem(last=False)
+            self._used -= size
+            _unlink(self._path(h))
+            evicted.append(h)
+        return evicted
+
+    def get(self, block_hash: int) -> Block | None:
+        with self._lock:
+            if block_hash not in self._index:
+                return None
+            block = self._read(block_hash)
+            if block is not None:
+                self._index.move_to_end(block_hash)
+                return block
+            self._used -= self._index.pop(block_hash)  # corrupt (unlinked) or gone
+        self._dropped([block_hash])
+        return None
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def remove(self, block_hash: int) -> bool:
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is None:
+                return False
+            self._used -= size
+            _unlink(self._path(block_hash))
+            return True
+
+    def used_bytes(self) -> int:
+        return self._used
+
+
+class SharedStore(_FileStore):
+    """A directory several workers (processes, hosts on a shared filesystem) read and write.
+
+    No worker owns an index: presence is the file itself. Recency is the file's mtime, touched on
+    every hit, so eviction is least recently used across all workers. Each worker counts the
+    bytes it wrote since its last scan of the directory and scans (then evicts oldest first) only
+    when that estimate passes the capacity: the directory may overshoot by what the other workers
+    wrote since their own last scans."""
+
+    def __init__(self, directory: str, capacity_bytes: int, *, name: str = "shared",
+                 metrics: KvbmMetrics | None = None):
+        super().__init__(name, directory, capacity_bytes, metrics)
+        self._estimate = 0
+        self._dropped(self._scan_and_evict(0))
+
+    def put(self, block: Block) -> bool:
+        raw = encode(block)
+        if len(raw) > self.capacity_bytes or not self._writable:
+            return False
+        path = self._path(block.block_hash)
+        if _touch(path):
+            return True  # another worker (or we) stored it already: same hash, same KV
+        evicted: list[int] = []
+        with self._lock:
+            if self._estimate + len(raw) > self.capacity_bytes:
+                evicted = self._scan_and_evict(len(raw))
+            ok = self._write_atomic(block.block_hash, raw)
+            if ok:
+                self._estimate += len(raw)
+        self._dropped(evicted)
+        return ok
+
+    def _scan_and_evict(self, room: int) -> list[int]:
+        files: list[tuple[float, str, int, int | None]] = []
+        now = time.time()
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue  # another worker removed it meanwhile
+                if entry.name.endswith(TMP_SUFFIX):
+                    if now - st.st_mtime > STALE_TMP_S:
+                        _unlink(entry.path)
+                    continue
+                if entry.name.endswith(SUFFIX):
+                    files.append((st.st_mtime, entry.path, st.st_size, hash_of_name(entry.name)))
+        used = sum(f[2] for f in files)
+        evicted = []
+        for _, path, size, h in sorted(files):
+            if used + room <= self.capacity_bytes:
+                break
+            _unlink(path)
+            used -= size
+            if h is not None:
+                evicted.append(h)
+        self._estimate = used
+        return evicted
+
+    def get(self, block_hash: int) -> Block | None:
+        path = self._path(block_hash)
+        existed = os.path.exists(path)
+        block = self._read(block_hash)
+        if block is not None:
+            _touch(path)
+        elif existed:
+            self._dropped([block_hash])  # corrupt, unlinked
+        return block
+
+    def contains(self, block_hash: int) -> bool:
+        return os.path.exists(self._path(block_hash))
+
+    def remove(self, block_hash: int) -> bool:
+        return _unlink(self._path(block_hash))
+
+    def used_bytes(self) -> int:
+        """What the last scan found plus this worker's writes since (an estimate, see the class)."""
+        return self._estimate
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _touch(path: str) -> bool:
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,172 @@
+"""Tiers in one store: write-through, fastest-first lookup with promotion, and the events.
+
+Tiers are ordered fastest first (host, disk, shared). A put writes the block to every tier that
+takes writes; a get reads from the fastest tier holding it and copies it into the faster tiers
+(promotion), so a block read from disk is next served from memory.
+
+Two event streams, both taken by polling (like vLLM's connector `take_events`):
+- per tier: `TierEvent(stored | removed, tier, hash)` each time a tier gains or loses a block;
+- consolidated: `BlockEvent` stored when a block first appears in any tier, removed only when it
+  is gone from all of them; each names the tier that caused it. This is what the router follows.
+The shared tier's blocks written by other workers appear here when a lookup first finds them;
+blocks other workers evict from it are noticed when a lookup misses them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+from turbine.kvbm.block import Block
+from turbine.kvbm.metrics import KvbmMetrics
+from turbine.kvbm.store import BlockStore
+
+Kind = Literal["stored", "removed"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    kind: Kind
+    tier: str
+    block_hash: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """Consolidated: `tier` is where the block first appeared (stored) or the last tier it left (removed)."""
+
+    kind: Kind
+    tier: str
+    block_hash: int
+    parent_hash: int | None = None  # known for stored events (the router places a block under its parent)
+
+
+class TieredStore:
+    def __init__(self, tiers: list[BlockStore], metrics: KvbmMetrics | None = None):
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        self.tiers = list(tiers)
+        self.metrics = metrics or KvbmMetrics()
+        self._where: dict[int, set[str]] = {}  # block hash -> the tiers holding it, as this process knows
+        self._lock = threading.Lock()
+        self._tier_events: list[TierEvent] = []
+        self._events: list[BlockEvent] = []
+        for t in self.tiers:
+            t.on_removed = self._tier_dropped
+            if getattr(t, "metrics", False) is None:
+                t.metrics = self.metrics  # file tiers count corruption and write errors here
+            self.metrics.used_bytes.labels(t.name).set_function(t.used_bytes)
+            self.metrics.tier_disabled.labels(t.name).set(0 if t.writable else 1)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, block: Block) -> list[str]:
+        """Writes through every tier that takes writes; returns the tiers that now hold it."""
+        return [t.name for t in self.tiers if self._put_one(t, block)]
+
+    def _put_one(self, tier: BlockStore, block: Block) -> bool:
+        if not tier.writable or not tier.put(block):
+            return False
+        if self._gained(tier.name, block.block_hash, block.parent_hash):
+            self.metrics.stored.labels(tier.name).inc()
+            self.metrics.bytes_written.labels(tier.name).inc(block.nbytes)
+        return True
+
+    def remove(self, block_hash: int) -> None:
+        """Drops the block from every tier."""
+        for t in self.tiers:
+            if t.remove(block_hash) or t.name in self._where.get(block_hash, ()):
+                self._tier_dropped(t.name, block_hash)
+
+    def clear_tier(self, name: str) -> int:
+        """Drops from one tier every block this process knows it holds; returns how many."""
+        tier = self._tier(name)
+        with self._lock:
+            held = [h for h, where in self._where.items() if name in where]
+        for h in held:
+            tier.remove(h)
+            self._tier_dropped(name, h)
+        return len(held)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(self, block_hash: int) -> tuple[Block, str] | None:
+        """The block and the tier that served it, promoted into the faster tiers; None: no tier has it."""
+        for i, tier in enumerate(self.tiers):
+            block = tier.get(block_hash)
+            if block is None:
+                # Gone without this process seeing it go (another worker evicted it from the shared tier).
+                self._tier_dropped(tier.name, block_hash)
+                continue
+            self.metrics.hits.labels(tier.name).inc()
+            self.metrics.bytes_read.labels(tier.name).inc(block.nbytes)
+            if self._gained(tier.name, block_hash, block.parent_hash):
+                self.metrics.stored.labels(tier.name).inc()  # another worker's, found in the shared tier
+            for faster in self.tiers[:i]:
+                self._put_one(faster, block)
+            return block, tier.name
+        self.metrics.misses.inc()
+        return None
+
+    def locate(self, block_hash: int) -> str | None:
+        """The fastest tier that holds it (without reading it: a get may still miss)."""
+        for t in self.tiers:
+            if t.contains(block_hash):
+                return t.name
+        return None
+
+    def match_prefix(self, block_hashes: list[int]) -> list[str]:
+        """For the longest leading run of `block_hashes` some tier holds, each block's fastest tier."""
+        found = []
+        for h in block_hashes:
+            tier = self.locate(h)
+            if tier is None:
+                break
+            found.append(tier)
+        return found
+
+    def tiers_of(self, block_hash: int) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._where.get(block_hash, ()))
+
+    # -- events ---------------------------------------------------------------------------------
+    def take_tier_events(self) -> list[TierEvent]:
+        with self._lock:
+            out, self._tier_events = self._tier_events, []
+        return out
+
+    def take_events(self) -> list[BlockEvent]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def _gained(self, tier: str, block_hash: int, parent: int | None) -> bool:
+        with self._lock:
+            where = self._where.setdefault(block_hash, set())
+            if tier in where:
+                return False
+            if not where:
+                self._events.append(BlockEvent("stored", tier, block_hash, parent))
+            where.add(tier)
+            self._tier_events.append(TierEvent("stored", tier, block_hash))
+            return True
+
+    def _tier_dropped(self, tier: str, block_hash: int) -> None:
+        with self._lock:
+            where = self._where.get(block_hash)
+            if where is None or tier not in where:
+                return
+            where.discard(tier)
+            self._tier_events.append(TierEvent("removed", tier, block_hash))
+            if not where:
+                del self._where[block_hash]
+                self._events.append(BlockEvent("removed", tier, block_hash))
+        self.metrics.removed.labels(tier).inc()
+
+    def _tier(self, name: str) -> BlockStore:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier {name!r} (tiers: {', '.join(t.name for t in self.tiers)})")

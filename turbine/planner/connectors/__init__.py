@@ -1,0 +1,1 @@
+"""Connectors by name (`--connector NAME` imports `NAME.py` here): local, kubernetes, virtual."""
