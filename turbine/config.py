@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from turbine.flag_sources import env_bool, env_float, env_str
 from turbine.runtime.discovery import default_file_dir
+from turbine.runtime.discovery.endpoints import EndpointError, etcd_grpc_target
 
 DEFAULT_NAMESPACE = "turbine"
 DISCOVERY_BACKENDS = ("file", "etcd")
@@ -70,6 +71,11 @@ class DiscoveryConfig:
         check(self, self.ttl > 0, "ttl", "must be > 0")
         check(self, self.backend != "etcd" or bool(self.etcd_endpoints), "etcd_endpoints",
               "is empty but the discovery backend is etcd")
+        if self.backend == "etcd":
+            try:
+                etcd_grpc_target(self.etcd_endpoints)
+            except EndpointError as exc:
+                check(self, False, "etcd_endpoints", str(exc))
 
 
 def add_discovery_args(parser: argparse.ArgumentParser) -> None:

@@ -230,11 +230,11 @@ def test_a_switch_set_false_in_the_file_beats_the_environment(tmp_path, monkeypa
 
 
 def test_file_keys_take_underscores_lists_and_negative_numbers(tmp_path):
-    config = write(tmp_path, "router_mode: kv\nrouter-temperature: 0.5\netcd-endpoints: a:1,b:2\n"
+    config = write(tmp_path, "router_mode: kv\nrouter-temperature: 0.5\netcd-endpoints: 10.0.0.1:1,10.0.0.2:2\n"
                              "discovery-backend: etcd\n")
     cfg = parse_frontend_args(["--config", config])
     assert cfg.router.mode == "kv" and cfg.router.kv.temperature == 0.5
-    assert cfg.discovery.etcd_endpoints == ("a:1", "b:2")
+    assert cfg.discovery.etcd_endpoints == ("10.0.0.1:1", "10.0.0.2:2")
 
 
 @pytest.mark.parametrize("text,words", [

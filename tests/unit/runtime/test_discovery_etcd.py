@@ -175,6 +175,20 @@ async def test_start_fails_clearly_when_etcd_is_unreachable():
         await backend.start()
 
 
+async def test_reaches_etcd_through_a_dns_name(etcd_endpoint, root):
+    """As in a container, where etcd is a service name ('turbine-etcd:2379'), not an address.
+    'LOCALHOST' is a name (etcd3aio rewrote only the lower-case spelling) that /etc/hosts resolves."""
+    if etcd_endpoint.rpartition(":")[0] != "127.0.0.1":
+        pytest.fail(f"this test dials the fixture's etcd on 127.0.0.1 by name; it runs at {etcd_endpoint}")
+    backend = EtcdDiscovery([f"LOCALHOST:{etcd_endpoint.rpartition(':')[2]}"], ttl=TTL, root=root)
+    await backend.start()
+    try:
+        await backend.put("named", b"yes")
+        assert await backend.get_prefix("") == {"named": b"yes"}
+    finally:
+        await backend.close()
+
+
 async def test_make_backend_etcd(etcd_endpoint):
     backend = make_backend("etcd", etcd_endpoints=[etcd_endpoint], file_dir=None, ttl=2.5)
     assert isinstance(backend, EtcdDiscovery) and backend.ttl == 3

@@ -12,6 +12,7 @@ import grpc.aio
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
 from turbine.runtime.discovery.base import DiscoveryBackend
+from turbine.runtime.discovery.endpoints import etcd_grpc_target
 from turbine.runtime.errors import DiscoveryError
 
 logger = logging.getLogger("turbine.discovery")
@@ -43,6 +44,8 @@ class EtcdDiscovery(DiscoveryBackend):
         # gRPC's reconnect backoff grows to 120 s by default: after a 30 s etcd outage we measured
         # the client reconnecting 13 s after etcd was back, when every lease had lapsed. Retry
         # about every second instead (one local TCP connect: cheap for etcd).
+        # etcd3aio takes IPv4 addresses only; a DNS name needs gRPC's DNS resolver (endpoints.py).
+        self._client._manager.target = etcd_grpc_target(self.endpoints)
         self._client._manager.grpc_options += [  # etcd3aio has no parameter for channel options
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
