@@ -3,7 +3,8 @@
 # etcd-server; the tests start a private instance on free ports, or use $TURBINE_TEST_ETCD)
 # and NATS on 127.0.0.1:4222 (started here when nothing listens there; the outage tests also
 # start private nats-servers of their own, so the binary is needed either way), and Prometheus
-# (Debian's prometheus: the planner's --prometheus-url test starts a private one).
+# (Debian's prometheus: the planner's --prometheus-url test starts a private one, and the dashboard's
+# queries are run on a real one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -18,7 +19,7 @@ if ! command -v nats-server >/dev/null 2>&1; then
   echo "nats-server not found: installing Debian's nats-server" >&2
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server) >/dev/null
 fi
-if ! command -v prometheus >/dev/null 2>&1; then
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
   echo "prometheus not found: installing Debian's prometheus" >&2
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null
 fi

@@ -121,6 +121,19 @@ def load_config_file(path: str) -> dict:
     return data
 
 
+def config_file_tokens(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """The settings of `flags` (e.g. "--log-level") in argv's --config FILE, as flags to place ahead of
+    argv, for a process that reads a few settings before its parser runs (its logging, its tracing).
+    A file that cannot be read gives none here: the process's parser then reports it."""
+    try:
+        path, _ = split_config_arg(argv)
+        settings = load_config_file(path) if path else {}
+    except ValueError:
+        return []
+    return [f"{config_key_flag(key)}={_scalar(value)}" for key, value in settings.items()
+            if config_key_flag(key) in flags and value is not None and not isinstance(value, (dict, list, bool))]
+
+
 def config_key_flag(key: object) -> str:
     return "--" + str(key).removeprefix("--").replace("_", "-")
 

@@ -26,7 +26,9 @@ from turbine.flag_sources import (
     split_config_arg,
     with_config_file,
 )
+from turbine.logging_setup import add_logging_args, logging_choices
 from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, resolve
+from turbine.tracing import add_tracing_args
 from turbine.worker.config import add_serving_args
 
 STARTUP_TIMEOUT_S = 600
@@ -59,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "their environment (TURBINE_CLUSTER_KEY, which also works here)")
     p.add_argument("--cluster-key-file", default=None,
                    help="file holding the cluster key (TURBINE_CLUSTER_KEY_FILE, which also works here)")
+    # Observability for every child: through their environment (TURBINE_LOG_LEVEL, TURBINE_LOG_FORMAT,
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), so that the frontend gets them too and vLLM's own parser
+    # (whose --log-level takes upper case only) never sees ours.
+    add_logging_args(p)
+    add_tracing_args(p)
     p.add_argument("--disagg", action="store_true",
                    help="disaggregated serving: a prefill worker and a decode worker, the prompt's KV moved "
                         "between them by NIXL (--connector nixl unless you give --connector or "
@@ -77,6 +84,7 @@ class ServePlan:
     worker_cmds: list[list[str]]
     env: dict[str, str]  # added to every child's environment
     disagg: bool
+    status_ports: list[int]  # the workers' status servers (/metrics, /health) that serve knows of
 
 
 def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -174,6 +182,7 @@ def plan(argv: list[str], workdir: str) -> ServePlan:
     env = cluster_key_env(args, parser)
     if args.api_key:
         env["TURBINE_API_KEY"] = args.api_key
+    env.update(observability_env(serve_from_file + serve_tokens, args))
     model_path = resolve(model)  # prepare the embedded model here, with visible progress
     # The same default the worker applies: the embedded model's name, else the model as given.
     from_file = next((str(v) for k, v in by_owner["worker"].items() if config_key_flag(k) == "--served-model-name"),
@@ -184,13 +193,28 @@ def plan(argv: list[str], workdir: str) -> ServePlan:
         if not any(a.split("=")[0] in ("--connector", "--kv-transfer-config") for a in worker_tokens) and not \
                 {"connector", "kv-transfer-config", "kv_transfer_config"} & set(by_owner["worker"]):
             worker_cmd += ["--connector", "nixl"]
-        worker_cmds = [worker_cmd + ["--disaggregation-mode", "prefill"],
-                       worker_cmd + ["--disaggregation-mode", "decode"]]
+        roles = [["--disaggregation-mode", "prefill"], ["--disaggregation-mode", "decode"]]
     else:
-        worker_cmds = [worker_cmd]
+        roles = [[]]
+    # Each worker's status server (/metrics with vLLM's own metrics, /health): after the HTTP port
+    # (the next free one) unless the worker's flags, its config file or TURBINE_SYSTEM_PORT name one
+    # (printed once ready, for Prometheus).
+    given = _flag_value(worker_tokens, "--system-port") or next(
+        (str(v) for k, v in by_owner["worker"].items() if config_key_flag(k) == "--system-port"), None) \
+        or os.environ.get("TURBINE_SYSTEM_PORT") or None
+    status_ports: list[int] = []
+    worker_cmds = []
+    for role in roles:
+        cmd = list(worker_cmd)
+        if given is None:
+            status_ports.append(free_port_from(max(status_ports, default=fe_cfg.http_port) + 1))
+            cmd += ["--system-port", str(status_ports[-1])]
+        worker_cmds.append(cmd + role)
+    if given is not None and not args.disagg and given.isdigit() and int(given) > 0:
+        status_ports.append(int(given))
     return ServePlan(model=model, served_name=name, url=url,
                      frontend_cmd=[sys.executable, "-m", "turbine.frontend", *frontend_argv],
-                     worker_cmds=worker_cmds, env=env, disagg=args.disagg)
+                     worker_cmds=worker_cmds, env=env, disagg=args.disagg, status_ports=status_ports)
 
 
 def _wait_ready(url: str, model: str, procs: list[subprocess.Popen], prefill: bool = False) -> bool:
@@ -251,6 +275,8 @@ def main(argv: list[str]) -> int:
             print("[turbine] failed to start; see the logs above", file=sys.stderr)
             return 1
         print(f"[turbine] ready: OpenAI API at {url}/v1  (model {name!r}); Ctrl-C to stop", flush=True)
+        workers_at = ", ".join(f"http://127.0.0.1:{port}/metrics" for port in p.status_ports) or "off"
+        print(f"[turbine] metrics: frontend {url}/metrics; worker (Turbine's and vLLM's) {workers_at}", flush=True)
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         print("[turbine] a process exited; stopping", file=sys.stderr)
@@ -274,17 +300,50 @@ def cluster_key_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return {}
 
 
+def observability_env(serve_argv: list[str], args: argparse.Namespace) -> dict[str, str]:
+    """The logging and tracing settings given to serve (its flags and its config file's, in `serve_argv`)
+    as environment for every child. A bad TURBINE_LOG_* value stops serve here, named in one line;
+    settings the user did not give are left to each child's own environment and defaults."""
+    logging_choices(serve_argv, "turbine serve")
+    env = {}
+    if args.log_level:
+        env["TURBINE_LOG_LEVEL"] = args.log_level
+    if args.log_format:
+        env["TURBINE_LOG_FORMAT"] = args.log_format
+    if args.otlp_traces_endpoint:
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_traces_endpoint
+    return env
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
 def _served_name(worker_args: list[str]) -> str | None:
-    for i, a in enumerate(worker_args):
-        if a == "--served-model-name" and i + 1 < len(worker_args):
-            return worker_args[i + 1]
-        if a.startswith("--served-model-name="):
+    return _flag_value(worker_args, "--served-model-name")
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def free_port_from(port: int) -> int:
+    """`port` if nothing listens on it on loopback, else the next free one."""
+    import socket
+
+    for candidate in range(port, min(port + 100, 65536)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return candidate
+    raise SystemExit(f"turbine serve: no free port from {port} for the worker's status server (give --system-port)")
 
 
 def split_cpu_cores(env: dict) -> list[dict]:

@@ -75,7 +75,7 @@ def test_a_worker_whose_events_never_arrive_is_named(fleet):
 
 def test_a_worker_whose_events_stop_is_named(fleet):
     ask(fleet, "stalling", "first")  # its first event batch still goes out
-    wait_until(lambda: metric(http_text(f"{fleet.url}/metrics"), "turbine_router_kv_events_applied") >= 1, 15,
+    wait_until(lambda: metric(http_text(f"{fleet.url}/metrics"), "turbine_router_kv_events_applied_total") >= 1, 15,
                "its first events indexed", [fleet])
     time.sleep(1.5)  # the watchdog has seen them
     ask(fleet, "stalling", "second")  # new blocks, but no events any more

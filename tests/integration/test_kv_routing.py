@@ -86,6 +86,6 @@ def test_router_metrics(fleet):
     text = http_text(f"{fleet['kv'].url}/metrics")
     assert metric(text, "turbine_router_decisions_total") >= WORKERS + 1
     assert metric(text, "turbine_router_indexed_blocks") > 0  # learned from the workers' events
-    assert metric(text, "turbine_router_kv_events_applied") > 0
-    assert metric(text, "turbine_router_kv_event_gaps") == 0
+    assert metric(text, "turbine_router_kv_events_applied_total") > 0
+    assert metric(text, "turbine_router_kv_event_gaps_total") == 0
     assert "turbine_router_decision_seconds_bucket" in text and "turbine_router_overlap_ratio_bucket" in text

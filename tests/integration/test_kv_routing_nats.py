@@ -58,7 +58,7 @@ def test_workers_publish_over_nats_and_the_kv_router_follows(fleet, nats_url):
     assert all(c >= 16 * 10 for c in cached), cached  # routed to the worker holding the prefix
     text = http_text(f"{fleet['kv'].url}/metrics")
     assert metric(text, "turbine_router_indexed_blocks") > 0
-    assert metric(text, "turbine_router_kv_event_gaps") == 0
+    assert metric(text, "turbine_router_kv_event_gaps_total") == 0
 
 
 def test_a_late_frontend_recovers_the_cache_and_routes_by_it(fleet):
@@ -70,8 +70,8 @@ def test_a_late_frontend_recovers_the_cache_and_routes_by_it(fleet):
         wait_until(lambda: metric(http_text(f"{late.url}/metrics"), "turbine_router_indexed_blocks") > 0, 10,
                    "late frontend's index filled", [late])
         text = http_text(f"{late.url}/metrics")
-        assert metric(text, "turbine_router_kv_event_recoveries") >= 1
-        assert metric(text, "turbine_router_kv_event_recovery_failures") == 0
+        assert metric(text, "turbine_router_kv_event_recoveries_total") >= 1
+        assert metric(text, "turbine_router_kv_event_recovery_failures_total") == 0
         assert ask(late, "A question for the late one?") >= 16 * 10
     finally:
         late.stop()

@@ -204,7 +204,7 @@ def test_nats_restarted_under_traffic_events_resume_and_routers_recover_what_the
     traffic = None
 
     def applied(frontend) -> float:
-        return metric(http_text(f"{frontend.url}/metrics"), "turbine_router_kv_events_applied")
+        return metric(http_text(f"{frontend.url}/metrics"), "turbine_router_kv_events_applied_total")
 
     try:
         wait_until(lambda: worker_ready(workers), 60, "workers ready", procs)
@@ -234,13 +234,13 @@ def test_nats_restarted_under_traffic_events_resume_and_routers_recover_what_the
         # Nothing is sent any more, so no later event can show the starved router a gap: it
         # recovers because its connection to NATS came back, asking each worker what it missed.
         os.kill(starved.popen.pid, signal.SIGCONT)
-        wait_until(lambda: metric(http_text(f"{starved.url}/metrics"), "turbine_router_kv_event_recoveries") >= 1,
+        wait_until(lambda: metric(http_text(f"{starved.url}/metrics"), "turbine_router_kv_event_recoveries_total") >= 1,
                    30, "the starved router recovered", procs)
         assert all(ask_cached(starved, p, "Another follow-up?") >= 10 * BLOCK for p in prefixes)
         text = http_text(f"{starved.url}/metrics")
-        assert metric(text, "turbine_router_kv_event_recovery_failures") == 0
-        print(f"NATS restart: the starved router recovered {metric(text, 'turbine_router_kv_event_recoveries'):.0f} "
-              f"time(s), {metric(text, 'turbine_router_kv_events_applied'):.0f} events applied")
+        assert metric(text, "turbine_router_kv_event_recovery_failures_total") == 0
+        print(f"NATS restart: the starved router recovered {metric(text, 'turbine_router_kv_event_recoveries_total'):.0f} "
+              f"time(s), {metric(text, 'turbine_router_kv_events_applied_total'):.0f} events applied")
         wait_until(lambda: blocks_in_use(workers) == 0, 30, "KV blocks freed", procs)
     finally:
         if traffic is not None:

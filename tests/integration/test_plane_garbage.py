@@ -184,7 +184,7 @@ def test_hostile_requests_get_an_answer_not_a_crash(planes):
 
 
 def _applied(frontend) -> float:
-    return metric(http_text(f"{frontend.url}/metrics"), "turbine_router_kv_events_applied")
+    return metric(http_text(f"{frontend.url}/metrics"), "turbine_router_kv_events_applied_total")
 
 
 async def test_garbage_on_the_event_plane_leaves_the_router_consuming(planes, nats_url):

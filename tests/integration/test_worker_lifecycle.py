@@ -16,6 +16,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
+from tests.integration.test_observability import OtlpReceiver
 from tests.integration.procs import (
     free_port,
     http_text,
@@ -107,9 +108,9 @@ def _engine_busy(worker) -> bool:
 class Serve:
     """A `turbine serve` process (its own frontend and workers, private discovery) and its log."""
 
-    def __init__(self, cluster, log_path, mode: list[str]):
+    def __init__(self, cluster, log_path, mode: list[str], env_extra: dict | None = None):
         self.port, self.log_path = free_port(), log_path
-        env = dict(cluster["env"])
+        env = dict(cluster["env"], **(env_extra or {}))
         env.pop("TURBINE_DISCOVERY_DIR")
         self.log = open(log_path, "w+b")
         self.popen = subprocess.Popen(
@@ -147,11 +148,16 @@ class Serve:
 def aggregated_serve(cluster, tmp_path_factory):
     """Started with the module (the graceful worker asks for it), so that its engine starts
     alongside that worker's: an engine's start is mostly single-threaded, and there are 2 cores."""
-    serve = Serve(cluster, tmp_path_factory.mktemp("serve-aggregated") / "serve.log", [])
+    receiver = OtlpReceiver()  # tracing configured by the standard variables alone, for every process
+    serve = Serve(cluster, tmp_path_factory.mktemp("serve-aggregated") / "serve.log", [],
+                  {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
+                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+    serve.receiver = receiver
     try:
         yield serve
     finally:
         serve.kill()
+        receiver.server.shutdown()
 
 
 @pytest.mark.parametrize("mode,stop_signal", [([], signal.SIGINT), (["--disagg"], signal.SIGTERM)],
@@ -161,9 +167,25 @@ def test_turbine_serve_answers_and_stops_on_ctrl_c_or_sigterm(cluster, tmp_path,
     try:
         serve.wait_ready()
         client = OpenAI(base_url=f"http://127.0.0.1:{serve.port}/v1", api_key="x", max_retries=0, timeout=60)
+        trace = "5bf92f3577b34da6a3ce929d0e0e4737"
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                           max_tokens=8)
+                                           max_tokens=8,
+                                           extra_headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
         assert r.choices[0].message.content
+        if not mode:  # one trace: the frontend's spans, the worker's, and the vLLM engine's own
+            names = lambda: {s["name"]: s for s in serve.receiver.of_trace(trace)}  # noqa: E731
+            wait_until(lambda: {"POST /v1/chat/completions", "generate", "llm_request"} <= names().keys(), 30,
+                       "the spans of the frontend, the worker and the engine")
+            spans = names()
+            assert spans["generate"]["service"] == "turbine-worker"
+            assert spans["generate"]["parent"] == spans["POST /v1/chat/completions"]["id"]
+            assert spans["llm_request"]["parent"] == spans["generate"]["id"]
+        # The worker's metrics, Turbine's and vLLM's own, at the URL `turbine serve` printed.
+        urls = re.findall(rb"worker \(Turbine's and vLLM's\) ([^\n]+)", serve.output())[0].decode().split(",")
+        assert len(urls) == (2 if mode else 1)
+        for url in urls:
+            page = http_text(url.strip())
+            assert "turbine_worker_requests_total" in page and "vllm:num_requests_running" in page
         if mode:  # a long prompt goes through the prefill worker
             r = client.completions.create(model=MODEL, prompt="A long story about a river. " * 60, max_tokens=4)
             assert r.choices[0].finish_reason == "length"

@@ -271,7 +271,8 @@ def model_dir(tmp_path) -> str:
 def test_serve_takes_the_model_as_its_first_argument_or_as_a_flag(model_dir, tmp_path, capsys):
     for argv in ([model_dir], ["--model", model_dir], [model_dir, "--model", model_dir]):
         p = plan([*argv, "--max-model-len", "1024"], str(tmp_path))
-        assert p.worker_cmds[0][3:] == ["--model", model_dir, "--max-model-len", "1024"]
+        assert p.worker_cmds[0][3:-2] == ["--model", model_dir, "--max-model-len", "1024"]
+        assert p.worker_cmds[0][-2:] == ["--system-port", str(p.status_ports[0])]
         assert p.served_name == model_dir
     err = exits(lambda: plan([model_dir, "--model", "other"], str(tmp_path)), capsys)
     assert "the model is given twice" in err
@@ -292,7 +293,7 @@ def test_serve_splits_flags_between_frontend_and_worker(model_dir, tmp_path):
               "ns1", "--enforce-eager", "--api-key", "k" * 20, "--ignore-unknown-fields"], str(tmp_path))
     assert p.frontend_cmd[3:] == ["--http-port", "9002", "--router-mode", "kv", "--namespace", "ns1",
                                   "--ignore-unknown-fields"]
-    assert p.worker_cmds[0][5:] == ["--namespace", "ns1", "--max-model-len", "512", "--enforce-eager"]
+    assert p.worker_cmds[0][5:-2] == ["--namespace", "ns1", "--max-model-len", "512", "--enforce-eager"]
     assert p.env == {"TURBINE_API_KEY": "k" * 20}  # out of `ps`
     assert p.url == "http://127.0.0.1:9002"
 
@@ -335,3 +336,68 @@ def test_serve_checks_frontend_flags_before_starting_anything(model_dir, tmp_pat
     assert "--router-mode" in err
     err = exits(lambda: plan([model_dir, "--http-port", "0"], str(tmp_path)), capsys)
     assert "--http-port 0" in err
+
+
+def test_serve_gives_each_worker_a_status_port_after_the_http_port(model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("TURBINE_SYSTEM_PORT", raising=False)
+    import socket
+
+    with socket.socket() as taken:  # a port in use is skipped
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        p = plan([model_dir, "--http-port", str(busy - 1)], str(tmp_path))
+        assert p.status_ports[0] > busy and p.worker_cmds[0][-2:] == ["--system-port", str(p.status_ports[0])]
+        p = plan([model_dir, "--http-port", str(busy - 1), "--disagg"], str(tmp_path))
+        assert len(set(p.status_ports)) == 2 and min(p.status_ports) > busy
+        for cmd, port in zip(p.worker_cmds, p.status_ports):
+            assert cmd[-4:-2] == ["--system-port", str(port)]  # before --disaggregation-mode
+    # The user's port (flag, config file, environment) is kept, and nothing is added.
+    p = plan([model_dir, "--system-port", "9100"], str(tmp_path))
+    assert p.status_ports == [9100] and p.worker_cmds[0].count("--system-port") == 1
+    p = plan(["--config", write(tmp_path, f"model: {model_dir}\nsystem-port: 9101\n", "s.yaml")], str(tmp_path))
+    assert p.status_ports == [9101] and "--system-port" not in p.worker_cmds[0]
+    monkeypatch.setenv("TURBINE_SYSTEM_PORT", "9102")
+    p = plan([model_dir], str(tmp_path))
+    assert p.status_ports == [9102] and "--system-port" not in p.worker_cmds[0]
+
+
+def test_serve_passes_logging_and_tracing_to_every_child_through_the_environment(model_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    p = plan([model_dir, "--log-level", "DEBUG", "--log-format", "json", "--otlp-traces-endpoint", "h:4317"],
+             str(tmp_path))
+    assert p.env == {"TURBINE_LOG_LEVEL": "debug", "TURBINE_LOG_FORMAT": "json",
+                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "h:4317"}
+    assert not {"--log-level", "--log-format", "--otlp-traces-endpoint"} & {*p.frontend_cmd, *p.worker_cmds[0]}
+    config = write(tmp_path, f"model: {model_dir}\nlog-level: warning\nlog_format: json\n"
+                             "otlp-traces-endpoint: f:4317\n", "obs.yaml")
+    p = plan(["--config", config, "--log-format", "text"], str(tmp_path))  # the flag wins over the file
+    assert p.env == {"TURBINE_LOG_LEVEL": "warning", "TURBINE_LOG_FORMAT": "text",
+                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "f:4317"}
+    assert "--config" not in p.frontend_cmd and "--config" not in p.worker_cmds[0]  # nothing else in the file
+    monkeypatch.setenv("TURBINE_LOG_FORMAT", "xml")
+    err = exits(lambda: plan([model_dir], str(tmp_path)), capsys)
+    assert "TURBINE_LOG_FORMAT" in err and err.count("\n") == 1
+
+
+def test_a_config_file_sets_each_process_logging_and_tracing(tmp_path, monkeypatch):
+    """setup_logging / setup_tracing read these before the process's parser runs: its --config file too."""
+    from turbine.logging_setup import logging_choices
+    from turbine.tracing import configured_endpoint
+
+    for var in ("TURBINE_LOG_LEVEL", "TURBINE_LOG", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TURBINE_LOG_FORMAT", "text")
+    config = write(tmp_path, "log-level: DEBUG\nlog_format: json\notlp-traces-endpoint: http://c:4317\n"
+                             "max-model-len: 512\n", "proc.yaml")
+    assert logging_choices(["--config", config]) == ("debug", "json")  # the file beats the environment
+    assert logging_choices([f"--config={config}", "--log-level", "error"]) == ("error", "json")  # the flag wins
+    assert configured_endpoint(["--config", config]) == "http://c:4317"
+    assert configured_endpoint(["--config", config, "--otlp-traces-endpoint", "f:1"]) == "f:1"
+    assert logging_choices(["--config", str(tmp_path / "missing.yaml")]) == ("info", "text")  # the parser names it
+    # Each process's parser takes the keys (an accepted key is one these early reads apply).
+    for build in (frontend_parser, mocker_parser, router_parser):
+        parser = build()
+        for opt in ("--log-level", "--log-format", "--otlp-traces-endpoint"):
+            assert opt in parser._option_string_actions, (parser.prog, opt)

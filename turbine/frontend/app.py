@@ -52,6 +52,8 @@ class FrontendConfig:
     # Processes serving the one HTTP port (SO_REUSEPORT: the kernel spreads connections over them).
     # Each is a whole frontend (its own discovery watch, router, counters, in-flight limit).
     processes: int = flag("--frontend-processes", default=1)
+    # One INFO line per HTTP request on the logger turbine.access (method, path, status, duration).
+    access_log: bool = flag("--access-log", default=True)
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")

@@ -16,8 +16,10 @@ from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
+from turbine.logging_setup import add_logging_args
 from turbine.router.config import add_kv_router_args
 from turbine.router.policy import router_config_from_args, router_modes
+from turbine.tracing import add_tracing_args
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 8000) -> None:
@@ -54,6 +56,10 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--frontend-processes", type=int, default=env_int("TURBINE_FRONTEND_PROCESSES", 1),
                    help="processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend with its own "
                         "router, metrics and --max-inflight-requests (env TURBINE_FRONTEND_PROCESSES)")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction,
+                   default=env_bool("TURBINE_ACCESS_LOG", True),
+                   help="one line per HTTP request on the logger turbine.access: client, method, path, status, "
+                        "duration, request id (env TURBINE_ACCESS_LOG=0 turns it off; default on)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=env_int("TURBINE_MAX_LOCAL_PREFILL_LENGTH", DisaggConfig.max_local_prefill_length),
@@ -84,7 +90,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               ignore_unknown_fields=args.ignore_unknown_fields,
                               max_inflight_requests=args.max_inflight_requests,
                               overload_retry_after=args.overload_retry_after,
-                              processes=args.frontend_processes,
+                              processes=args.frontend_processes, access_log=args.access_log,
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
@@ -100,6 +106,8 @@ def build_parser(prog: str = "python -m turbine.frontend") -> argparse.ArgumentP
         add_frontend_args(parser)
         add_discovery_args(parser)
         add_cluster_security_args(parser, listens=False)  # its internal-plane side is client only
+        add_logging_args(parser)
+        add_tracing_args(parser)
     return parser
 
 

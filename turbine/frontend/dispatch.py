@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import msgspec
 
+from turbine import tracing
 from turbine.frontend.disagg import (
     DisaggConfig,
     PrefillFailed,
@@ -42,15 +43,31 @@ log = logging.getLogger("turbine.frontend")
 T = TypeVar("T")
 
 
+def routed(router: Router, candidates: list[InstanceRecord], request: GenerateRequest, span_parent=None) -> Target:
+    """The router's pick, traced as a `route` span under `span_parent` (None: not traced)."""
+    if span_parent is None:
+        return router.select(candidates, request)
+    span = tracing.start("route", span_parent, attributes={"turbine.candidates": len(candidates)})
+    try:
+        target = router.select(candidates, request)
+    except BaseException as exc:
+        tracing.end(span, exc)
+        raise
+    span.set_attribute("turbine.worker", target.instance.instance_id)
+    span.set_attribute("turbine.dp_rank", target.dp_rank if target.dp_rank is not None else -1)
+    tracing.end(span)
+    return target
+
+
 async def on_some_worker(pool: list[InstanceRecord], router: Router, request: GenerateRequest,
                          attempt: Callable[[Target, GenerateRequest], Awaitable[T]], *,
                          retry: Callable[[BaseException], bool], none_left: Callable[[int], Exception],
-                         first: Target | None = None, tried: set[str] | None = None) -> T:
+                         first: Target | None = None, tried: set[str] | None = None, span_parent=None) -> T:
     """Runs `attempt` on a worker the router picks among `pool` (`first`, if given, is tried
     first), with the chosen data-parallel rank set on the request. A failure that `retry`
     accepts moves on to a worker not tried yet (nor in `tried`, which gains each one tried);
     when none is left, `none_left(tried)` is raised. The attempt keeps the router's
-    per-request accounting."""
+    per-request accounting. Each pick is a `route` span under `span_parent` (None: untraced)."""
     tried = set() if tried is None else tried
     while True:
         if first is not None:
@@ -59,7 +76,7 @@ async def on_some_worker(pool: list[InstanceRecord], router: Router, request: Ge
             candidates = [i for i in pool if i.instance_id not in tried]
             if not candidates:
                 raise none_left(len(tried))
-            target = router.select(candidates, request)
+            target = routed(router, candidates, request, span_parent)
         tried.add(target.instance.instance_id)
         attempt_request = request
         if target.dp_rank != request.dp_rank:
@@ -93,6 +110,10 @@ class Dispatch:
         self._generated: list[int] = []  # n == 1: the tokens so far (a continuation's prompt tail)
         self._generated_count = 0  # every choice's
         self._extended = False  # the worker streaming now was sent the prompt plus generated tokens
+        # Tracing (None: off): the request's span (the frontend's HTTP span), parent of this
+        # stage's spans and of the workers' (its context goes with every worker request).
+        self._span = tracing.current_span()
+        self._prefill_span = None
 
     def output_ready(self) -> bool:
         """Whether the worker's next output has already arrived (so the next one comes without
@@ -106,7 +127,12 @@ class Dispatch:
         start = time.monotonic()
         if self.model.lora_fallback:
             self.metrics.disagg_lora_fallback.inc()  # no prefill worker holds the adapter: aggregated
-        first = await self._open(self.request)
+        first_span = tracing.start("first_token", self._span) if self._span is not None else None
+        try:
+            first = await self._open(self.request)
+        except BaseException as exc:
+            tracing.end(first_span, exc)
+            raise
         router = self.model.router
         last_token_at = None
         attempt_started = False  # the router was told of this attempt's first token
@@ -120,6 +146,9 @@ class Dispatch:
                     now = time.monotonic()
                     if last_token_at is None:
                         self.metrics.ttft.observe(now - start)
+                        if first_span is not None:
+                            tracing.end(first_span)
+                            first_span = None
                     else:
                         gaps.append((now - last_token_at) / len(chunk.token_ids))
                     if not attempt_started:
@@ -143,6 +172,7 @@ class Dispatch:
                     chunk = await self._migrate(exc)
                     attempt_started = False
         finally:
+            tracing.end(first_span, "ended before the first token")
             router.finished(self._attempt.request_id)
             if self._stream is not None:
                 await self._stream.aclose()
@@ -206,7 +236,7 @@ class Dispatch:
         pool = [i for i in model.instances if i.instance_id not in self._failed] if self._failed else model.instances
         chosen = None  # with prefill workers: the decode instance, chosen first
         if may_prefill_remotely(model, request) and pool:
-            chosen = model.router.select(pool, request)
+            chosen = routed(model.router, pool, request, self._span)
             caches = model.decode_caches
             cached = caches.cached_tokens(chosen.instance.instance_id, request.token_ids) if caches else 0
             if wants_remote_prefill(model, request, self.disagg, cached):
@@ -224,6 +254,7 @@ class Dispatch:
         overload = OverloadRetries(model.name, self.metrics)  # an overloaded worker's refusal: try another
         return await on_some_worker(
             pool, model.router, request, self._first_output, first=chosen, tried=set(self._failed),
+            span_parent=self._span,
             # A refusal as overloaded comes before any work: trying another worker costs no migration.
             retry=lambda exc: (isinstance(exc, ConnectFailed) or overload.refused(exc)
                                or self._may_migrate(exc.__cause__)),
@@ -231,7 +262,8 @@ class Dispatch:
 
     async def _first_output(self, target: Target, request: GenerateRequest) -> GenerateOutput:
         inst = target.instance
-        stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput)
+        stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput,
+                                    trace=tracing.carrier(self._span))
         handoff = request.kv_transfer_params is not None
         try:
             first = await (first_output_of_handoff(stream) if handoff else anext(stream))
@@ -268,12 +300,20 @@ class Dispatch:
         model = self.model
         stop = msgspec.structs.replace(request.stop, max_tokens=1, min_tokens=None)
         prefill_req = msgspec.structs.replace(request, stop=stop)
-        return await on_some_worker(
-            model.prefill_instances, model.prefill_router, prefill_req, self._prefill_on,
-            # Anything but the client's own error: the decode worker can still prefill it.
-            retry=lambda exc: isinstance(exc, (ConnectFailed, PeerDisconnected, PrefillFailed, TimeoutError,
-                                               WorkerFailed)),
-            none_left=lambda tried: PrefillFailed(f"no prefill worker left to try ({tried} failed)"))
+        span = self._prefill_span = tracing.start("prefill", self._span, client=True) if self._span else None
+        try:
+            params = await on_some_worker(
+                model.prefill_instances, model.prefill_router, prefill_req, self._prefill_on,
+                # Anything but the client's own error: the decode worker can still prefill it.
+                retry=lambda exc: isinstance(exc, (ConnectFailed, PeerDisconnected, PrefillFailed, TimeoutError,
+                                                   WorkerFailed)),
+                none_left=lambda tried: PrefillFailed(f"no prefill worker left to try ({tried} failed)"),
+                span_parent=span)
+        except BaseException as exc:
+            tracing.end(span, exc)
+            raise
+        tracing.end(span)
+        return params
 
     async def _prefill_on(self, target: Target, request: GenerateRequest) -> dict:
         model, inst = self.model, target.instance
@@ -288,7 +328,8 @@ class Dispatch:
     async def _prefill_stream(self, inst: InstanceRecord, request: GenerateRequest) -> dict:
         router = self.model.prefill_router
         try:
-            async with self.client.stream(inst.address, inst.endpoint, request, GenerateOutput) as stream:
+            async with self.client.stream(inst.address, inst.endpoint, request, GenerateOutput,
+                                          trace=tracing.carrier(self._prefill_span)) as stream:
                 async for chunk in stream:
                     if chunk.token_ids:
                         router.first_token(request.request_id)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import array
 import base64
-import os
 import sys
 from typing import Any, Literal
 
@@ -19,6 +18,7 @@ from turbine.frontend.errors import RequestError, failure_of
 from turbine.frontend.models import ModelTable
 from turbine.frontend.openai_schemas import decode_request
 from turbine.frontend.preprocess import served_model
+from turbine.frontend.request_id import worker_request_id
 from turbine.protocol.embed import EMBED_ENDPOINT, EmbedOutput, EmbedRequest
 from turbine.protocol.generate import GenerateRequest
 from turbine.router.policy import Target
@@ -68,7 +68,7 @@ async def embeddings(body: bytes, models: ModelTable, client) -> bytes:
         if min(ids) < 0 or max(ids) >= tok.vocab_size:
             raise RequestError(f"input[{i}]: token id outside the vocabulary (size {tok.vocab_size})", param="input")
         token_lists.append(ids)
-    request_id = os.urandom(16).hex()
+    request_id = worker_request_id()
     embed = EmbedRequest(request_id=request_id, model=model.name, inputs=token_lists)
 
     async def attempt(target: Target, _: GenerateRequest) -> EmbedOutput:

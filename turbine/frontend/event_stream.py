@@ -27,9 +27,10 @@ class EventStreamResponse:
         self.events = events
         self.more_ready = more_ready
         self.status_code = 200
+        self.raw_headers = _HEADERS  # as a Starlette Response's (replaced, never changed in place)
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         # The request body was read already: the next message is the client leaving (or,
         # harmlessly, the end of this response).
         left = asyncio.ensure_future(receive())

@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from turbine import tracing
+from turbine.frontend import request_id
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.embeddings import embeddings
@@ -34,12 +36,14 @@ from turbine.frontend.responses import ResponsesRun
 from turbine.frontend.responses import prepare as prepare_response
 from turbine.frontend.structured import WORKER_PARAM
 from turbine.frontend.utility_routes import UtilityRoutes
+from turbine.logging_setup import request_id_var
 from turbine.protocol import errors as codes
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
 
 log = logging.getLogger("turbine.frontend")
+access_log = logging.getLogger("turbine.access")
 
 # The Responses API runs on the chat path (turbine/frontend/responses.py).
 GENERATION_ROUTES: dict[str, Kind | Literal["responses"]] = {
@@ -76,28 +80,38 @@ class HttpApi:
                            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
 
         async def app(scope, receive, send):
-            kind = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
-            if kind is None:
+            if scope["type"] != "http":
                 return await others(scope, receive, send)
-            request = Request(scope, receive)
-            if scope["method"] != "POST":
-                response = error_response(405, f"{scope['path']} takes POST", "invalid_request_error")
-                response.headers["allow"] = "POST"
-            elif not self.inflight.try_enter():
-                self.metrics.inflight_limit.inc()
-                response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
-                                                  f"(--max-inflight-requests); retry later"))
-            else:
-                try:  # held until the answer's last byte is sent
-                    try:
-                        response = await self.generate(request, kind)
-                    except Exception as exc:
-                        response = await self._internal_error(request, exc)
-                    await response(scope, receive, send)
-                finally:
-                    self.inflight.leave()
-                return
-            await response(scope, receive, send)
+            obs = _Observed(scope, self.cfg.access_log)
+            try:
+                kind = GENERATION_ROUTES.get(scope["path"])
+                if obs.refusal is not None:
+                    response = obs.refusal
+                elif kind is None:  # Starlette's routes: one or two writes, seen through a wrapper
+                    return await others(scope, receive, obs.wrap(send))
+                elif scope["method"] != "POST":
+                    response = error_response(405, f"{scope['path']} takes POST", "invalid_request_error")
+                    response.headers["allow"] = "POST"
+                elif not self.inflight.try_enter():
+                    self.metrics.inflight_limit.inc()
+                    response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
+                                                      f"(--max-inflight-requests); retry later"))
+                else:
+                    request = Request(scope, receive)
+                    try:  # held until the answer's last byte is sent
+                        try:
+                            response = await self.generate(request, kind)
+                        except Exception as exc:
+                            response = await self._internal_error(request, exc)
+                        obs.respond(response)  # a generation answer's writes go straight to the server
+                        await response(scope, receive, send)
+                    finally:
+                        self.inflight.leave()
+                    return
+                obs.respond(response)
+                await response(scope, receive, send)
+            finally:
+                obs.done()
 
         return app
 
@@ -153,15 +167,23 @@ class HttpApi:
             if (denied := self._auth(request)) is not None:
                 return denied
             body = await self._read_body(request)
+            span = tracing.start("preprocess") if tracing.tracer is not None else None
+            try:
+                if kind == "responses":
+                    responses_req, prepared = await prepare_response(body, self.frontend.models)
+                else:
+                    batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
+                                                 self.cfg.max_prompt_embeds_bytes)
+                    prepared = batch[0]
+            except RequestError as exc:
+                tracing.end(span, exc.message)
+                raise
+            tracing.end(span)
             if kind == "responses":
-                responses_req, prepared = await prepare_response(body, self.frontend.models)
                 model_name = prepared.model.name
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
                                    self.cfg.disagg, self.cfg.migration)
             else:
-                batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
-                                             self.cfg.max_prompt_embeds_bytes)
-                prepared = batch[0]
                 model_name = prepared.model.name
                 if prepared.user is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s (%s, %s) for user %r", prepared.request.request_id, kind, model_name,
@@ -281,3 +303,65 @@ class _Run(Pipeline):
             yield SseChunks.DONE
 
         return EventStreamResponse(body(), more_ready=self.more_ready)
+
+
+class _Observed:
+    """One HTTP request's request id (the client's valid X-Request-Id, else a new one: echoed in the
+    response and in every log line about the request), its trace span (a child of the client's
+    `traceparent`, current while it is served) and its access-log line. A generation answer gets the
+    header on the response object itself: a wrapper around `send` would cost a call per streamed write."""
+
+    __slots__ = ("scope", "access_log", "id", "header", "refusal", "status", "started", "span", "token")
+
+    def __init__(self, scope, access_log: bool):
+        self.scope, self.access_log = scope, access_log
+        given = traceparent = tracestate = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+            elif name == b"traceparent":
+                traceparent = value.decode("latin-1")
+            elif name == b"tracestate":
+                tracestate = value.decode("latin-1")
+        bad_id = given is not None and not request_id.valid(given)
+        self.id = request_id.begin(None if bad_id else given).id
+        request_id_var.set(self.id)  # this task's context: the request's own
+        self.header = (b"x-request-id", self.id.encode())
+        self.refusal = None if not bad_id else error_response(
+            400, f"X-Request-Id must be 1 to {request_id.MAX_LEN} characters of letters, digits and '-._:'",
+            "invalid_request_error", param="X-Request-Id")
+        self.status = 0
+        self.started = time.perf_counter()
+        self.span = self.token = None
+        if tracing.tracer is not None:
+            self.span = tracing.start(f"{scope['method']} {scope['path']}", tracing.extract(traceparent, tracestate),
+                                      server=True, attributes={"http.request.method": scope["method"],
+                                                               "url.path": scope["path"], "turbine.request_id": self.id})
+            self.token = tracing.attach(self.span)
+
+    def respond(self, response) -> None:
+        self.status = response.status_code
+        response.raw_headers = [*response.raw_headers, self.header]
+
+    def wrap(self, send):
+        async def send_observed(message):
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        return send_observed
+
+    def done(self) -> None:
+        scope, status = self.scope, self.status
+        if self.access_log:  # under the request's span still: the line carries its trace id
+            client = scope.get("client")
+            ms = (time.perf_counter() - self.started) * 1e3
+            access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
+                            status, ms, extra={"fields": {"client": client[0] if client else None,
+                                                          "method": scope["method"], "path": scope["path"],
+                                                          "status": status, "duration_ms": round(ms, 3)}})
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", status)
+            tracing.detach(self.token)
+            tracing.end(self.span, f"HTTP {status}" if status >= 500 else None)

@@ -5,7 +5,6 @@ the chat template, tokenization and the context-length limits happen here; new i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,6 +23,7 @@ from turbine.frontend.openai_schemas import (
     validate_completion,
 )
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, prompt_embeds_payload
+from turbine.frontend.request_id import worker_request_id
 from turbine.frontend.text_mode import text_input
 from turbine.frontend.structured import Constraint, constraint_of
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
@@ -140,7 +140,7 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
         raise RequestError("stop_token_ids: token id outside the vocabulary", param="stop_token_ids")
     logit_bias = logit_bias_of(req.logit_bias, tok.vocab_size if tok is not None else None)
     request = GenerateRequest(
-        request_id=os.urandom(16).hex(),  # as random as uuid4, without the UUID object
+        request_id=worker_request_id(),  # the HTTP request's id (request_id.py)
         model=model.name,
         token_ids=token_ids,
         sampling=SamplingOptions(

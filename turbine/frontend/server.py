@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 
@@ -51,8 +52,10 @@ def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socke
 
 def _serve_one(cfg: FrontendConfig, index: int) -> None:
     from turbine.logging_setup import setup_logging
+    from turbine.tracing import setup_tracing
 
-    setup_logging()
+    setup_logging()  # the parent's flags are in the environment it left (and in sys.argv, as spawn copies it)
+    setup_tracing([], "turbine-frontend")  # the parent put the endpoint in the environment
     sock = reuse_port_socket(cfg.http_host, cfg.http_port)
     config = uvicorn.Config(Frontend(cfg).app(), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S)
@@ -107,6 +110,12 @@ def _run_processes(cfg: FrontendConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     from turbine.frontend.args import parse_frontend_args
     from turbine.logging_setup import setup_logging
+    from turbine.tracing import configured_endpoint, setup_tracing
 
-    setup_logging()
-    return run_frontend(parse_frontend_args(argv))
+    setup_logging(argv, "python -m turbine.frontend")
+    cfg = parse_frontend_args(argv)
+    if cfg.processes == 1:
+        setup_tracing(argv, "turbine-frontend")
+    elif endpoint := configured_endpoint(argv):
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint  # each child traces (_serve_one)
+    return run_frontend(cfg)

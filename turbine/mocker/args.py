@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 from turbine.config import check, flag
 from turbine.flag_sources import add_config_arg, env_errors, with_config_file
+from turbine.logging_setup import add_logging_args
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import DEFAULT_LORA_LOAD_TIME_MS, TimingProfile, load_profile
 from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
+from turbine.tracing import add_tracing_args
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
 
@@ -169,6 +171,8 @@ def _build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-load-time-ms", type=float, default=None, metavar="MS",
                       help="simulated time to bring an adapter into a slot, added to the step that first needs it "
                            f"(default {DEFAULT_LORA_LOAD_TIME_MS:g}: see docs/mocker.md; scaled by --speedup-ratio)")
+    add_logging_args(p)
+    add_tracing_args(p)
     hooks = p.add_argument_group("test hooks")
     hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
                        help="publish only the first N KV event batches, then drop the rest silently while "

@@ -34,6 +34,7 @@ from turbine.worker.lora_slots import LoraSlots
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
+from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
@@ -283,8 +284,9 @@ class SimulatedEngines:
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
+    setup_logging(argv, "python -m turbine.mocker")
     cfg = parse_mocker_args(argv)
+    setup_tracing(argv, "turbine-mocker")
     host = WorkerHost(cfg, SimulatedEngines(cfg))
     # uvloop: the event loop is most of the work of 100+ simulated workers. Not in checkpoint
     # mode: uvloop's libuv (1.52) maps io_uring rings whatever UV_USE_IO_URING says, and CRIU

@@ -29,4 +29,8 @@ class Frame(msgspec.Struct, omit_defaults=True, kw_only=True):
     code: str = ""
     retryable: bool = False
     param: str = ""  # ERROR only: the request field an invalid request is about, if one
+    # REQUEST only: the caller's W3C trace context (turbine/tracing.py), so the handler's spans join
+    # the caller's trace; empty when the caller does not trace (nothing on the wire then).
+    traceparent: str = ""
+    tracestate: str = ""
     v: int = WIRE_VERSION

@@ -10,7 +10,9 @@ from turbine.config import DEFAULT_NAMESPACE, ClusterSecurityConfig, DiscoveryCo
 from turbine.config import add_cluster_security_args, add_discovery_args, cluster_security_from_args
 from turbine.config import discovery_config_from_args
 from turbine.flag_sources import add_config_arg, env_errors, env_int, env_str, with_config_file
+from turbine.logging_setup import add_logging_args
 from turbine.router.config import KvRouterConfig, add_kv_router_args, kv_router_config_from_args
+from turbine.tracing import add_tracing_args
 
 DEFAULT_REQUEST_TTL_S = 600.0
 
@@ -69,6 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_kv_router_args(g)
     add_discovery_args(p)
     add_cluster_security_args(p)
+    add_logging_args(p)
+    add_tracing_args(p)
     return p
 
 

@@ -19,16 +19,17 @@ class RouterMetrics:
                                           registry=r)
         self.indexed_blocks = Gauge("turbine_router_indexed_blocks", "blocks the kv router knows a worker holds",
                                     ["model", "worker"], registry=r)
-        self.events = Gauge("turbine_router_kv_events_applied", "KV events applied to the index", ["model"],
-                            registry=r)
-        self.event_gaps = Gauge("turbine_router_kv_event_gaps", "times KV events were found missing",
-                                ["model"], registry=r)
-        self.event_recoveries = Gauge("turbine_router_kv_event_recoveries",
-                                      "missed KV events recovered from the workers (replayed or a snapshot)",
-                                      ["model"], registry=r)
-        self.event_recovery_failures = Gauge("turbine_router_kv_event_recovery_failures",
-                                             "failed attempts to recover missed KV events (each is retried)",
-                                             ["model"], registry=r)
+        # Cumulative counts kept by the router's parts, advanced to their value at scrape time (`advance`).
+        self.events = Counter("turbine_router_kv_events_applied", "KV events applied to the index", ["model"],
+                              registry=r)
+        self.event_gaps = Counter("turbine_router_kv_event_gaps", "times KV events were found missing",
+                                  ["model"], registry=r)
+        self.event_recoveries = Counter("turbine_router_kv_event_recoveries",
+                                        "missed KV events recovered from the workers (replayed or a snapshot)",
+                                        ["model"], registry=r)
+        self.event_recovery_failures = Counter("turbine_router_kv_event_recovery_failures",
+                                               "failed attempts to recover missed KV events (each is retried)",
+                                               ["model"], registry=r)
         self.event_warnings = Counter("turbine_router_kv_event_warnings",
                                       "workers whose KV events never arrived (kind=none_arrived) or stopped "
                                       "(kind=stopped) while requests should have produced some",
@@ -52,5 +53,5 @@ class RouterMetrics:
                                       "decisions for LoRA adapter requests, by whether the chosen worker had the "
                                       "adapter active (in its slots, or with a request of it from this router)",
                                       ["model", "active"], registry=r)
-        self.load_reports = Gauge("turbine_router_load_reports", "worker load reports received", ["model"],
-                                  registry=r)
+        self.load_reports = Counter("turbine_router_load_reports", "worker load reports received", ["model"],
+                                    registry=r)

@@ -51,6 +51,7 @@ class ModelKvRouter:
             metrics.decisions.labels(model), metrics.decision_seconds.labels(model), metrics.overlap.labels(model))
         self._ranks: dict[str, int] = {}  # live instance id -> its number of data-parallel ranks
         self._exported: dict[object, set[str]] = {}  # gauge -> worker labels it has series for
+        self._counted: dict[object, int] = {}  # counter -> the tally it was last advanced to
         self._watch_task: asyncio.Task | None = None
 
     # -- requests ---------------------------------------------------------------------
@@ -123,11 +124,11 @@ class ModelKvRouter:
         index = self.kv.index
         if isinstance(index, KvIndexer):
             self._set(m.indexed_blocks, {worker_label(w): index.blocks_of(w) for w in self.workers(self._ranks)})
-            m.events.labels(model).set(index.events_applied)
+            self._advance(m.events, index.events_applied)
         if self.events is not None:
-            m.event_gaps.labels(model).set(self.events.gaps)
-            m.event_recoveries.labels(model).set(self.events.recoveries)
-            m.event_recovery_failures.labels(model).set(self.events.recovery_failures)
+            self._advance(m.event_gaps, self.events.gaps)
+            self._advance(m.event_recoveries, self.events.recoveries)
+            self._advance(m.event_recovery_failures, self.events.recovery_failures)
         loads = self.kv.loads
         reports = {worker_label(w): loads.reported(w) for w in loads.reporting_workers()}
         self._set(m.worker_active_blocks, {w: r.kv_active_blocks for w, r in reports.items()})
@@ -136,7 +137,15 @@ class ModelKvRouter:
         self._set(m.worker_running, {w: r.num_running for w, r in reports.items()})
         self._set(m.worker_pending_blocks, {worker_label(w): loads.pending(w).active_blocks
                                             for w in self.workers(self._ranks)})
-        m.load_reports.labels(model).set(self.loads.received)
+        self._advance(m.load_reports, self.loads.received)
+
+    def _advance(self, counter, count: int) -> None:
+        """Add to the model's counter what `count` (this router's own tally) gained since the last
+        scrape: the counter keeps rising across routers of one model (one gone, a new one made)."""
+        last = self._counted.get(counter, 0)
+        if count > last:
+            counter.labels(self.model).inc(count - last)
+        self._counted[counter] = count
 
     def _set(self, gauge, values: dict[str, float]) -> None:
         """Set one per-worker series per entry and drop the series of workers no longer there."""

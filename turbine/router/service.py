@@ -262,6 +262,9 @@ async def serve(cfg: RouterServiceConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     from turbine.logging_setup import setup_logging
     from turbine.router.args import parse_router_args
+    from turbine.tracing import setup_tracing
 
-    setup_logging()
-    return asyncio.run(serve(parse_router_args(argv)))
+    setup_logging(argv, "python -m turbine.router")
+    cfg = parse_router_args(argv)
+    setup_tracing(argv, "turbine-router")
+    return asyncio.run(serve(cfg))

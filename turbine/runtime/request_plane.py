@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Container
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from turbine import tracing
+from turbine.logging_setup import request_id_var
 from turbine.protocol import errors as codes
 from turbine.protocol.errors import WorkerError
 from turbine.protocol.frames import CANCEL, CHUNK, END, ERROR, REQUEST, Frame
@@ -136,11 +138,13 @@ def _peer_name(transport: asyncio.BaseTransport) -> str:
 class StreamContext:
     """Per-stream information handed to a handler."""
 
-    __slots__ = ("stream_id", "endpoint", "cancelled")
+    __slots__ = ("stream_id", "endpoint", "cancelled", "traceparent", "tracestate")
 
-    def __init__(self, stream_id: int, endpoint: str) -> None:
+    def __init__(self, stream_id: int, endpoint: str, traceparent: str = "", tracestate: str = "") -> None:
         self.stream_id = stream_id
         self.endpoint = endpoint
+        self.traceparent = traceparent  # the caller's trace context (turbine/tracing.py), if it traces
+        self.tracestate = tracestate
         # Set before the handler task is cancelled (client cancel or disconnect).
         self.cancelled = False
 
@@ -270,7 +274,7 @@ class _ServerConnection(asyncio.Protocol):
     # internals
 
     def _open(self, frame: Frame) -> None:
-        ctx = StreamContext(frame.stream_id, frame.endpoint)
+        ctx = StreamContext(frame.stream_id, frame.endpoint, frame.traceparent, frame.tracestate)
         task = self._server._spawn(self, ctx, frame.payload)
         self._streams[frame.stream_id] = (task, ctx)
 
@@ -434,6 +438,7 @@ class RequestPlaneServer:
 
     async def _run(self, conn: _ServerConnection, ctx: StreamContext, payload: bytes) -> None:
         sid = ctx.stream_id
+        span = token = None
         try:
             endpoint = self._endpoints.get(ctx.endpoint)
             if (refusal := self._refused.get(ctx.endpoint)) is not None:
@@ -449,6 +454,14 @@ class RequestPlaneServer:
             except DecodeError as exc:
                 _send_error(conn, sid, WorkerError.of(codes.INVALID_REQUEST, f"DecodeError: {exc}"))
                 return
+            # Log lines about this request carry its id (this task's own context).
+            request_id = getattr(request, "request_id", None)
+            if request_id is not None:
+                request_id_var.set(request_id)
+            if tracing.tracer is not None:  # a span for the handler, a child of the caller's if it traces
+                span = tracing.start(ctx.endpoint, tracing.extract(ctx.traceparent, ctx.tracestate), server=True,
+                                     attributes={"turbine.request_id": request_id or ""})
+                token = tracing.attach(span)
             items = endpoint.handler(request, ctx)
             try:
                 async for item in items:
@@ -463,13 +476,21 @@ class RequestPlaneServer:
                     await aclose()
             conn.send(Frame(kind=END, stream_id=sid))
         except asyncio.CancelledError:
+            tracing.end(span, "cancelled")
+            span = None
             raise  # the client cancelled or went away, or the server failed it (fail_streams): nothing to send
         except RequestFailed as exc:
+            tracing.end(span, exc.error.code)
+            span = None
             _send_error(conn, sid, exc.error)
         except Exception as exc:
+            tracing.end(span, exc)
+            span = None
             logger.warning("handler for %r stream %d failed", ctx.endpoint, sid, exc_info=True)
             _send_error(conn, sid, WorkerError.of(codes.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
+            tracing.detach(token)
+            tracing.end(span)
             conn.stream_done(sid)
 
 
@@ -550,12 +571,13 @@ class _ClientConnection(asyncio.Protocol):
         self.streams.clear()
         self.lost.set_result(None)
 
-    def open_stream(self, stream: ResponseStream[Any], endpoint: str, payload: bytes) -> int:
+    def open_stream(self, stream: ResponseStream[Any], endpoint: str, payload: bytes,
+                    trace: tracing.Carrier | None = None) -> int:
         stream_id = self._next_id
-        frame = encode_frame(
-            Frame(kind=REQUEST, stream_id=stream_id, endpoint=endpoint, payload=payload),
-            self.max_frame_bytes,
-        )
+        frame = Frame(kind=REQUEST, stream_id=stream_id, endpoint=endpoint, payload=payload)
+        if trace is not None:
+            frame.traceparent, frame.tracestate = trace
+        frame = encode_frame(frame, self.max_frame_bytes)
         self._next_id += 1
         self.streams[stream_id] = stream
         assert self._transport is not None
@@ -616,9 +638,11 @@ class ResponseStream(Generic[T]):
     """
 
     def __init__(
-        self, client: RequestPlaneClient, address: str, endpoint: str, payload: bytes, response_type: type[T]
+        self, client: RequestPlaneClient, address: str, endpoint: str, payload: bytes, response_type: type[T],
+        trace: tracing.Carrier | None = None,
     ) -> None:
         self._client = client
+        self._trace = trace
         self._address = address
         self._endpoint = endpoint
         self._payload = payload
@@ -692,7 +716,7 @@ class ResponseStream(Generic[T]):
         if conn.closed:  # e.g. what the server said first made us close it
             raise ConnectFailed(f"{self._address}: {conn.failure or 'connection closed'}")
         self._conn = conn
-        self._stream_id = conn.open_stream(self, self._endpoint, self._payload)
+        self._stream_id = conn.open_stream(self, self._endpoint, self._payload, self._trace)
 
     # called by the connection
 
@@ -724,9 +748,11 @@ class RequestPlaneClient:
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
 
-    def stream(self, address: str, endpoint: str, request: Any, response_type: type[T]) -> ResponseStream[T]:
-        """Start a call; nothing is sent until the first iteration."""
-        return ResponseStream(self, address, endpoint, codec.encode(request), response_type)
+    def stream(self, address: str, endpoint: str, request: Any, response_type: type[T],
+               trace: tracing.Carrier | None = None) -> ResponseStream[T]:
+        """Start a call; nothing is sent until the first iteration. `trace`: the caller's trace
+        context (turbine/tracing.py), for the handler's spans to join."""
+        return ResponseStream(self, address, endpoint, codec.encode(request), response_type, trace)
 
     async def close(self) -> None:
         """Close every pooled connection (open streams fail with PeerDisconnected)."""

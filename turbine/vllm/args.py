@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from turbine.config import check, flag
 from turbine.flag_sources import add_config_arg, env_errors, with_config_file
+from turbine.logging_setup import add_logging_args
 from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
@@ -68,6 +69,8 @@ def _build_parser():
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
                              "tokenizer the frontend cannot load). KV-aware routing falls back to load only")
     parser = AsyncEngineArgs.add_cli_args(parser)
+    # vLLM's parser has --log-level and --otlp-traces-endpoint: they serve Turbine too.
+    add_logging_args(parser, level=False)
     # No --model means the embedded default model (prepared on first use).
     parser.set_defaults(model=None)
     return parser

@@ -17,6 +17,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from turbine import tracing
 from turbine.protocol import errors as codes
 from turbine.protocol.generate import (
     ClearKvBlocksRequest,
@@ -199,7 +200,13 @@ class Handlers:
 
     def _engine_generate(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str,
                          lora=None):
-        return self.engine.generate(prompt, params, engine_id, lora_request=lora, data_parallel_rank=req.dp_rank)
+        # Tracing: the engine's spans join the request's trace (the worker's span is current here).
+        trace = tracing.current_carrier()
+        if trace is None:
+            return self.engine.generate(prompt, params, engine_id, lora_request=lora, data_parallel_rank=req.dp_rank)
+        headers = {"traceparent": trace[0], "tracestate": trace[1]} if trace[1] else {"traceparent": trace[0]}
+        return self.engine.generate(prompt, params, engine_id, lora_request=lora, data_parallel_rank=req.dp_rank,
+                                    trace_headers=headers)
 
     async def _outputs(self, req: GenerateRequest, prompt: dict, params: SamplingParams, engine_id: str, lora=None):
         """The engine's outputs for the request, and the engine-side id they run under."""

@@ -20,6 +20,7 @@ from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.registration import CLEAR_KV_BLOCKS, advertised_host
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
+from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import engine_canary
@@ -162,11 +163,14 @@ class VllmEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
+    setup_logging(argv, "python -m turbine.vllm")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     cfg = parse_worker_args(argv)
     if (warning := unknown_release_warning()) is not None:
         log.warning(warning)
+    if setup_tracing(argv, "turbine-worker") and getattr(cfg.engine_args, "otlp_traces_endpoint", None) is None:
+        # Set by the environment only: the engine traces too (its spans join the request's trace).
+        cfg.engine_args.otlp_traces_endpoint = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
     return run_host(WorkerHost(cfg, VllmEngine(cfg)).run)
 
 
