@@ -207,6 +207,9 @@ async def test_scale_up_then_down_patches_the_scale_and_removes_the_least_loaded
         assert patch["content_type"] == "application/strategic-merge-patch+json"  # the client's choice for a dict
         assert {r["auth"] for r in server.requests} == {"Bearer planner-token"}  # the kubeconfig's user
         assert server.deployments["turbine-decode"]["replicas"] == 4
+        # Asked for, not ready: the fourth pod is starting.
+        assert await conn.current_replicas() == {"decode": 3}
+        assert await conn.starting_replicas() == {"decode": 1}
         server.deployments["turbine-decode"]["replicas"] = 3  # (the fourth pod never came: back to 3)
 
         server.requests.clear()
@@ -234,6 +237,7 @@ async def test_scale_up_then_down_patches_the_scale_and_removes_the_least_loaded
         assert server.requests.index(scale_patch) > server.requests.index(annotations[-1])  # costs first
         assert scale_patch["body"] == {"spec": {"replicas": 2}}
         assert await conn.current_replicas() == {"decode": 2}
+        assert await conn.starting_replicas() == {"decode": 0}
     finally:
         await conn.close()
         for m in metrics:

@@ -7,15 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 
 import pytest
 
 from tests.integration.planner_traffic import SteadyTraffic
-from tests.integration.procs import base_env, http_text, instances_of, metric, start_frontend, start_mocker, stop_all
+from tests.integration.procs import (
+    base_env,
+    free_port,
+    http_json,
+    http_text,
+    instances_of,
+    metric,
+    start_frontend,
+    start_mocker,
+    start_planner,
+    stop_all,
+)
+from tests.unit.planner.test_replicas import PROFILE
 from turbine.config import DiscoveryConfig
 from turbine.model.prepare import DEFAULT_MODEL
 from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole
+from turbine.planner.profile import write_engine_profile
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
 from turbine.runtime.request_plane import RequestPlaneClient
 
@@ -63,7 +77,9 @@ async def test_scale_up_then_drained_scale_down_of_the_least_loaded_worker_fails
     try:
         await conn.set_replicas({"agg": 1}, decision_id=1)
         assert await conn.current_replicas() == {"agg": 0}  # started, not registered yet
+        assert await conn.starting_replicas() == {"agg": 1}
         await until(lambda: _replicas(conn, 1), 60, "the first worker registered")
+        assert await conn.starting_replicas() == {"agg": 0}
         await until(lambda: _async(instances_of(frontend, MODEL) == 1), 30, "the frontend sees it")
         old = conn.serving("agg")[0]
 
@@ -162,3 +178,32 @@ async def test_without_adopt_a_foreign_worker_is_left_alone(cluster, tmp_path):
     finally:
         await conn.close()
         stray.stop()
+
+
+async def test_the_planner_starts_an_empty_fleet_with_the_local_connector(cluster, tmp_path):
+    """No worker runs: the planner starts its connector first and brings the role to its minimum
+    (decision 1, the start-up path), then waits for those workers to be visible and plans. SIGTERM:
+    it closes the connector, which stops (drains) the workers it started."""
+    frontend, cfg = cluster
+    profile = tmp_path / "profile.json"
+    write_engine_profile(PROFILE, profile)
+    config = {"profile": str(profile), "mode": "agg", "model": MODEL, "ttft_ms": 1000, "itl_ms": 30,
+              "connector": "local", "frontend_url": frontend.url, "min_replicas": {"agg": 2},
+              "max_replicas": {"agg": 3}, "adjustment_interval_s": 5, "fast_interval_s": 1,
+              "connector_options": {"roles": {"agg": {"engine": "mocker", "args": list(MOCKER)}},
+                                    "log_dir": str(tmp_path / "planner-workers"), "drain_timeout": 3}}
+    (tmp_path / "planner.json").write_text(json.dumps(config))
+    env = base_env(cfg.discovery.file_dir)
+    planner = start_planner("planner-empty", env, tmp_path, "--config", str(tmp_path / "planner.json"),
+                            port=free_port())
+    try:
+        await until(lambda: _async(http_json(f"{planner.url}/health")[0] == 200), 90, "the planner healthy")
+        assert http_json(f"{planner.url}/health")[1]["workers"] == {"agg": 2}
+        await until(lambda: _async(instances_of(frontend, MODEL) == 2), 30, "the frontend sees both workers")
+        assert "decision 1 (startup path): {'agg': 0} -> {'agg': 2}" in planner.log_tail(200)
+        text = http_text(f"{planner.url}/metrics")
+        assert 'turbine_planner_decisions_total{direction="up",path="startup",role="agg"} 1.0' in text
+    finally:
+        assert planner.stop() == 0
+    # Its connector's workers went with it (drained).
+    await until(lambda: _async(instances_of(frontend, MODEL) == 0), 30, "the workers stopped with the planner")

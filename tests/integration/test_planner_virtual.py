@@ -77,6 +77,10 @@ async def test_a_decision_waits_for_the_orchestrators_acknowledgement(discovery)
         await orchestrator.backend.put(ack, msgspec.json.encode(PlannerAck(decision_id=7)))
         await asyncio.wait_for(task, 10)
         assert await conn.acknowledged() == 7
+        # Acknowledged, not registered yet: starting (prefill 2 asked, 1 card; decode 3 asked, none).
+        assert await conn.starting_replicas() == {"prefill": 1, "decode": 3}
+        await orchestrator.register_model(card("d1", "decode"))
+        await until(lambda: _eq(conn.starting_replicas(), {"prefill": 1, "decode": 2}), "a card counts as ready")
 
         # A later decision replaces the key; an acknowledgement of a later one covers it too.
         task = asyncio.create_task(conn.set_replicas({"agg": 0}, decision_id=8))

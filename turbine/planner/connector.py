@@ -28,6 +28,9 @@ class Connector(Protocol):
     - `start()` once before any other call (connect, find what it manages).
     - `current_replicas()`: role -> workers of that role that are up and serving (ready), as the
       connector sees them. A role the connector does not manage is absent.
+    - `starting_replicas()`: role -> workers asked for (by a decision) that are not ready yet:
+      capacity to come. The planner counts them as capacity, so it does not ask again for a worker
+      that is only still starting (start-up takes seconds for a mocker, minutes for vLLM).
     - `set_replicas(targets, decision_id)`: make each named role have that many workers. Returns
       once the change is applied or acknowledged (a scale-down only after the removed workers have
       drained: no request may fail because of it); raises on failure. `decision_id` grows by one per
@@ -38,6 +41,8 @@ class Connector(Protocol):
     async def start(self) -> None: ...
 
     async def current_replicas(self) -> dict[str, int]: ...
+
+    async def starting_replicas(self) -> dict[str, int]: ...
 
     async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None: ...
 
@@ -61,6 +66,9 @@ class AdvisoryConnector:
 
     async def current_replicas(self) -> dict[str, int]:
         return dict(self._seen)
+
+    async def starting_replicas(self) -> dict[str, int]:
+        return {}  # it starts nothing
 
     async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
         self.decisions.append((decision_id, dict(targets)))

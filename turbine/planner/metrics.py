@@ -26,11 +26,14 @@ class PlannerMetrics:
                                      ["role"], registry=r)
         self.current_replicas = Gauge("turbine_planner_current_replicas", "workers per role running now",
                                       ["role"], registry=r)
+        self.starting_replicas = Gauge("turbine_planner_starting_replicas",
+                                       "workers per role asked for and not ready yet (counted as capacity)",
+                                       ["role"], registry=r)
         self.estimated = Gauge("turbine_planner_engine_estimate_ms",
                                "load-based path: the mean over a role's engines of the estimated ttft / itl (ms) "
                                "from their load reports", ["role", "quantity"], registry=r)
         self.decisions = Counter("turbine_planner_decisions", "decisions that changed a role's target, by path "
-                                 "(throughput, load) and direction (up, down)", ["path", "role", "direction"],
+                                 "(startup, throughput, load) and direction (up, down)", ["path", "role", "direction"],
                                  registry=r)
         self.decision_id = Gauge("turbine_planner_decision_id", "the id of the last decision", registry=r)
         self.errors = Counter("turbine_planner_errors", "failed steps, by where: scrape, connector",

@@ -13,7 +13,9 @@ Two paths (docs: the README's Planner section):
   it, and rises to it at once, but only the load path brings a role down (so the two do not
   undo each other every interval). After a role changed, the load path waits for a report
   from every worker of it that came after the change (new workers included), so it does not
-  add again while the last one is still starting or taking its share.
+  add again while the last one is still starting or taking its share. While a worker of a role
+  is starting (asked for, not ready: the connector's `starting_replicas`), the load path adds
+  none to that role: the one to come is the capacity it asked for.
 
 The throughput path keeps the last decision above its bound; the load path steps from the last
 decision, or, in advisory mode (nothing is applied), from the workers running now.
@@ -86,9 +88,16 @@ class Planner:
         self.changed_at: dict[str, float] = {}  # role -> when its target last changed (monotonic)
         self._unreachable: set[str] = set()  # roles whose target one engine cannot meet (warned)
 
-    def _base(self, current: dict[str, int]) -> dict[str, int]:
-        """What a decision steps from: the last decision, or what runs when nothing is applied."""
-        return (self.targets or current) if self.cfg.applies else current
+    @staticmethod
+    def _have(current: dict[str, int], starting: dict[str, int] | None) -> dict[str, int]:
+        """Ready plus starting workers per role: what runs or is coming."""
+        starting = starting or {}
+        return {r: current.get(r, 0) + starting.get(r, 0) for r in set(current) | set(starting)}
+
+    def _base(self, current: dict[str, int], starting: dict[str, int] | None = None) -> dict[str, int]:
+        """What a decision steps from: the last decision, or what runs or starts when nothing is applied."""
+        have = self._have(current, starting)
+        return (self.targets or have) if self.cfg.applies else have
 
     # -- bounds -------------------------------------------------------------------------
     def _clamp(self, wanted: dict[str, int], lower: dict[str, int] | None = None) -> dict[str, int]:
@@ -128,10 +137,12 @@ class Planner:
         pm.labels("kv_hit_rate").set(self.predicted.kv_hit_rate)
         return self.predicted
 
-    def throughput_step(self, obs: Observation, current: dict[str, int]) -> dict[str, int]:
-        """The throughput path's decision after one interval (the current counts when nothing was seen yet)."""
+    def throughput_step(self, obs: Observation, current: dict[str, int],
+                        starting: dict[str, int] | None = None) -> dict[str, int]:
+        """The throughput path's decision after one interval (the current counts when nothing was seen yet).
+        Its target is compared against ready + starting workers: those starting count as capacity."""
         load = self.observe(obs)
-        base = self.targets or current
+        base = self.targets or self._have(current, starting)
         if load is None:
             return self._clamp({r: base.get(r, 0) for r in self.cfg.roles})
         sizing = size(self.cfg.mode, self.model, load, self.cfg.ttft_ms, self.cfg.itl_ms)
@@ -163,9 +174,12 @@ class Planner:
             return None
         return max(1.0, self.predicted.isl * (1.0 - self.predicted.kv_hit_rate))
 
-    def load_step(self, engines: list[EngineLoad], current: dict[str, int]) -> dict[str, int] | None:
-        """The load path's decision from the engines' latest reports (None: no change)."""
-        base = self._base(current)
+    def load_step(self, engines: list[EngineLoad], current: dict[str, int],
+                  starting: dict[str, int] | None = None) -> dict[str, int] | None:
+        """The load path's decision from the engines' latest reports (None: no change); `starting`:
+        workers per role asked for and not ready yet (none is added to a role while one starts)."""
+        starting = starting or {}
+        base = self._base(current, starting)
         isl_eff = self.isl_eff()
         wanted = {}
         for role in self.cfg.roles:
@@ -182,6 +196,8 @@ class Planner:
                     self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
                 self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
+            if step > 0 and starting.get(role, 0) > 0:
+                step = 0  # the worker still starting is the capacity asked for: wait until it serves
             wanted[role] = base.get(role, 0) + step
         targets = self._clamp(wanted, self.lower)
         return None if all(targets[r] == base.get(r, 0) for r in targets) else targets

@@ -4,8 +4,9 @@ decision to its connector.
 
 Start-up: status server (`/live`, `/health`: "starting" until the frontend answers and a worker of
 every planned role whose minimum is above 0 is visible, `/metrics`) -> register in discovery
-(component "planner", endpoint "status", its address the status server's) -> wait for the
-frontend and the workers -> the connector's start -> the loop: every fast interval the load
+(component "planner", endpoint "status", its address the status server's) -> the connector's
+start -> each role brought up to its minimum (ready + starting; decision "startup", not in advisory
+mode), so the planner can start an empty fleet -> wait for the frontend and the workers -> the loop: every fast interval the load
 path, every adjustment interval the throughput path; a decision that changes a target gets the
 next decision id and goes to the connector (`--advisory`: logged only). SIGTERM/SIGINT: stop,
 unregister, close the connector."""
@@ -112,11 +113,24 @@ class PlannerService:
         return False
 
     # -- the loop ---------------------------------------------------------------------
-    async def current(self) -> dict[str, int]:
+    async def current(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Ready and starting workers per role (the connector's view)."""
         counts = await self.connector.current_replicas()
+        starting = await self.connector.starting_replicas()
         for role in self.cfg.roles:
             self.metrics.current_replicas.labels(role).set(counts.get(role, 0))
-        return counts
+            self.metrics.starting_replicas.labels(role).set(starting.get(role, 0))
+        return counts, starting
+
+    async def bring_to_minimum(self) -> None:
+        """Start what each role lacks of its minimum (ready + starting), before any worker is visible."""
+        if not self.cfg.applies or isinstance(self.connector, AdvisoryConnector):
+            return
+        current, starting = await self.current()
+        have = {r: current.get(r, 0) + starting.get(r, 0) for r in self.cfg.roles}
+        targets = {r: max(have[r], min(self.cfg.minimum(r), self.cfg.maximum(r))) for r in self.cfg.roles}
+        if targets != have:
+            await self.decide(targets, have, "startup")
 
     async def decide(self, targets: dict[str, int] | None, current: dict[str, int], path: str) -> None:
         base = self.planner.targets or current
@@ -145,7 +159,8 @@ class PlannerService:
             await _wait(stopping, min(tick, max(0.0, next_throughput - time.monotonic())))
             if stopping.is_set():
                 return
-            current = await self.current()
+            current, starting = await self.current()
+            have = {r: current.get(r, 0) + starting.get(r, 0) for r in cfg.roles}
             if time.monotonic() >= next_throughput:
                 # Intervals missed while a decision was applied are not made up for: the next
                 # observation covers the whole time since the last one.
@@ -160,11 +175,11 @@ class PlannerService:
                 log.info("interval: %.2f requests/s, ISL %s, OSL %s, TTFT %s s, ITL %s s, KV hit %s",
                          obs.request_rate, _f(obs.isl), _f(obs.osl), _f(obs.ttft_s), _f(obs.itl_s),
                          _f(obs.kv_hit_rate))
-                targets = await asyncio.to_thread(self.planner.throughput_step, obs, current)  # ARIMA fits
-                await self.decide(targets, current, "throughput")
+                targets = await asyncio.to_thread(self.planner.throughput_step, obs, current, starting)  # ARIMA fits
+                await self.decide(targets, have, "throughput")
             elif cfg.fast_interval_s > 0:
                 engines = self.loads.engines(max_age_s=max(3 * cfg.fast_interval_s, 10.0))
-                await self.decide(self.planner.load_step(engines, current), current, "load")
+                await self.decide(self.planner.load_step(engines, current, starting), have, "load")
 
     # -- process ----------------------------------------------------------------------
     def status_app(self):
@@ -208,8 +223,10 @@ class PlannerService:
         follow = asyncio.create_task(self._follow(registry))
         try:
             await registry.register_instance(record)
+            # The connector first: with no worker running, only it can bring the ones the planner waits for.
+            await self.connector.start()
+            await self.bring_to_minimum()
             if await self.wait_until_visible(stopping):
-                await self.connector.start()
                 self.status = "healthy"
                 log.info("planning: the frontend answers and the workers are visible (%s)", self.visible)
                 await self.loop(stopping)

@@ -113,6 +113,15 @@ class KubernetesConnector:
             out[role] = (dep.status.ready_replicas or 0) if dep.status else 0
         return out
 
+    async def starting_replicas(self) -> dict[str, int]:
+        """Per role, the Deployment's asked-for replicas that are not ready yet."""
+        out = {}
+        for role, name in self.cfg.deployments.items():
+            dep = await asyncio.to_thread(self.apps.read_namespaced_deployment, name, self.cfg.namespace)
+            ready = (dep.status.ready_replicas or 0) if dep.status else 0
+            out[role] = max(0, (dep.spec.replicas or 0) - ready)
+        return out
+
     async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
         if bad := sorted(set(targets) - set(self.cfg.deployments)):
             raise ValueError(f"no Deployment configured for role(s) {', '.join(bad)}")

@@ -204,6 +204,10 @@ class LocalConnector:
         await self.refresh()
         return {role: sum(w.registered_at is not None for w in self.serving(role)) for role in self.cfg.roles}
 
+    async def starting_replicas(self) -> dict[str, int]:
+        """Workers started and alive, not registered yet (a refresh happens in current_replicas)."""
+        return {role: sum(w.registered_at is None for w in self.serving(role)) for role in self.cfg.roles}
+
     # -- changing it -----------------------------------------------------------------------------
     async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
         """Starts the workers missing (returns without waiting for them to register: they count

@@ -51,6 +51,7 @@ class VirtualConnector:
         self.registry = make_registry(cfg.discovery)
         self.decision_key = decision_key(cfg.namespace)
         self.ack_key = ack_key(cfg.namespace)
+        self.acked_targets: dict[str, int] = {}  # the last acknowledged decision's targets
 
     async def start(self) -> None:
         await self.registry.backend.start()
@@ -61,6 +62,12 @@ class VirtualConnector:
             if card.namespace == self.cfg.namespace and card.disaggregation_mode in counts:
                 counts[card.disaggregation_mode] += 1
         return counts
+
+    async def starting_replicas(self) -> dict[str, int]:
+        """Per role, how far the cards counted are below the last acknowledged decision (the
+        orchestrator acknowledged it; its workers have not registered yet)."""
+        counts = await self.current_replicas()
+        return {r: max(0, n - counts.get(r, 0)) for r, n in self.acked_targets.items()}
 
     async def acknowledged(self) -> int | None:
         """The id of the latest decision the orchestrator acknowledged, None if none (or unreadable)."""
@@ -91,6 +98,7 @@ class VirtualConnector:
                     acked = self._ack_id(snapshot.get(self.ack_key))
                     if acked is not None and acked >= decision_id:
                         log.info("decision %d acknowledged (ack %d)", decision_id, acked)
+                        self.acked_targets.update(targets)
                         return
         except TimeoutError:
             raise TimeoutError(f"decision {decision_id} not acknowledged at {self.ack_key} within "
