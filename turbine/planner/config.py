@@ -40,6 +40,9 @@ class PlannerConfig:
     adjustment_interval_s: float = flag("--adjustment-interval", default=60.0)
     fast_interval_s: float = flag("--fast-interval", default=5.0)  # 0: no load-based path
     scale_down_sensitivity: float = flag("--scale-down-sensitivity", default=0.8)
+    # Expected worker start-up, s: the throughput path sizes for the load predicted until the workers
+    # it starts now are ready. None: the start-ups observed (0 until one was).
+    startup_s: float | None = flag("--startup-s", default=None)
     min_replicas: dict[str, int] = flag("--min-replicas", default_factory=dict)  # role -> n (default 1)
     max_replicas: dict[str, int] = flag("--max-replicas", default_factory=dict)  # role -> n (default 8)
     max_workers: int | None = flag("--max-workers", default=None)  # the budget: workers of all roles
@@ -65,6 +68,8 @@ class PlannerConfig:
         check(self, self.fast_interval_s >= 0, "fast_interval_s", "must be >= 0 (0: no load-based path)")
         check(self, self.fast_interval_s <= self.adjustment_interval_s, "fast_interval_s",
               "must not be longer than --adjustment-interval (it is the faster of the two paths)")
+        check(self, self.startup_s is None or (math.isfinite(self.startup_s) and self.startup_s >= 0), "startup_s",
+              "must be >= 0 seconds (leave it out to use the start-ups observed)")
         check(self, 0 < self.scale_down_sensitivity <= 1, "scale_down_sensitivity", "must be in (0, 1]")
         roles = ROLES_OF_MODE.get(self.mode, ())
         for name in ("min_replicas", "max_replicas"):
@@ -160,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between load-based +-1 decisions from the workers' load reports (default 5; 0: off)")
     p.add_argument("--scale-down-sensitivity", type=float,
                    help="load-based scale-down only when every engine is under this share of the targets (0.8)")
+    p.add_argument("--startup-s", type=float, help="expected worker start-up, s: the throughput path sizes for the "
+                                                   "load predicted until new workers are ready (default: observed)")
     p.add_argument("--min-replicas", type=_role_counts, help="N or ROLE=N,...: fewest workers per role (default 1)")
     p.add_argument("--max-replicas", type=_role_counts, help="N or ROLE=N,...: most workers per role (default 8)")
     p.add_argument("--max-workers", type=int, help="budget: most workers of all roles together (default: none)")

@@ -35,6 +35,10 @@ class PlannerMetrics:
         self.decisions = Counter("turbine_planner_decisions", "decisions that changed a role's target, by path "
                                  "(startup, throughput, load) and direction (up, down)", ["path", "role", "direction"],
                                  registry=r)
+        self.horizon = Gauge("turbine_planner_horizon_intervals", "intervals ahead the throughput path provisions "
+                             "for: 1 + ceil(expected start-up / interval)", registry=r)
+        self.startup = Gauge("turbine_planner_startup_seconds", "the last observed worker start-up, s", ["role"],
+                             registry=r)
         self.decision_id = Gauge("turbine_planner_decision_id", "the id of the last decision", registry=r)
         self.errors = Counter("turbine_planner_errors", "failed steps, by where: scrape, connector",
                               ["where"], registry=r)

@@ -14,8 +14,13 @@ Two paths (docs: the README's Planner section):
   undo each other every interval). After a role changed, the load path waits for a report
   from every worker of it that came after the change (new workers included), so it does not
   add again while the last one is still starting or taking its share. While a worker of a role
-  is starting (asked for, not ready: the connector's `starting_replicas`), the load path adds
-  none to that role: the one to come is the capacity it asked for.
+  is starting (asked for, not ready: the connector's `starting_replicas`), the load path neither
+  adds to nor removes from that role: the one to come is the capacity it asked for.
+
+Start-up delay: workers asked for now serve only after a start-up (`--startup-s`, else the median
+of the start-ups observed: a role's first worker asked for until its ready count rose). So the
+throughput path sizes for the highest request rate predicted over the intervals until then and the
+interval after (`horizon()` steps: 1 + ceil(start-up / interval); 1 with no start-up known).
 
 The throughput path keeps the last decision above its bound; the load path steps from the last
 decision, or, in advisory mode (nothing is applied), from the workers running now.
@@ -24,7 +29,10 @@ decision, or, in advisory mode (nothing is applied), from the workers running no
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from turbine.planner.config import PlannerConfig
@@ -87,6 +95,22 @@ class Planner:
         self.last_sizing: Sizing | None = None
         self.changed_at: dict[str, float] = {}  # role -> when its target last changed (monotonic)
         self._unreachable: set[str] = set()  # roles whose target one engine cannot meet (warned)
+        self.startups: deque[float] = deque(maxlen=8)  # observed start-ups, s (newest last)
+
+    # -- start-up delay ------------------------------------------------------------------
+    def note_startup(self, seconds: float) -> None:
+        self.startups.append(max(0.0, seconds))
+
+    def startup_s(self) -> float:
+        """The expected start-up: configured, else the median observed, else 0."""
+        if self.cfg.startup_s is not None:
+            return self.cfg.startup_s
+        return statistics.median(self.startups) if self.startups else 0.0
+
+    def horizon(self) -> int:
+        """Intervals ahead the throughput path provisions for (see the module's docstring)."""
+        startup = self.startup_s()
+        return 1 + math.ceil(startup / self.cfg.adjustment_interval_s) if startup > 0 else 1
 
     @staticmethod
     def _have(current: dict[str, int], starting: dict[str, int] | None) -> dict[str, int]:
@@ -128,7 +152,10 @@ class Planner:
             p["kv_hit_rate"].add(obs.kv_hit_rate or 0.0)
         if self.predicted is None and obs.isl is None:
             return None
-        self.predicted = Load(request_rate=p["request_rate"].predict(), isl=p["isl"].predict(),
+        # The highest rate until the workers started now are ready and over the interval after.
+        rate = max(p["request_rate"].forecast(self.horizon()))
+        self.metrics.horizon.set(self.horizon())
+        self.predicted = Load(request_rate=rate, isl=p["isl"].predict(),
                               osl=p["osl"].predict(), kv_hit_rate=min(1.0, p["kv_hit_rate"].predict()))
         pm = self.metrics.predicted
         pm.labels("request_rate").set(self.predicted.request_rate)
@@ -196,8 +223,10 @@ class Planner:
                     self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
                 self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
-            if step > 0 and starting.get(role, 0) > 0:
-                step = 0  # the worker still starting is the capacity asked for: wait until it serves
+            if starting.get(role, 0) > 0:
+                # The worker still starting is the capacity asked for: judge again once it serves (adding
+                # now overshoots; removing now stops it, the least loaded, and thrashes: seen on a live fleet).
+                step = 0
             wanted[role] = base.get(role, 0) + step
         targets = self._clamp(wanted, self.lower)
         return None if all(targets[r] == base.get(r, 0) for r in targets) else targets

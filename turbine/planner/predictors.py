@@ -1,8 +1,8 @@
 """Load predictors: given the values one series took in past intervals (request count, mean ISL,
 mean OSL, KV hit rate), what will it be in the next one.
 
-Every predictor has `add(value)` (the newest observation) and `predict()` (the next value; before
-any observation, 0). They are chosen by name (`--predictor`, `make_predictor`):
+Every predictor has `add(value)` (the newest observation), `forecast(steps)` (the next `steps`
+values) and `predict()` (the next value; before any observation, 0). They are chosen by name (`--predictor`, `make_predictor`):
 
 - `constant`: the last value (what a planner without prediction assumes).
 - `moving-average`: the mean of the last `window` values (smooths noise, lags a trend).
@@ -37,8 +37,17 @@ class Predictor(Protocol):
 
     def predict(self) -> float: ...
 
+    def forecast(self, steps: int) -> list[float]: ...
 
-class ConstantPredictor:
+
+class _OneStep:
+    """For predictors whose forecast is flat: every step ahead is the next value."""
+
+    def forecast(self, steps: int) -> list[float]:
+        return [self.predict()] * steps  # type: ignore[attr-defined]
+
+
+class ConstantPredictor(_OneStep):
     def __init__(self) -> None:
         self._last = 0.0
 
@@ -49,7 +58,7 @@ class ConstantPredictor:
         return max(0.0, self._last)
 
 
-class MovingAveragePredictor:
+class MovingAveragePredictor(_OneStep):
     def __init__(self, window: int = 5) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
@@ -74,28 +83,32 @@ class ArimaPredictor:
         self._values.append(float(value))
 
     def predict(self) -> float:
+        return self.forecast(1)[0]
+
+    def forecast(self, steps: int) -> list[float]:
         if not self._values:
-            return 0.0
+            return [0.0] * steps
         last = self._values[-1]
+        flat = [max(0.0, last)] * steps
         if len(self._values) < self.min_points:
-            return max(0.0, last)
+            return flat
         values = list(self._values)
         if max(values) - min(values) < 1e-9 * max(1.0, abs(last)):
-            return max(0.0, last)  # a flat series: nothing to fit (and the fit would be singular)
+            return flat  # a flat series: nothing to fit (and the fit would be singular)
         from statsmodels.tsa.arima.model import ARIMA  # loaded only when this predictor is used
 
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # convergence chatter on short series
-                forecast = float(ARIMA(values, order=self.ORDER, trend="n").fit().forecast(1)[0])
+                ahead = [float(v) for v in ARIMA(values, order=self.ORDER, trend="n").fit().forecast(steps)]
         except Exception as exc:  # a degenerate series: say so, keep planning
             self.fallbacks += 1
             log.warning("ARIMA fit failed (%s); predicting the last value", exc)
-            return max(0.0, last)
-        if not math.isfinite(forecast):
+            return flat
+        if not all(math.isfinite(v) for v in ahead):
             self.fallbacks += 1
-            return max(0.0, last)
-        return max(0.0, forecast)
+            return flat
+        return [max(0.0, v) for v in ahead]
 
 
 class KalmanPredictor:
@@ -124,9 +137,13 @@ class KalmanPredictor:
         self._p = [[(1 - k0) * a, (1 - k0) * b], [c - k1 * a, d - k1 * b]]
 
     def predict(self) -> float:
+        return self.forecast(1)[0]
+
+    def forecast(self, steps: int) -> list[float]:
         if self._x is None:
-            return 0.0
-        return max(0.0, self._x[0] + self._x[1])
+            return [0.0] * steps
+        lvl, slope = self._x
+        return [max(0.0, lvl + k * slope) for k in range(1, steps + 1)]
 
 
 def make_predictor(name: str) -> Predictor:

@@ -48,6 +48,7 @@ class PlannerService:
         self.loads = LoadReports()
         self.visible: dict[str, int] = {}  # role -> workers in discovery
         self.decision_id = 0
+        self._starting_since: dict[str, tuple[float, int]] = {}  # role -> (since when starting, ready then)
         self.status = "starting"
         self.address: str | None = None
 
@@ -117,9 +118,23 @@ class PlannerService:
         """Ready and starting workers per role (the connector's view)."""
         counts = await self.connector.current_replicas()
         starting = await self.connector.starting_replicas()
+        now = time.monotonic()
         for role in self.cfg.roles:
-            self.metrics.current_replicas.labels(role).set(counts.get(role, 0))
-            self.metrics.starting_replicas.labels(role).set(starting.get(role, 0))
+            ready, coming = counts.get(role, 0), starting.get(role, 0)
+            self.metrics.current_replicas.labels(role).set(ready)
+            self.metrics.starting_replicas.labels(role).set(coming)
+            # An observed start-up: from when a role had workers starting until its ready count rose.
+            since = self._starting_since.get(role)
+            if since is not None and ready > since[1]:
+                self.planner.note_startup(now - since[0])
+                self.metrics.startup.labels(role).set(now - since[0])
+                log.info("%s: a worker became ready %.1fs after it was asked for", role, now - since[0])
+                since = None
+                self._starting_since.pop(role)
+            if since is None and coming > 0:
+                self._starting_since[role] = (now, ready)
+            elif since is not None and coming == 0:
+                self._starting_since.pop(role)  # stopped before it was ready: no start-up to learn from
         return counts, starting
 
     async def bring_to_minimum(self) -> None:

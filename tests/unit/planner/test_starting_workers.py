@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from tests.unit.planner.test_planner_logic import engine, planner, profile_path  # noqa: F401 (fixture)
+from turbine.config import ConfigError
 from turbine.planner.config import PlannerConfig
 from turbine.planner.observe import Observation
 from turbine.planner.service import PlannerService
@@ -39,6 +42,11 @@ def test_the_load_path_adds_none_while_a_worker_of_the_role_starts(profile_path)
     assert p.load_step(busy("a1"), {"agg": 1}, starting={}) == {"agg": 3}
     # Once a2 serves and both are still over target, the next one is added.
     assert p.load_step(busy("a1", "a2"), {"agg": 2}, starting={"agg": 0}) == {"agg": 3}
+    # Nor is the starting one removed when the queue cleared meanwhile (it would be the first stopped,
+    # and the next burst would start another: the thrash seen on a live fleet); once it serves, -1.
+    idle = [engine("agg", name="a1")]
+    assert p.load_step(idle, {"agg": 1}, starting={"agg": 1}) is None
+    assert p.load_step(idle + [engine("agg", name="a2")], {"agg": 2}, starting={}) == {"agg": 1}
 
 
 def test_the_throughput_path_counts_starting_workers_as_capacity(profile_path):  # noqa: F811
@@ -107,3 +115,40 @@ def test_the_service_brings_an_empty_fleet_to_its_minimum_once(profile_path):  #
     adv = service(profile_path, ScriptedConnector(), mode="agg", advisory=True)
     asyncio.run(adv.bring_to_minimum())
     assert adv.connector.calls == []
+
+
+def test_the_throughput_path_provisions_for_the_load_one_start_up_ahead(profile_path):  # noqa: F811
+    # A rising rate (1, 2, 3, 4 requests/s): the Kalman filter's trend. With no start-up known, the
+    # next interval's rate; with a 15 s start-up and 10 s intervals, the highest over 1 + 2 intervals.
+    def run(**kw):
+        p = planner(profile_path, mode="agg", fast_interval_s=0, predictor="kalman", max_replicas={"agg": 50}, **kw)
+        for n in (10, 20, 30, 40):
+            p.throughput_step(Observation(seconds=10, requests=n, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                          kv_hit_rate=0.5), {"agg": 1})
+        return p
+
+    now, ahead = run(), run(startup_s=15)
+    assert now.horizon() == 1 and ahead.horizon() == 3
+    assert now.predicted.request_rate == pytest.approx(5.0, rel=0.05)
+    assert ahead.predicted.request_rate == pytest.approx(7.0, rel=0.05)  # 4 + 3 x 1 per interval
+    assert ahead.lower["agg"] > now.lower["agg"]
+    with pytest.raises(ConfigError, match="startup_s"):
+        planner(profile_path, startup_s=-1)
+
+
+def test_start_ups_are_observed_when_none_is_configured(profile_path):  # noqa: F811
+    conn = ScriptedConnector(ready={"agg": 1})
+    svc = service(profile_path, conn, mode="agg", adjustment_interval_s=10)
+
+    async def go():
+        await conn.start()
+        await conn.set_replicas({"agg": 2}, 1)
+        await svc.current()  # one starting, one ready: the clock starts
+        time.sleep(0.3)
+        conn.starting, conn.ready_counts = {"agg": 0}, {"agg": 2}
+        await svc.current()  # ready rose: one start-up observed
+
+    assert svc.planner.horizon() == 1  # nothing known yet
+    asyncio.run(go())
+    assert list(svc.planner.startups) == [pytest.approx(0.3, abs=0.2)]
+    assert svc.planner.horizon() == 2  # 1 + ceil(0.3 / 10)
