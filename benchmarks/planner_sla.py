@@ -40,11 +40,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import StreamError, log, sse_chunks, wait_quiet  # noqa: E402
+from benchmarks.common import StreamError, log, shared_path, sse_chunks, wait_quiet  # noqa: E402
 from turbine.config import DiscoveryConfig  # noqa: E402
 from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole  # noqa: E402
 
-DEFAULT_TRACE = os.environ.get("TURBINE_MOONCAKE_TRACE", "/work/shared/data/mooncake_synthetic_trace.jsonl")
+# The trace: --trace, else $TURBINE_BENCH_TRACE (as kv_routing_fleet.py), else shared/data/ in or beside the checkout.
+DEFAULT_TRACE = os.environ.get("TURBINE_BENCH_TRACE", str(shared_path("data", "mooncake_synthetic_trace.jsonl")))
 PROFILE = REPO / "benchmarks" / "results" / "mocker_profile-2026-11-26-avx2.json"
 MOONCAKE_BLOCK = 512
 SERVED = "smollm2-135m-instruct"
@@ -52,7 +53,7 @@ SERVED = "smollm2-135m-instruct"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace (env TURBINE_MOONCAKE_TRACE)")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace (env TURBINE_BENCH_TRACE; default shared/data/mooncake_synthetic_trace.jsonl in or beside the checkout)")
     p.add_argument("--modes", default="static-peak,static-mean")
     p.add_argument("--duration", type=float, default=240.0, help="seconds of the compressed day")
     p.add_argument("--peak-rps", type=float, default=6.0)
