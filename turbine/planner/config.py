@@ -22,6 +22,7 @@ from turbine.config import (
     discovery_config_from_args,
     flag,
 )
+from turbine.flag_sources import load_config_file
 from turbine.planner.connector import ROLES, connector_names
 from turbine.planner.predictors import PREDICTORS
 
@@ -187,19 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_file(path: str) -> dict[str, Any]:
-    import yaml  # YAML is a superset of JSON: one reader for both
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise ValueError(f"--config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--config {path}: not YAML or JSON: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of settings")
+    data = load_config_file(path)  # the processes' one --config reader (YAML, a superset of JSON)
     known = {f.name for f in fields(PlannerConfig)} - {"discovery", "security"}
     out = {}
     for key, value in data.items():
