@@ -82,17 +82,17 @@ async def test_a_publisher_without_the_key_cannot_inject_kv_events(backend, priv
         cards["evil"] = card("evil", rogue.address)
     consumer.sync(cards, {"w1": server.address, "evil": server.address})
     await consumer.settle()
+    subscriber = consumer._sub._sub
     raw = None
     try:
-        # The honest batch first: once it is indexed the subscription is live on the server (NATS
-        # drops what is published before a SUB arrives, so a forged message sent earlier could be
-        # lost rather than refused, and the test would wait for a drop that never comes).
+        # NATS and zmq drop what is published before the subscription is live (lost, not refused):
+        # wait for it, then the honest batch first, so that every later message reaches the check.
+        await asyncio.wait_for(subscriber.subscribed(honest.address), 10)
         honest.publish(stored([1, 2], 0))
         await until(lambda: consumer.index.blocks_of(WorkerKey("w1")) == 2, "the honest worker's blocks indexed")
         if backend == "nats":
             raw = Client()
             await raw.connect(private_nats)
-        subscriber = consumer._sub._sub
         # Sent again until dropped: a subscriber that has not joined the rogue's socket (zmq) yet
         # loses the message silently, which proves nothing either way.
         for _ in range(50):
