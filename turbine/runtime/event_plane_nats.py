@@ -241,7 +241,12 @@ class NatsEventSubscriber:
         try:
             for topic in self.topics:
                 subs.append(await client.subscribe(f"{prefix}.{topic.decode()}", cb=self._on_message))
-            await client.flush()  # the server has them
+            # The server has them once a PONG follows them. nats-py (2.16) writes flush()'s PING
+            # straight to the socket, ahead of a SUB still queued for its flusher task, so the
+            # first PONG can come before the server has seen the SUBs; by the second flush the
+            # flusher has written them (seen as a lost first event under load).
+            await client.flush()
+            await client.flush()
             if not ready.done():
                 ready.set_result(None)
             await asyncio.Event().wait()  # until disconnect() cancels us

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import subprocess
 
 import pytest
 from nats.aio.client import Client
 
-from tests.integration.procs import free_port
+from tests.nats_server import NatsServer
 from turbine.protocol.discovery import ModelCard
 from turbine.protocol.kv_events import BlockStored
 from turbine.router.indexer import KvIndexer, WorkerKey
@@ -31,15 +29,13 @@ BS = 4
 
 
 @pytest.fixture(scope="module")
-def private_nats():
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("nats-server"), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def private_nats(tmp_path_factory):
+    server = NatsServer(tmp_path_factory.mktemp("nats") / "nats.log")
+    server.start()  # serving before anyone connects
     try:
-        yield f"nats://127.0.0.1:{port}"
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def card(instance_id: str, address: str) -> ModelCard:
