@@ -3,7 +3,8 @@ status port, served through the real frontend to the official openai client. The
 real one made with peft for the embedded SmolLM2 (random weights that change its greedy output);
 the reference is vLLM's own offline LLM(enable_lora=True) with a LoRARequest, same settings, run
 first in a process of its own. One pair of workers for the whole module (run it under the
-engine lock: flock /tmp/turbine-engine.lock)."""
+engine lock: flock /tmp/turbine-engine.lock); b has one adapter slot (--max-loras 1) and two
+adapters given at start, so its load reports show the engine swapping them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -34,10 +36,14 @@ from tests.integration.procs import (
 )
 from tests.integration.test_router_service import router_address
 from tests.lora_adapters import build_adapter, corrupt_copy
+from turbine.config import DiscoveryConfig, make_registry
 from turbine.protocol.router import BEST_WORKER, BestWorkerReply, BestWorkerRequest
+from turbine.router.cost import LoadTracker
+from turbine.router.indexer import WorkerKey
+from turbine.router.load_consumer import LoadMetricsConsumer
 from turbine.runtime.request_plane import RequestPlaneClient
 
-LORA_FLAGS = ["--dtype", "float32", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+LORA_FLAGS = ["--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"]
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
 # A prompt of many KV blocks (whatever the engine's block size) for the prefix-routing test.
@@ -74,9 +80,10 @@ def reference(adapters, model_dir, tokenizer, tmp_path_factory):
 def fleet(tmp_path_factory, reference, adapters):
     root = tmp_path_factory.mktemp("lora-vllm")
     env = base_env(str(root / "discovery"))
-    # b loads an adapter at start (--lora-modules, as vLLM spells it); a gets its adapters at run time
-    workers = [start_worker("lora-a", env, root, *LORA_FLAGS),
-               start_worker("lora-b", env, root, *LORA_FLAGS, "--lora-modules", f"boot={adapters['good']}")]
+    # b loads its adapters at start (--lora-modules, as vLLM spells it); a gets its adapters at run time
+    workers = [start_worker("lora-a", env, root, *LORA_FLAGS, "--max-loras", "2"),
+               start_worker("lora-b", env, root, *LORA_FLAGS, "--max-loras", "1", "--lora-modules",
+                            f"boot={adapters['good']}", f"boot2={adapters['good']}")]
     frontend = start_frontend("frontend", env, root)  # round-robin: base requests go to both
     kv_frontend = start_frontend("kv-frontend", env, root, "--router-mode", "kv")
     router = _start("router", env, root, "turbine.router", "--system-port")
@@ -85,7 +92,8 @@ def fleet(tmp_path_factory, reference, adapters):
         wait_until(lambda: all(worker_ready(w) for w in workers), ENGINE_START_TIMEOUT, "workers ready", procs)
         wait_until(lambda: instances_of(frontend, MODEL) == 2 and instances_of(kv_frontend, MODEL) == 2, 30,
                    "the frontends see both workers", procs)
-        yield {"a": workers[0], "b": workers[1], "frontend": frontend, "kv": kv_frontend, "env": env, "procs": procs}
+        yield {"a": workers[0], "b": workers[1], "frontend": frontend, "kv": kv_frontend, "env": env, "procs": procs,
+               "discovery": str(root / "discovery")}
     finally:
         stop_all(procs)
 
@@ -115,7 +123,7 @@ def test_a_runtime_adapter_changes_greedy_output_as_vllm_offline_does(fleet, ada
     wait_until(lambda: "sql" in models(frontend) and "sql" in models(fleet["kv"]), 15, "the frontends list it",
                fleet["procs"])
     assert models(frontend)["sql"]["parent"] == MODEL and models(frontend)["boot"]["parent"] == MODEL
-    assert [i["lora_name"] for i in httpx.get(f"{fleet['b'].url}/v1/loras").json()["loras"]] == ["boot"]
+    assert [i["lora_name"] for i in httpx.get(f"{fleet['b'].url}/v1/loras").json()["loras"]] == ["boot", "boot2"]
     ours = {model: client(frontend).completions.create(model=model, prompt=reference["ids"], max_tokens=MAX_TOKENS,
                                                        temperature=0).choices[0].text
             for model in (MODEL, "sql")}
@@ -125,6 +133,51 @@ def test_a_runtime_adapter_changes_greedy_output_as_vllm_offline_does(fleet, ada
     boot = client(frontend).completions.create(model="boot", prompt=reference["ids"], max_tokens=MAX_TOKENS,
                                                temperature=0).choices[0].text
     assert boot == ours["sql"]  # the same adapter, loaded at start on the other worker
+
+
+def instance_of(worker) -> str:
+    return next(iter(http_json(f"{worker.url}/engine/is_sleeping")[1]["instances"]))
+
+
+async def reports_after_requests(discovery_dir: str, instance: str, frontend, adapters: list[str],
+                                 timeout: float = 20.0) -> list:
+    """Follows `instance`'s load reports as a router does (subscribed first: reports go out on
+    change), then asks for one completion of each adapter in turn and returns the first report
+    naming it as the engine's active adapter (or the last one seen, for the assertion)."""
+    registry = make_registry(DiscoveryConfig(backend="file", file_dir=discovery_dir))
+    await registry.backend.start()
+    try:
+        card = next(c for c in await registry.list_models() if c.instance_id == instance and c.lora_name is None)
+    finally:
+        await registry.backend.close()
+    tracker = LoadTracker()
+    consumer = LoadMetricsConsumer(tracker)
+    consumer.sync({instance: card})
+    reports = []
+    try:
+        await consumer._sub.subscribed(card.load_metrics_address or card.kv_events_address)
+        for adapter in adapters:
+            reply = await asyncio.to_thread(client(frontend).completions.create, model=adapter, prompt=PROMPT,
+                                            max_tokens=4)
+            assert reply.usage.completion_tokens >= 1
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                report = tracker.reported(WorkerKey(instance))
+                if report is not None and report.active_loras == [adapter]:
+                    break
+                await asyncio.sleep(0.1)
+            reports.append(tracker.reported(WorkerKey(instance)))
+        return reports
+    finally:
+        consumer.close()
+
+
+def test_the_load_report_names_the_adapter_in_the_engines_slot(fleet):
+    """b has one slot: after boot's request its report says boot, after boot2's boot2 (boot swapped out)."""
+    reports = asyncio.run(reports_after_requests(fleet["discovery"], instance_of(fleet["b"]), fleet["frontend"],
+                                                 ["boot", "boot2"]))
+    for adapter, report in zip(["boot", "boot2"], reports, strict=True):
+        assert report is not None and report.max_loras == 1 and report.active_loras == [adapter], report
 
 
 def test_ten_concurrent_loads_of_one_name_are_one_engine_load(fleet, adapters):
@@ -165,7 +218,7 @@ def test_kv_routing_keeps_adapter_prefixes_apart(fleet, tokenizer):
     model's cached prefix only for base requests, the adapter's only for the adapter's, and
     routes the adapter only to the worker that holds it."""
     a, kv = fleet["a"], fleet["kv"]
-    a_id = next(iter(http_json(f"{a.url}/engine/is_sleeping")[1]["instances"]))
+    a_id = instance_of(a)
     ids = tokenizer.encode(LONG)
 
     async def ask(model: str) -> BestWorkerReply:
