@@ -257,7 +257,7 @@ class Dispatch:
             span_parent=self._span,
             # A refusal as overloaded comes before any work: trying another worker costs no migration.
             retry=lambda exc: (isinstance(exc, ConnectFailed) or overload.refused(exc)
-                               or self._may_migrate(exc.__cause__)),
+                               or overload.adapter_not_loaded(exc) or self._may_migrate(exc.__cause__)),
             none_left=overload.none_left)
 
     async def _first_output(self, target: Target, request: GenerateRequest) -> GenerateOutput:

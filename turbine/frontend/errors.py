@@ -12,6 +12,7 @@ _STATUS_OF_CODE = {
     codes.INVALID_REQUEST: (400, "invalid_request_error"),
     codes.OVERLOADED: (503, "service_unavailable"),
     codes.SHUTTING_DOWN: (503, "service_unavailable"),
+    codes.ADAPTER_NOT_LOADED: (404, "invalid_request_error"),
 }
 _WORKER_ERROR = (502, "worker_error")
 

@@ -22,7 +22,7 @@ from turbine.protocol.generate import (
     TopLogprob,
     Usage,
 )
-from turbine.runtime.errors import InvalidRequest
+from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest
 from turbine.worker.admission import Admission
 from turbine.worker.worker_metrics import WorkerMetrics
 
@@ -64,8 +64,7 @@ class Handlers:
         """The request's choices as scheduler sequences, after vLLM's input checks."""
         prompt = req.token_ids
         if req.lora_name is not None and req.lora_name not in self.adapters:
-            raise InvalidRequest(f"lora_name {req.lora_name!r}: no such LoRA adapter is loaded on this worker",
-                                 param="lora_name")
+            raise AdapterNotLoaded(req.lora_name)
         if req.text is not None:
             raise InvalidRequest(f"text: {TEXT_MODE_UNSUPPORTED}")
         if req.structured_outputs is not None:

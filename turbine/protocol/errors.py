@@ -21,10 +21,14 @@ KV_TRANSFER_FAILED = "kv_transfer_failed"  # a disaggregated hand-off could not 
 CANCELLED = "cancelled"  # the worker's engine aborted the request (not the client)
 UNKNOWN_ENDPOINT = "unknown_endpoint"  # the worker serves no such endpoint
 INTERNAL = "internal"  # a bug in the worker's handler: it would likely fail anywhere
+# The request names a LoRA adapter this worker does not hold (any more): the frontend's view of
+# discovery lags an unload; another worker may still hold it.
+ADAPTER_NOT_LOADED = "adapter_not_loaded"
 
 RETRYABLE = {
     INVALID_REQUEST: False, OVERLOADED: True, SHUTTING_DOWN: True, ENGINE_FAILURE: True,
     KV_TRANSFER_FAILED: True, CANCELLED: True, UNKNOWN_ENDPOINT: True, INTERNAL: False,
+    ADAPTER_NOT_LOADED: True,
 }
 
 

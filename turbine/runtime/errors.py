@@ -58,6 +58,16 @@ class InvalidRequest(RequestFailed, ValueError):
     code = codes.INVALID_REQUEST
 
 
+class AdapterNotLoaded(RequestFailed):
+    """The request's `lora_name` is not loaded on this worker (unloaded since the frontend routed
+    it there): the frontend tries a worker that still holds it, else answers 404."""
+
+    code = codes.ADAPTER_NOT_LOADED
+
+    def __init__(self, lora_name: str) -> None:
+        super().__init__(f"lora_name {lora_name!r}: no such LoRA adapter is loaded on this worker", param="lora_name")
+
+
 class FrameTooLarge(RequestPlaneError):
     """An outgoing frame exceeds max_frame_bytes (the peer would drop the connection)."""
 

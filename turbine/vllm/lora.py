@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from vllm.lora.request import LoRARequest
 
-from turbine.runtime.errors import InvalidRequest
+from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest
 from turbine.worker.lora_check import AdapterError
 
 log = logging.getLogger("turbine.vllm")
@@ -90,6 +90,5 @@ class VllmLora:
             raise InvalidRequest(f"lora_name {name!r}: {NO_LORA}", param="lora_name")
         request = self.requests.get(name)
         if request is None:
-            raise InvalidRequest(f"lora_name {name!r}: no such LoRA adapter is loaded on this worker",
-                                 param="lora_name")
+            raise AdapterNotLoaded(name)
         return request

@@ -17,7 +17,7 @@ from turbine.frontend.models import ServedModel
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import OutputSpec, Prepared
 from turbine.protocol import errors as codes
-from turbine.runtime.errors import InvalidRequest, RequestFailed
+from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest, RequestFailed
 from turbine.router.policy import RandomRouter, RoundRobinRouter, RouterConfig, make_router
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, OutputOptions, StopConditions, Usage
@@ -209,3 +209,39 @@ async def test_an_undecodable_worker_output_is_a_502_not_a_crash(tokenizer):
     finally:
         await client.close()
         await server.stop()
+
+
+async def test_a_worker_without_the_adapter_sends_the_request_to_one_that_holds_it(tokenizer):
+    """An adapter unloaded after the frontend's last look at discovery: the worker refuses with
+    ADAPTER_NOT_LOADED before any work, the request goes to a worker that still holds it (no
+    migration needed); when none does, the client gets 404 model_not_found, not a 400 or 502."""
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+
+    async def without_it(req, ctx):
+        raise AdapterNotLoaded(req.lora_name)
+        yield
+
+    async def with_it(req, ctx):
+        yield GenerateOutput(token_ids=hello, finish_reason="stop",
+                             usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(hello)))
+
+    servers = [RequestPlaneServer(), RequestPlaneServer()]
+    servers[0].register("generate", GenerateRequest, without_it)
+    servers[1].register("generate", GenerateRequest, with_it)
+    for s in servers:
+        await s.start()
+    client = RequestPlaneClient(connect_timeout=1.0)
+    adapter_request = lambda: GenerateRequest(request_id="r1", model="m", token_ids=[1, 2, 3], lora_name="sql",  # noqa: E731
+                                              stop=StopConditions(max_tokens=2))
+    try:
+        model = served(tokenizer, [instance("gone", servers[0].address), instance("holds", servers[1].address)])
+        for _ in range(2):  # whichever the round-robin picks first
+            assert await Run(model, client, adapter_request(), migration=MigrationConfig(limit=0)).text() == "Hello"
+        model = served(tokenizer, [instance("gone", servers[0].address)])
+        with pytest.raises(RequestError) as info:
+            await Run(model, client, adapter_request()).text()
+        assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+    finally:
+        await client.close()
+        for s in servers:
+            await s.stop()

@@ -23,7 +23,7 @@ from turbine.protocol.generate import (
     SamplingOptions,
     StopConditions,
 )
-from turbine.runtime.errors import InvalidRequest
+from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest
 from turbine.worker.worker_metrics import WorkerMetrics
 
 EOS = 2
@@ -166,8 +166,6 @@ async def test_invalid_requests_raise_a_typed_error():
         for req, words in ((request(prompt=[]), "empty"), (request(prompt=[5] * 4096), "context length"),
                            (request(prompt=[5, 1000]), "vocabulary"),
                            (request(max_tokens=2, min_tokens=3), "min_tokens"),
-                           (GenerateRequest(request_id="r", model="m", token_ids=[5], lora_name="sql"),
-                            "no such LoRA adapter is loaded on this worker"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[], prompt_embeds=b"PK"),
                             "prompt_embeds: the mocker does not take prompt embeddings"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5],
@@ -177,6 +175,11 @@ async def test_invalid_requests_raise_a_typed_error():
             with pytest.raises(InvalidRequest, match=words) as info:
                 await collect(h, req)
             assert info.value.error.code == "invalid_request" and not info.value.error.retryable
+        # An adapter this worker does not hold: another worker may (the frontend tries it), not the client's 400.
+        with pytest.raises(AdapterNotLoaded, match="no such LoRA adapter is loaded on this worker") as info:
+            await collect(h, GenerateRequest(request_id="r", model="m", token_ids=[5], lora_name="sql"))
+        assert info.value.error.code == "adapter_not_loaded" and info.value.error.retryable
+        assert info.value.error.param == "lora_name"
 
 
 async def test_clear_kv_blocks_empties_the_prefix_cache():

@@ -17,7 +17,7 @@ from turbine.mocker.scheduler import Scheduler, Sequence
 from turbine.mocker.timing import TimingProfile
 from turbine.mocker.tokens import Choice, TokenSampler
 from turbine.protocol.generate import GenerateRequest, StopConditions
-from turbine.runtime.errors import InvalidRequest
+from turbine.runtime.errors import AdapterNotLoaded
 from turbine.worker.lora_slots import LoraSlots
 from turbine.worker.worker_metrics import WorkerMetrics
 
@@ -100,7 +100,7 @@ async def test_each_swap_costs_the_load_time_before_the_prefill():
 
 async def test_unknown_adapters_are_refused():
     async with worker(load_ms=0) as h:
-        with pytest.raises(InvalidRequest, match="no such LoRA adapter is loaded on this worker"):
+        with pytest.raises(AdapterNotLoaded, match="no such LoRA adapter is loaded on this worker"):
             await run(h, "zzz")
 
 

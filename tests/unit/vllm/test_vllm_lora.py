@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from turbine.protocol.generate import GenerateRequest
-from turbine.runtime.errors import InvalidRequest
+from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.lora import VllmLora
 from turbine.worker.worker_metrics import WorkerMetrics
@@ -71,7 +71,7 @@ async def test_unload_waits_for_the_requests_using_the_adapter():
     unload = asyncio.create_task(loras.remove("sql", 5))
     await asyncio.sleep(0.3)
     assert not unload.done() and engine.removed == []  # the running request still uses it
-    with pytest.raises(InvalidRequest, match="no such LoRA adapter"):  # but no new one may
+    with pytest.raises(AdapterNotLoaded, match="no such LoRA adapter"):  # but no new one may
         await whole(request("sql"))
     engine.gate.set()
     assert [o.token_ids for o in await running] == [[7]]
