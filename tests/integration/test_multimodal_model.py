@@ -1,21 +1,62 @@
-"""The test vision-language model (tests/multimodal_model.py) itself, so the fixture the multimodal tests stand on
-can't rot: it builds deterministically (same seed, same bytes), and vLLM CPU serves it with pictures in a chat —
-greedy answers repeat, another picture gives another answer, the same picture the same answer (in one batch and
-alone). This tests the fixture, not a Turbine feature. One real engine, in a process of its own (run it under the
-engine lock: flock /tmp/turbine-engine.lock)."""
+"""Images in chats end to end (issue #19, aggregated): the test vision-language model (tests/multimodal_model.py)
+served by ONE real vLLM CPU worker started with --enable-multimodal, a frontend, and the official openai client.
+The same picture gives the same greedy tokens (alone and in a concurrent batch), another picture other tokens;
+bad media each get a 400 naming the problem while the server keeps serving; a model whose workers lack
+--enable-multimodal (a mocker beside it) refuses images by naming the flag. The bad-media cases in full (size,
+format, redirects, timeouts, private addresses) are tests/unit/frontend/test_media.py, without an engine.
+Run it under the engine lock (flock /tmp/turbine-engine.lock)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
-import json
-import subprocess
-import sys
+import io
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import openai
 import pytest
+from openai import OpenAI
 
-from tests.multimodal_model import build_vlm
+from tests.integration.conftest import ENGINE_START_TIMEOUT
+from tests.integration.procs import (
+    base_env,
+    instances_of,
+    start_frontend,
+    start_mocker,
+    stop_all,
+    wait_until,
+    worker_ready,
+)
+from tests.multimodal_model import IMAGE_SEQ_LEN, build_vlm
 
+VLM = "tiny-vlm"
+TEXT_ONLY = "text-only-mock"
 MAX_TOKENS = 12
+PICTURES = {"red": ((200, 30, 30), (48, 40)), "blue": ((20, 40, 220), (48, 40)), "green": ((30, 200, 30), (20, 60))}
+
+
+def picture(color: tuple[int, int, int], size: tuple[int, int], fmt: str = "PNG") -> bytes:
+    """A solid picture with stripes of the inverse color every 6 columns, as a file."""
+    from PIL import Image
+
+    image = Image.new("RGB", size, color)
+    inverse = tuple(255 - c for c in color)
+    for x in range(0, size[0], 6):
+        for y in range(size[1]):
+            image.putpixel((x, y), inverse)
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def chat(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe the picture."}]}]
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +65,48 @@ def vlm_dir(tmp_path_factory, model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def answers(vlm_dir) -> dict[str, list[int]]:
-    out = subprocess.run([sys.executable, "-m", "tests.integration.multimodal_reference", vlm_dir, str(MAX_TOKENS)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(line for line in out.stdout.splitlines() if line.startswith('{"answers"'))  # vLLM logs there too
-    return json.loads(line)["answers"]
+def vlm_cluster(tmp_path_factory, vlm_dir):
+    """One multimodal vLLM worker, a mocker serving a text-only model, one frontend (private discovery)."""
+    import subprocess
+    import sys
+
+    from tests.integration.procs import Proc, free_port
+
+    root = tmp_path_factory.mktemp("vlm-cluster")
+    env = base_env(str(root / "discovery"))
+    port = free_port()
+    log = root / "worker.log"
+    # Not procs.start_worker: its engine flags are the text model's (2048-token context, 16 sequences).
+    worker = Proc("worker", subprocess.Popen(
+        [sys.executable, "-m", "turbine.vllm", "--system-port", str(port), "--model", vlm_dir,
+         "--served-model-name", VLM, "--enable-multimodal", "--enforce-eager", "--dtype", "float32",
+         "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}'],
+        env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT), log, port)
+    mocker = start_mocker("mocker", env, root, "--served-model-name", TEXT_ONLY, "--speedup-ratio", "0")
+    frontend = start_frontend("frontend", env, root)
+    procs = [worker, mocker, frontend]
+    try:
+        wait_until(lambda: worker_ready(worker) and worker_ready(mocker), ENGINE_START_TIMEOUT, "workers ready",
+                   procs)
+        wait_until(lambda: instances_of(frontend, VLM) == 1 and instances_of(frontend, TEXT_ONLY) == 1, 30,
+                   "frontend sees both models", procs)
+        yield {"frontend": frontend, "worker": worker}
+    finally:
+        stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def oai(vlm_cluster) -> OpenAI:
+    return OpenAI(base_url=f"{vlm_cluster['frontend'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def answer(oai: OpenAI, url: str, model: str = VLM):
+    return oai.chat.completions.create(model=model, messages=chat(url), max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True)
+
+
+def tokens(response) -> list[str]:
+    return [t.token for t in response.choices[0].logprobs.content]
 
 
 def _digest(path) -> str:
@@ -37,8 +114,6 @@ def _digest(path) -> str:
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path, vlm_dir, model_dir):
-    from pathlib import Path
-
     again = build_vlm(tmp_path / "again", text_model_dir=model_dir)
     other = build_vlm(tmp_path / "other", text_model_dir=model_dir, seed=1)
     weights = Path(vlm_dir) / "model.safetensors"
@@ -46,12 +121,54 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path, vlm_dir, mode
     assert _digest(other / "model.safetensors") != _digest(weights)
 
 
-def test_vllm_serves_it_deterministically(answers):
-    assert all(tokens for tokens in answers.values()), answers
-    assert answers["red#0"] == answers["red#3"] == answers["red-alone"]
+def test_same_picture_same_tokens_other_picture_other_tokens(oai):
+    urls = {name: data_url(picture(*spec)) for name, spec in PICTURES.items()}
+    # One concurrent batch (the engine batches them), then the red picture alone.
+    with ThreadPoolExecutor(4) as pool:
+        batch = list(pool.map(lambda name: answer(oai, urls[name]), ["red", "blue", "green", "red"]))
+    alone = answer(oai, urls["red"])
+    red, blue, green, red_again = (tokens(r) for r in batch)
+    assert red and red == red_again == tokens(alone)
+    assert red != blue and red != green and blue != green
+    # The engine's prompt: each image token widened to the picture's placeholder (16 tokens and 3 tags), which
+    # the usage reports (the frontend's own count has one image token).
+    assert alone.usage.prompt_tokens == 53
+    assert alone.usage.completion_tokens == len(red) == MAX_TOKENS
+    assert IMAGE_SEQ_LEN == 16
+    # The same picture as a JPEG is another image (other pixels): served too.
+    jpeg = answer(oai, data_url(picture(*PICTURES["red"], fmt="JPEG"), "image/jpeg"))
+    assert tokens(jpeg)
 
 
-def test_another_picture_another_answer(answers):
-    assert answers["red#0"] != answers["blue#1"]
-    assert answers["red#0"] != answers["green#2"]
-    assert answers["blue#1"] != answers["green#2"]
+@pytest.mark.parametrize("url, named", [
+    ("data:image/png;base64,iVBORw0KGgo!!!notbase64", "not valid base64"),
+    (data_url(b"GIF89a" + bytes(40), "image/gif"), "supported format"),
+    ("http://127.0.0.1:1/picture.png", "loopback address"),
+    ("http://10.0.0.7/picture.png", "private or non-global address"),
+    ("file:///etc/passwd", "unsupported URL"),
+])
+def test_bad_media_gets_400_naming_the_problem_and_the_server_keeps_serving(oai, url, named):
+    with pytest.raises(openai.BadRequestError) as err:
+        answer(oai, url)
+    assert named in err.value.message and "messages[0].content[0].image_url" in err.value.message
+    assert err.value.body["param"] == "messages"
+    assert tokens(answer(oai, data_url(picture(*PICTURES["blue"]))))
+
+
+def test_video_and_audio_parts_are_refused_by_name(oai):
+    for part, named in [({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "video"),
+                        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=VLM, max_tokens=4, messages=[
+                {"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}])
+        assert named in err.value.message and "not supported" in err.value.message
+
+
+def test_a_model_without_enable_multimodal_refuses_images_naming_the_flag(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        answer(oai, data_url(picture(*PICTURES["red"])), model=TEXT_ONLY)
+    assert "--enable-multimodal" in err.value.message
+    # Text still goes through the same content-parts path.
+    reply = oai.chat.completions.create(model=TEXT_ONLY, max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
+    assert reply.choices[0].finish_reason

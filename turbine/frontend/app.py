@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from turbine.config import ClusterSecurityConfig, DiscoveryConfig, check, flag, make_registry
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
+from turbine.frontend.media import MediaConfig
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
@@ -39,6 +40,7 @@ class FrontendConfig:
     # Decoded size of a /v1/completions prompt_embeds tensor file (it also counts in the body).
     max_prompt_embeds_bytes: int = flag("--max-prompt-embeds-bytes", default=DEFAULT_MAX_PROMPT_EMBEDS_BYTES)
     discovery: DiscoveryConfig = DiscoveryConfig()
+    media: MediaConfig = MediaConfig()  # images in chats: fetch and decode bounds, private addresses
     disagg: DisaggConfig = DisaggConfig()
     migration: MigrationConfig = MigrationConfig()
     # Unknown request fields are dropped (a warning per field name) instead of answered with a 400.

@@ -14,6 +14,7 @@ from turbine.config import (
 from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
 from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
+from turbine.frontend.media import MediaConfig
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.logging_setup import add_logging_args
@@ -60,6 +61,27 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    default=env_bool("TURBINE_ACCESS_LOG", True),
                    help="one line per HTTP request on the logger turbine.access: client, method, path, status, "
                         "duration, request id (env TURBINE_ACCESS_LOG=0 turns it off; default on)")
+    mm = parser.add_argument_group("Turbine frontend: images in chats (image_url parts; models whose workers run "
+                                   "with --enable-multimodal)")
+    mm.add_argument("--max-image-bytes", type=int, default=env_int("TURBINE_MAX_IMAGE_BYTES", MediaConfig.max_image_bytes),
+                    help="largest image file, fetched or in a data: URL (larger: HTTP 400)")
+    mm.add_argument("--max-image-pixels", type=int,
+                    default=env_int("TURBINE_MAX_IMAGE_PIXELS", MediaConfig.max_image_pixels),
+                    help="largest image, width x height (checked from its header, before decoding)")
+    mm.add_argument("--max-images-per-request", type=int,
+                    default=env_int("TURBINE_MAX_IMAGES_PER_REQUEST", MediaConfig.max_images),
+                    help="images one chat request may hold")
+    mm.add_argument("--media-fetch-timeout", type=float,
+                    default=env_float("TURBINE_MEDIA_FETCH_TIMEOUT", MediaConfig.fetch_timeout_s),
+                    help="seconds one image URL may take to fetch, redirects included")
+    mm.add_argument("--media-max-redirects", type=int,
+                    default=env_int("TURBINE_MEDIA_MAX_REDIRECTS", MediaConfig.max_redirects),
+                    help="redirects an image URL may take")
+    mm.add_argument("--allow-private-media-urls", action="store_true",
+                    default=env_bool("TURBINE_ALLOW_PRIVATE_MEDIA_URLS"),
+                    help="let image URLs reach private, loopback, link-local and other non-global addresses "
+                         "(default: refused, so that clients cannot reach the operator's network through the "
+                         "frontend)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=env_int("TURBINE_MAX_LOCAL_PREFILL_LENGTH", DisaggConfig.max_local_prefill_length),
@@ -91,6 +113,12 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               max_inflight_requests=args.max_inflight_requests,
                               overload_retry_after=args.overload_retry_after,
                               processes=args.frontend_processes, access_log=args.access_log,
+                              media=MediaConfig(max_image_bytes=args.max_image_bytes,
+                                                max_image_pixels=args.max_image_pixels,
+                                                max_images=args.max_images_per_request,
+                                                fetch_timeout_s=args.media_fetch_timeout,
+                                                max_redirects=args.media_max_redirects,
+                                                allow_private_urls=args.allow_private_media_urls),
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,

@@ -43,9 +43,10 @@ class PrefillFailed(Exception):
 def may_prefill_remotely(model: ServedModel, request: GenerateRequest) -> bool:
     # vLLM's connector hands one sequence's KV to one request; n > 1 choices each need the
     # prompt's KV, so they are prefilled where they are decoded (served, not refused). Prompt
-    # embeddings are computed where they are decoded too (prefill workers refuse them), and so is
+    # embeddings and images are computed where they are decoded too (prefill workers refuse them), and so is
     # a prompt whose logprobs are asked for (echo with logprobs).
     return (bool(model.prefill_instances) and request.sampling.n == 1 and request.prompt_embeds is None
+            and not request.images  # prefill workers take no images (encoded where they are decoded)
             and request.output.prompt_logprobs is None)
 
 

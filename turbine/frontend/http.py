@@ -173,7 +173,7 @@ class HttpApi:
                     responses_req, prepared = await prepare_response(body, self.frontend.models)
                 else:
                     batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
-                                                 self.cfg.max_prompt_embeds_bytes)
+                                                 self.cfg.max_prompt_embeds_bytes, self.cfg.media)
                     prepared = batch[0]
             except RequestError as exc:
                 tracing.end(span, exc.message)

@@ -34,10 +34,15 @@ _REF = "#/components/schemas/{name}"
 # objects: chat templates take any keys).
 _TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
               "required": ["type", "text"]}
+# An image: a data: URL (base64) or an http(s) URL, for models whose workers run with --enable-multimodal.
+_IMAGE_PART = {"type": "object", "properties": {
+    "type": {"const": "image_url"},
+    "image_url": {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}},
+    "required": ["type", "image_url"]}
 _CHAT_MESSAGE = {
     "type": "object",
     "properties": {"role": {"type": "string"},
-                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
                                          {"type": "null"}]}},
     "required": ["role"],
 }

@@ -22,11 +22,15 @@ class Pipeline:
         model, request = prepared.model, prepared.request
         self.prepared = prepared
         self.metrics = metrics
-        metrics.input_tokens.inc(len(request.token_ids))
+        # The worker counts the prompt of text mode and embeddings, and of images (the engine widens them).
+        self._worker_counts_prompt = request.text is not None or request.prompt_embeds is not None \
+            or bool(request.images)
+        if not request.images:
+            metrics.input_tokens.inc(len(request.token_ids))
         self.dispatch = Dispatch(model, client, request, metrics, disagg, migration)
         self.post = (TextPostprocess(request.sampling.n, prepared.output.parsers) if request.text is not None else
                      Postprocess(model.tokenizer, request.token_ids, request.sampling.n, prepared.output,
-                                 parsers=prepared.output.parsers))
+                                 parsers=prepared.output.parsers, prompt_from_worker=bool(request.images)))
         self.fmt = FORMATS[prepared.kind](model.tokenizer, model.name, request.request_id,
                                           request.output.logprobs is not None, prepared.echo)
         self.fmt.prompt_logprobs = self.post.prompt_logprobs
@@ -44,8 +48,7 @@ class Pipeline:
     def _done(self, usage: UsageCount) -> None:
         # A prompt prefilled remotely was (partly) cached on the prefill worker.
         usage.cached_tokens = max(usage.cached_tokens, self.dispatch.remote_cached_tokens)
-        request = self.prepared.request
-        if request.text is not None or request.prompt_embeds is not None:  # the worker counted the prompt
+        if self._worker_counts_prompt:
             self.metrics.input_tokens.inc(usage.prompt_tokens)
         self.metrics.output_tokens.inc(usage.completion_tokens)
         self.metrics.cached_tokens.inc(usage.cached_tokens)

@@ -28,8 +28,9 @@ class OutputParser(Protocol):
 
 class Postprocess:
     def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int], n: int, spec: OutputSpec,
-                 parsers: Callable[[], list[OutputParser]] = list):
-        """`parsers` makes one choice's parser chain."""
+                 parsers: Callable[[], list[OutputParser]] = list, prompt_from_worker: bool = False):
+        """`parsers` makes one choice's parser chain; `prompt_from_worker`: the usage's prompt length is the
+        worker's (a prompt with images, which the engine widens), not len(prompt_ids)."""
         self.detoks = [IncrementalDetokenizer(tokenizer, prompt_ids, stop=spec.stop,
                                               skip_special_tokens=spec.skip_special_tokens,
                                               include_stop_str_in_output=spec.include_stop_str_in_output)
@@ -40,7 +41,7 @@ class Postprocess:
         self.eos = set(tokenizer.eos_token_ids) if not spec.skip_special_tokens else set()
         self.usage = UsageCount(prompt_tokens=len(prompt_ids))
         # No prompt ids (prompt embeddings): the worker reports the prompt's length.
-        self._prompt_from_worker = not prompt_ids
+        self._prompt_from_worker = prompt_from_worker or not prompt_ids
         # The prompt's logprobs (echo with logprobs), filled in place when the worker sends them.
         self.prompt_logprobs: list[TokenLogprob] = []
         self._prompt_ids = prompt_ids

@@ -11,6 +11,7 @@ from typing import Literal
 
 from turbine.frontend import tools
 from turbine.frontend.errors import RequestError
+from turbine.frontend.media import MediaConfig, load_images, refuse_media, split_media
 from turbine.frontend.models import ModelTable, ServedModel
 from turbine.frontend.openai_schemas import (
     ChatCompletionRequest,
@@ -57,16 +58,18 @@ class Prepared:
 
 
 async def preprocess(body: bytes, kind: Kind, models: ModelTable, ignore_unknown_fields: bool = False,
-                     max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES) -> Prepared:
+                     max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES,
+                     media: MediaConfig = MediaConfig()) -> Prepared:
     """One prompt's request; a batch of completion prompts is refused here (see preprocess_all)."""
-    prepared = await preprocess_all(body, kind, models, ignore_unknown_fields, max_prompt_embeds_bytes)
+    prepared = await preprocess_all(body, kind, models, ignore_unknown_fields, max_prompt_embeds_bytes, media)
     if len(prepared) > 1:
         raise RequestError("a batch of prompts is not accepted here", param="prompt")
     return prepared[0]
 
 
 async def preprocess_all(body: bytes, kind: Kind, models: ModelTable, ignore_unknown_fields: bool = False,
-                         max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES) -> list[Prepared]:
+                         max_prompt_embeds_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES,
+                         media: MediaConfig = MediaConfig()) -> list[Prepared]:
     """The request's prompts, each prepared (a completions batch has several, chat one).
     Raises RequestError (naming the parameter) for anything the request gets wrong."""
     if kind == "chat":
@@ -78,13 +81,13 @@ async def preprocess_all(body: bytes, kind: Kind, models: ModelTable, ignore_unk
     constraint = constraint_of(req)
     model = served_model(models, req.model, kind)
     if kind == "chat" or req.prompt_embeds is not None:
-        return [await _prepare(req, kind, model, None, constraint, max_prompt_embeds_bytes)]
-    return [await _prepare(req, kind, model, prompt, constraint, max_prompt_embeds_bytes)
+        return [await _prepare(req, kind, model, None, constraint, max_prompt_embeds_bytes, media)]
+    return [await _prepare(req, kind, model, prompt, constraint, max_prompt_embeds_bytes, media)
             for prompt in prompts_of(req)]
 
 
 async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] | None, constraint: Constraint | None,
-                   max_prompt_embeds_bytes: int) -> Prepared:
+                   max_prompt_embeds_bytes: int, media: MediaConfig = MediaConfig()) -> Prepared:
     tok = model.tokenizer
     text_in = None
     plan = tools.OutputPlan()
@@ -94,17 +97,25 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
         raise RequestError(f"tool_choice {req.tool_choice!r} forces a tool call, which cannot be combined with "
                            f"{constraint.param}: both constrain the whole output", param="tool_choice")
     embeds: bytes | None = None  # a prompt given as embeddings (completions only)
+    images = None  # a chat's images (checked, hashed), in prompt order
     if tok is None:  # text mode: the worker renders, tokenizes and checks the lengths
         if kind == "completions" and req.prompt_embeds is not None:
             raise RequestError(f"prompt_embeds: the model {model.name!r} is served in text mode "
                                "(--use-vllm-tokenizer) and takes no prompt embeddings", param="prompt_embeds")
+        if kind == "chat":  # the worker would render (and vLLM fetch) media parts unchecked
+            refuse_media(model.name, split_media(req.messages)[1], "it is served in text mode (--use-vllm-tokenizer)")
         text_in, token_ids = text_input(req, model.name, prompt)
         logprobs = None
         max_tokens = req.max_completion_tokens if kind == "chat" and req.max_completion_tokens is not None \
             else req.max_tokens
     elif kind == "chat":
+        messages, urls = split_media(plan.messages)
+        if urls:
+            if not all(card.multimodal for card in (model.cards.values() or [model.card])):
+                refuse_media(model.name, urls, "its workers run without --enable-multimodal")
+            images = await load_images(urls, media)
         try:
-            text = tok.apply_chat_template(plan.messages, add_generation_prompt=req.add_generation_prompt,
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools, **(req.chat_template_kwargs or {}))
         except ValueError as exc:
             raise RequestError(f"cannot apply the chat template: {exc}", param="messages") from None
@@ -154,6 +165,7 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
         text=text_in,
         structured_outputs=plan.structured_outputs or (constraint.outputs if constraint else None),
         prompt_embeds=embeds,
+        images=images or None,
         lora_name=model.lora_name,
     )
     output = OutputSpec(stop=stop_list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,

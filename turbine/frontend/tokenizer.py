@@ -179,14 +179,20 @@ def _flatten_text_content(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(content, list):
         return message
     texts = []
+    with_images = False
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image" and len(part) == 1:  # an image's place (media.split_media): the template writes its token
+            with_images = True
+            continue
         if kind != "text" or not isinstance(part.get("text"), str):
             raise ValueError(
                 f"messages[{index}]: content part of type {kind!r} is not supported; "
                 "this model only accepts text parts ({'type': 'text', 'text': ...})"
             )
         texts.append(part["text"])
+    if with_images:  # a vision-language model's template takes the parts, images in their places
+        return message
     # Joined with newlines, as vLLM does for templates that take string content.
     return {**message, "content": "\n".join(texts)}
 

@@ -68,6 +68,8 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     data_parallel_size: int = 1
     # Whether it takes GenerateRequest.prompt_embeds (the vLLM worker's --enable-prompt-embeds).
     accepts_prompt_embeds: bool = False
+    # Whether it takes images (GenerateRequest.images): the vLLM worker's --enable-multimodal.
+    multimodal: bool = False
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the

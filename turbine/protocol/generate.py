@@ -74,6 +74,15 @@ class TextInput(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
 
 
+class ImageInput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One image of a chat prompt (a worker with --enable-multimodal): the file as the client sent or
+    served it, which the frontend decoded (PNG, JPEG or WebP, within its pixel bound), and the SHA-256 of its
+    decoded RGB pixels (the engine's identifier for the image: its encoder and prefix caches key on it)."""
+
+    data: bytes
+    hash: str
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
     model: str
@@ -99,6 +108,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # torch.save'd 2-D tensor (sequence x hidden size), as the client sent them. Only workers whose
     # card says `accepts_prompt_embeds` take it; they load it with torch's weights-only loader.
     prompt_embeds: bytes | None = None
+    # The prompt's images, in the order of their placeholders in token_ids (the chat template's image
+    # token, which the engine widens to the image's tokens). Only workers whose card says `multimodal`.
+    images: list[ImageInput] | None = None
     v: int = WIRE_VERSION
 
 

@@ -20,12 +20,26 @@ KV_EVENTS_CONFIG_REFUSED = (
     "leave the routers blind; drop the flag")
 
 
+# vLLM's flags for what Turbine does not build yet (issue #19): accepted, they would be inert or break
+# requests (the frontend sends no embeddings and routes no encoder outputs), so they are refused by name.
+MULTIMODAL_REFUSED = {
+    "ec_transfer_config": "--ec-transfer-config is not supported: Turbine has no encode workers yet "
+                          "(disaggregated encode/prefill/decode is not built); drop the flag",
+    "mm_encoder_only": "--mm-encoder-only is not supported: Turbine has no encode workers yet; drop the flag",
+    "enable_mm_embeds": "--enable-mm-embeds is not supported: the frontend takes no image embeddings "
+                        "(image_url parts only); drop the flag",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(ServingConfig):
     engine_args: object  # vllm AsyncEngineArgs (typed loosely so this module imports without vLLM)
     # Text mode: requests carry text that this worker renders and tokenizes with the engine's
     # tokenizer, and it returns text (for models whose tokenizer the frontend cannot load).
     use_vllm_tokenizer: bool = flag("--use-vllm-tokenizer", default=False)
+    # Images in chats (GenerateRequest.images, which the frontend fetched and checked): the engine encodes
+    # them in-process. Off, a request with images is refused (the security gate of issue #19).
+    enable_multimodal: bool = flag("--enable-multimodal", default=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -33,6 +47,14 @@ class WorkerConfig(ServingConfig):
               "text mode (--use-vllm-tokenizer) serves whole requests only: drop --disaggregation-mode")
         check(self, getattr(self.engine_args, "kv_events_config", None) is None, "engine_args",
               KV_EVENTS_CONFIG_REFUSED)
+        check(self, not self.enable_multimodal or (self.disaggregation_mode == "agg" and not self.use_vllm_tokenizer
+                                                  and getattr(self.engine_args, "runner", None) != "pooling"),
+              "enable_multimodal", "images are served by aggregated workers in token mode only: drop "
+              "--disaggregation-mode, --use-vllm-tokenizer and --runner pooling (disaggregated "
+              "encode/prefill/decode is not built)")
+        for name, why in MULTIMODAL_REFUSED.items():
+            value = getattr(self.engine_args, name, None)
+            check(self, value is None or value is False, "engine_args", why)
         pooling = getattr(self.engine_args, "runner", None) == "pooling"
         check(self, pooling == (EMBEDDINGS in self.endpoint_types), "endpoint_types",
               "a pooling worker (--runner pooling) serves embeddings only, and only it does")
@@ -64,6 +86,10 @@ def _build_parser():
                         help="KV connector(s) for disaggregated serving: nixl, lmcache, kvbm or none; several "
                              "(comma-separated) become vLLM's MultiConnector in that order. Required with "
                              "--disaggregation-mode prefill|decode unless --kv-transfer-config is given")
+    parser.add_argument("--enable-multimodal", action="store_true",
+                        help="take images in chats (image_url parts, fetched and checked by the frontend) for a "
+                             "vision-language model, which the engine encodes in-process; without it a request "
+                             "with an image gets HTTP 400")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -122,7 +148,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     engine_args.disable_log_stats = False
 
     return checked(WorkerConfig, parser, **vars(serving), engine_args=engine_args,
-                   use_vllm_tokenizer=args.use_vllm_tokenizer)
+                   use_vllm_tokenizer=args.use_vllm_tokenizer, enable_multimodal=args.enable_multimodal)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:

@@ -31,6 +31,7 @@ from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.compat import CLIENT_ERRORS
 from turbine.vllm.lora import NO_LORA, VllmLora
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
+from turbine.vllm.images import multimodal_prompt
 from turbine.vllm.prompt_embeds import load_prompt_embeds
 from turbine.worker.admission import Admission
 from turbine.worker.worker_metrics import WorkerMetrics
@@ -130,8 +131,9 @@ class Handlers:
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
                  data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None,
-                 admission: Admission | None = None, loras: VllmLora | None = None):
+                 admission: Admission | None = None, loras: VllmLora | None = None, multimodal: bool = False):
         self.engine = engine
+        self.multimodal = multimodal  # --enable-multimodal: requests may carry images
         self.loras = loras  # the LoRA adapters loaded (None: the worker takes none)
         self.admission = admission or Admission(None, None)  # overload control (no bounds by default)
         self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
@@ -174,6 +176,13 @@ class Handlers:
 
     async def engine_prompt(self, req: GenerateRequest) -> dict:
         """The engine's prompt: the token ids, or the prompt embeddings loaded and checked."""
+        if req.images:
+            if not self.multimodal:
+                raise InvalidRequest("images: this worker takes no images (start it with --enable-multimodal)")
+            if req.prompt_embeds is not None:
+                raise InvalidRequest("images: a prompt given as embeddings takes no images")
+            # Pillow decodes off the event loop, which serves every other request.
+            return await asyncio.to_thread(multimodal_prompt, req.token_ids, req.images)
         if req.prompt_embeds is None:
             return {"prompt_token_ids": req.token_ids}
         if not self.model_config.enable_prompt_embeds:
@@ -261,7 +270,9 @@ class Handlers:
                         if isinstance(comp.stop_reason, int):
                             chunk.stop_reason = comp.stop_reason
                         chunk.usage = Usage(
-                            prompt_tokens=prompt_len,
+                            # with images, the engine's prompt (each image token widened to the image's tokens)
+                            prompt_tokens=len(out.prompt_token_ids) if req.images and out.prompt_token_ids
+                            else prompt_len,
                             completion_tokens=completion_tokens[comp.index],
                             cached_tokens=out.num_cached_tokens or 0,
                         )
@@ -322,6 +333,8 @@ class PrefillHandlers(Handlers):
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         if req.prompt_embeds is not None:  # the frontend prefills those where they are decoded
             raise InvalidRequest("prompt_embeds: a prefill worker does not take prompt embeddings")
+        if req.images:  # (--enable-multimodal is refused with a disaggregation mode too)
+            raise InvalidRequest("images: a prefill worker does not take images")
         if kwargs.get("n", 1) != 1:
             raise InvalidRequest("a prefill worker computes one sequence: n must be 1")
         kwargs["max_tokens"] = kwargs["min_tokens"] = 1

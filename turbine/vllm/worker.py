@@ -104,8 +104,11 @@ class VllmEngine:
             kv_transfer_timeout=cfg.kv_transfer_timeout, on_success=health.succeeded,
             data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer,
             chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None,
-            admission=cfg.admission(self.metrics), loras=loras)
+            admission=cfg.admission(self.metrics), loras=loras, multimodal=cfg.enable_multimodal)
 
+        if cfg.enable_multimodal and not vcfg.model_config.is_multimodal_model:
+            raise RuntimeError(f"--enable-multimodal: the model {cfg.model_path!r} is not a vision-language model "
+                               "(vLLM serves it as text only); drop the flag")
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
         self.pooling = vcfg.model_config.runner_type == "pooling"
@@ -126,6 +129,7 @@ class VllmEngine:
             data_parallel_size=vcfg.parallel_config.data_parallel_size,
             model_input="text" if cfg.use_vllm_tokenizer else "tokens",
             accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
+            multimodal=cfg.enable_multimodal,
             endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
         sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))

@@ -140,7 +140,7 @@ class ServingConfig:
                    max_num_batched_tokens: int, kv_events_address: str | None = None,
                    load_metrics_address: str | None = None, data_parallel_size: int = 1,
                    model_input: str = "tokens", accepts_prompt_embeds: bool = False,
-                   endpoint_types: list[str] | None = None) -> ModelCard:
+                   multimodal: bool = False, endpoint_types: list[str] | None = None) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself
         (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
@@ -154,7 +154,7 @@ class ServingConfig:
             kv_events_address=kv_events_address, load_metrics_address=load_metrics_address,
             disaggregation_mode=self.disaggregation_mode, data_parallel_size=data_parallel_size,
             model_input=model_input,
-            accepts_prompt_embeds=accepts_prompt_embeds,
+            accepts_prompt_embeds=accepts_prompt_embeds, multimodal=multimodal,
         )
 
 
