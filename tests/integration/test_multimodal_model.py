@@ -83,7 +83,8 @@ def vlm_cluster(tmp_path_factory, vlm_dir):
          "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}'],
         env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT), log, port)
     mocker = start_mocker("mocker", env, root, "--served-model-name", TEXT_ONLY, "--speedup-ratio", "0")
-    frontend = start_frontend("frontend", env, root)
+    # KV routing: image requests are routed on block hashes keyed by their images (router/hashing.py).
+    frontend = start_frontend("frontend", env, root, "--router-mode", "kv")
     procs = [worker, mocker, frontend]
     try:
         wait_until(lambda: worker_ready(worker) and worker_ready(mocker), ENGINE_START_TIMEOUT, "workers ready",
@@ -153,6 +154,15 @@ def test_bad_media_gets_400_naming_the_problem_and_the_server_keeps_serving(oai,
     assert named in err.value.message and "messages[0].content[0].image_url" in err.value.message
     assert err.value.body["param"] == "messages"
     assert tokens(answer(oai, data_url(picture(*PICTURES["blue"]))))
+
+
+def test_image_tokens_must_match_the_images(oai):
+    # The text spells the image token: the engine would get two image places for one image.
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=VLM, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(picture(*PICTURES["red"]))}},
+            {"type": "text", "text": "and <image> too"}]}])
+    assert "2 image tokens for 1 images" in err.value.message
 
 
 def test_video_and_audio_parts_are_refused_by_name(oai):

@@ -160,9 +160,11 @@ class Dispatch:
                         self._generated += chunk.token_ids
                 if chunk.usage is not None and self._extended:
                     # The continuation's prompt holds generated tokens: the client's prompt is the original.
-                    chunk.usage = Usage(prompt_tokens=len(self.request.token_ids),
-                                        completion_tokens=chunk.usage.completion_tokens,
-                                        cached_tokens=min(chunk.usage.cached_tokens or 0, len(self.request.token_ids)))
+                    prompt = len(self.request.token_ids)
+                    if self.request.images:  # the engine widened the images: its count less the generated part
+                        prompt = chunk.usage.prompt_tokens - (len(self._attempt.token_ids) - prompt)
+                    chunk.usage = Usage(prompt_tokens=prompt, completion_tokens=chunk.usage.completion_tokens,
+                                        cached_tokens=min(chunk.usage.cached_tokens or 0, prompt))
                 yield chunk
                 try:
                     chunk = await anext(self._stream)

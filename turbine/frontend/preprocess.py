@@ -139,6 +139,13 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
         max_tokens = req.max_tokens
         logprobs = req.logprobs
         prompt_param = "prompt"
+    if tok is not None and (image_token := model.card.image_token_id) is not None \
+            and (placed := token_ids.count(image_token)) != len(images or ()):
+        # The engine pairs images with image tokens in order: a template that drops or repeats them, or a text
+        # (or token-id prompt) that spells the token, would give it a prompt it cannot fill.
+        raise RequestError(f"the prompt holds {placed} image tokens for {len(images or ())} images (the chat "
+                           "template places one per image_url part; the text may not contain the image token)",
+                           param=prompt_param)
     if tok is not None and embeds is None:
         max_tokens = _checked_lengths(len(token_ids), max_tokens, model.card.context_length, prompt_param)
     elif embeds is not None and max_tokens is not None and max_tokens >= model.card.context_length:

@@ -70,6 +70,9 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     accepts_prompt_embeds: bool = False
     # Whether it takes images (GenerateRequest.images): the vLLM worker's --enable-multimodal.
     multimodal: bool = False
+    # The token id the chat template writes for each image (the model config's), which the engine widens to
+    # the image's tokens; None: not known. The frontend checks a prompt's count of it and keys routing on it.
+    image_token_id: int | None = None
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the

@@ -16,6 +16,7 @@ from turbine.config import check, config_errors_to, flag
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateRequest
 from turbine.router.config import KvRouterConfig, kv_router_config_from_args
+from turbine.router.hashing import media_keyed_ids
 from turbine.router.metrics import RouterMetrics
 from turbine.router.model_router import ModelKvRouter
 
@@ -108,12 +109,17 @@ class KvAwareRouter(Router):
     prompt's prefix, under the request's LoRA adapter, weighed against load. The routing itself
     is ModelKvRouter's (shared with the standalone router service)."""
 
-    def __init__(self, cfg: KvRouterConfig, model: str, block_size: int, metrics: RouterMetrics | None):
+    def __init__(self, cfg: KvRouterConfig, model: str, block_size: int, metrics: RouterMetrics | None,
+                 image_token_id: int | None = None):
         self.core = ModelKvRouter(model, cfg, block_size, metrics)
+        self.image_token_id = image_token_id  # the model's image placeholder (its card's), None: none known
 
     def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> Target:
         by_id = {i.instance_id: i for i in instances}
-        decision = self.core.decide(request.request_id, request.token_ids, list(by_id), request.lora_name)
+        ids = request.token_ids
+        if request.images:  # two different images behind the same text must not share a prefix
+            ids = media_keyed_ids(ids, self.image_token_id, [image.hash for image in request.images])
+        decision = self.core.decide(request.request_id, ids, list(by_id), request.lora_name)
         return Target(by_id[decision.worker.instance_id], decision.worker.dp_rank)
 
     def export_metrics(self) -> None:
@@ -131,4 +137,5 @@ class KvAwareRouter(Router):
 
 register_policy("round-robin", lambda cfg, card, metrics: RoundRobinRouter())
 register_policy("random", lambda cfg, card, metrics: RandomRouter())
-register_policy("kv", lambda cfg, card, metrics: KvAwareRouter(cfg.kv, card.name, card.kv_block_size, metrics))
+register_policy("kv", lambda cfg, card, metrics: KvAwareRouter(cfg.kv, card.name, card.kv_block_size, metrics,
+                                                              card.image_token_id))

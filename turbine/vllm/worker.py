@@ -130,6 +130,7 @@ class VllmEngine:
             model_input="text" if cfg.use_vllm_tokenizer else "tokens",
             accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
             multimodal=cfg.enable_multimodal,
+            image_token_id=image_token_id(vcfg.model_config.hf_config) if cfg.enable_multimodal else None,
             endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
         sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))
@@ -176,6 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         # Set by the environment only: the engine traces too (its spans join the request's trace).
         cfg.engine_args.otlp_traces_endpoint = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
     return run_host(WorkerHost(cfg, VllmEngine(cfg)).run)
+
+
+def image_token_id(hf_config) -> int | None:
+    """The image placeholder's token id, under the names vision-language configs give it (None: unknown)."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _read(path: str | None) -> str | None:

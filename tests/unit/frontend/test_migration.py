@@ -175,3 +175,25 @@ def test_frontend_flags_and_env(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             parse_frontend_args(argv)
         assert flag in capsys.readouterr().err
+
+
+class WideningWorkers(Workers):
+    """As Workers, but the finishing worker's engine widens each image token by 16 (a prompt with images)."""
+
+    async def finishing(self, req, ctx):
+        async for chunk in super().finishing(req, ctx):
+            if chunk.usage is not None:
+                chunk.usage.prompt_tokens += 16 * len(req.images or ())
+            yield chunk
+
+
+async def test_a_continued_request_with_an_image_counts_the_engines_prompt_once(tokenizer):
+    from turbine.protocol.generate import ImageInput
+
+    async with WideningWorkers(tokenizer, codes.SHUTTING_DOWN, sent=2) as w:
+        run = Run(w.model(tokenizer, card_limit=1), w.client, req(images=[ImageInput(data=b"png", hash="h")]))
+        assert await run.text() == " one two three four five six"
+        (got,) = w.received
+        assert got.images == [ImageInput(data=b"png", hash="h")]  # the continuation carries the image
+        # The engine's prompt (3 tokens, one image widened by 16), not its prompt plus the tokens generated.
+        assert (run.usage.prompt_tokens, run.usage.completion_tokens) == (19, 6)

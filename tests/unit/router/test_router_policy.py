@@ -198,3 +198,51 @@ async def test_per_worker_metrics_label_each_rank(kv):
     assert series(m.indexed_blocks) == {"a": 0, "a/1": 4, "b": 0}
     assert series(m.worker_active_blocks) == {"a/1": 7}
     assert series(m.worker_pending_blocks)["a/1"] == 1  # the first output token's block
+
+
+# -- images (issue #19) ---------------------------------------------------------------------
+IMAGE = 7  # the image token id of the cards below
+RED, BLUE = "ab" * 32, "cd" * 32  # two images' content hashes (hex)
+
+
+def test_media_keys_follow_each_image_token_and_spare_the_text_before():
+    from turbine.router.hashing import media_keyed_ids
+
+    ids = [*SYSTEM, IMAGE, 1, 2, IMAGE, 3]
+    keyed = media_keyed_ids(ids, IMAGE, [RED, BLUE])
+    assert len(keyed) == len(ids) + 8 and keyed[:len(SYSTEM) + 1] == [*SYSTEM, IMAGE]
+    assert keyed[len(SYSTEM) + 5:len(SYSTEM) + 7] == [1, 2] and keyed[-1] == 3
+    assert all(t >= 1 << 31 for t in keyed[len(SYSTEM) + 1:len(SYSTEM) + 5])  # beyond any vocabulary
+    assert media_keyed_ids(ids, IMAGE, []) == ids
+    # No known image token: the keys go first (the whole prompt keyed by its images).
+    assert media_keyed_ids(ids, None, [RED])[4:] == ids and media_keyed_ids(ids, None, [RED])[:4] != ids[:4]
+    prompt = [*SYSTEM, IMAGE, *range(200, 200 + 2 * BS)]
+    red, blue = (block_hashes(media_keyed_ids(prompt, IMAGE, [h]), BS) for h in (RED, BLUE))
+    # The 4 system blocks match; from the image's block on, another image is another prefix.
+    assert red[:4] == blue[:4] and not set(red[4:]) & set(blue[4:])
+
+
+async def test_approximate_routing_keeps_different_images_apart():
+    from turbine.protocol.generate import ImageInput
+    from turbine.router.config import KvRouterConfig
+
+    mm_card = card("a")
+    mm_card.image_token_id = IMAGE
+    router = make_router(RouterConfig(mode="kv", kv=KvRouterConfig(use_kv_events=False)), mm_card,
+                         RouterMetrics(CollectorRegistry()))
+    router.instances_changed([record("a"), record("b")], {"a": card("a"), "b": card("b")})
+    try:
+        prompt = [*SYSTEM, IMAGE, *range(200, 200 + 2 * BS)]
+
+        def req(rid, h):
+            return GenerateRequest(request_id=rid, model="m", token_ids=prompt, images=[ImageInput(data=b"", hash=h)])
+
+        first = router.select([record("a"), record("b")], req("r1", RED))
+        router.finished("r1")
+        index = router.core.kv.index
+        from turbine.router.hashing import media_keyed_ids
+        for h, blocks in ((RED, 6), (BLUE, 4)):
+            matches = index.find_matches(block_hashes(media_keyed_ids(prompt, IMAGE, [h]), BS))
+            assert matches.get(WorkerKey(first.instance.instance_id, 0), 0) == blocks
+    finally:
+        router.core.close()
