@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import httpcore
+import httpx
 import pybase64
 
 from turbine.config import check, flag
@@ -106,10 +107,10 @@ async def load_images(urls: list[tuple[str, str]], cfg: MediaConfig) -> list[Ima
 
 
 async def load_image(where: str, url: str, cfg: MediaConfig) -> ImageInput:
-    scheme = urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+    scheme = url.partition(":")[0].lower()  # (urlsplit raises on some malformed URLs: httpcore checks the rest)
     if scheme == "data":
         data = await _data_url_bytes(where, url, cfg)
-    elif scheme in ("http", "https"):
+    elif scheme in ("http", "https") and url[len(scheme):].startswith("://"):
         data = await fetch(where, url, cfg)
     else:
         raise RequestError(f"{where}: unsupported URL {_short(url)!r}: give a data: URL (base64) or an http(s) URL",
@@ -139,7 +140,7 @@ def check_image(where: str, data: bytes, max_pixels: int) -> str:
     except UnidentifiedImageError:
         raise RequestError(f"{where}: not an image in a supported format ({', '.join(FORMATS)})",
                            param=PARAM) from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # truncated or corrupt
+    except Exception as exc:  # truncated or corrupt: Pillow's decoders raise many kinds, all the request's fault
         raise RequestError(f"{where}: the image cannot be decoded: {exc}", param=PARAM) from None
     h = hashlib.sha256(f"RGB {width}x{height}\n".encode())
     h.update(rgb.tobytes())
@@ -222,6 +223,7 @@ async def fetch(where: str, url: str, cfg: MediaConfig) -> bytes:
             async with httpcore.AsyncConnectionPool(network_backend=_GuardedBackend(cfg.allow_private_urls),
                                                     max_connections=1) as pool:
                 for _hop in range(cfg.max_redirects + 1):
+                    url = _ascii_url(where, url)
                     status, location, body = await _get(pool, where, url, cfg.max_image_bytes)
                     if status not in _REDIRECTS:
                         if status != 200:
@@ -240,7 +242,9 @@ async def fetch(where: str, url: str, cfg: MediaConfig) -> bytes:
                            "(--media-fetch-timeout)", param=PARAM) from None
     except _MediaFetchRefused as exc:
         raise RequestError(f"{where}: refused to fetch {_short(url)!r}: {exc}", param=PARAM) from None
-    except (httpcore.ProtocolError, httpcore.NetworkError, httpcore.UnsupportedProtocol, OSError) as exc:
+    except (httpcore.ProtocolError, httpcore.NetworkError, httpcore.UnsupportedProtocol, OSError, ValueError,
+            TypeError) as exc:
+        # (ValueError: a URL that httpcore or the resolver cannot take, e.g. a bad port or IDNA name)
         raise RequestError(f"{where}: fetching {_short(url)!r} failed: {type(exc).__name__}: {exc}",
                            param=PARAM) from None
 
@@ -265,6 +269,14 @@ async def _get(pool: httpcore.AsyncConnectionPool, where: str, url: str, max_byt
                 raise RequestError(f"{where}: the image is over the limit of {max_bytes} bytes (--max-image-bytes)",
                                    param=PARAM)
         return 200, location, bytes(body)
+
+
+def _ascii_url(where: str, url: str) -> str:
+    """The URL as httpcore takes it: IDNA host, percent-encoded path (httpx's parser, as clients use)."""
+    try:
+        return str(httpx.URL(url))
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:
+        raise RequestError(f"{where}: the URL {_short(url)!r} is malformed: {exc}", param=PARAM) from None
 
 
 def _short(url: str) -> str:

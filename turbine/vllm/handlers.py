@@ -29,9 +29,9 @@ from turbine.protocol.generate import (
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.compat import CLIENT_ERRORS
+from turbine.vllm.images import multimodal_prompt
 from turbine.vllm.lora import NO_LORA, VllmLora
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
-from turbine.vllm.images import multimodal_prompt
 from turbine.vllm.prompt_embeds import load_prompt_embeds
 from turbine.worker.admission import Admission
 from turbine.worker.worker_metrics import WorkerMetrics

@@ -136,6 +136,13 @@ async def test_private_and_loopback_urls_are_refused_before_connecting():
     assert "--allow-private-media-urls" in await refused("http://localhost:9/a.png")
     assert "private or non-global address (10.0.0.1)" in await refused("https://10.0.0.1/a.png")
     assert "(169.254.169.254)" in await refused("http://169.254.169.254/latest/meta-data/")
+    # Spellings of loopback that a string check on the host would miss: the resolved address is checked.
+    for url in ("http://0x7f000001/a", "http://2130706433/a", "http://127.1/a", "http://[::ffff:7f00:1]/a",
+                "HTTP://127.0.0.1/a"):
+        assert "loopback address" in await refused(url)
+    # Malformed URLs are 400s too, never the frontend's failure.
+    assert "is malformed" in await refused("http://[::1")
+    assert "failed: ValueError" in await refused("http://127.0.0.1:99999/a")
 
 
 class Server:
