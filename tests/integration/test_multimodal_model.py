@@ -153,7 +153,8 @@ def test_bad_media_gets_400_naming_the_problem_and_the_server_keeps_serving(oai,
         answer(oai, url)
     assert named in err.value.message and "messages[0].content[0].image_url" in err.value.message
     assert err.value.body["param"] == "messages"
-    assert tokens(answer(oai, data_url(picture(*PICTURES["blue"]))))
+    still = oai.chat.completions.create(model=VLM, messages=chat(data_url(picture(*PICTURES["blue"]))), max_tokens=1)
+    assert still.choices[0].message.content is not None
 
 
 def test_image_tokens_must_match_the_images(oai):
@@ -163,6 +164,17 @@ def test_image_tokens_must_match_the_images(oai):
             {"type": "image_url", "image_url": {"url": data_url(picture(*PICTURES["red"]))}},
             {"type": "text", "text": "and <image> too"}]}])
     assert "2 image tokens for 1 images" in err.value.message
+
+
+def test_more_images_than_the_worker_takes_is_a_400(oai):
+    # The worker runs with --limit-mm-per-prompt '{"image": 2}': the engine's refusal comes back as a 400.
+    url = data_url(picture(*PICTURES["green"]))
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=VLM, max_tokens=4, messages=[{"role": "user", "content": [
+            *({"type": "image_url", "image_url": {"url": url}} for _ in range(3)), {"type": "text", "text": "?"}]}])
+    assert "image" in err.value.message
+    still = oai.chat.completions.create(model=VLM, messages=chat(url), max_tokens=1)
+    assert still.choices[0].message.content is not None
 
 
 def test_video_and_audio_parts_are_refused_by_name(oai):

@@ -75,6 +75,17 @@ async def test_what_needs_a_frontend_tokenizer_is_refused_by_name(models, kind, 
         assert "text mode" in info.value.message
 
 
+@pytest.mark.parametrize("part, words", [
+    ({"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}}, "text mode"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "not supported"),
+])
+async def test_media_parts_are_refused_not_handed_to_the_worker(models, part, words):
+    # The worker would give them to vLLM's renderer, which fetches URLs with none of the frontend's checks.
+    with pytest.raises(RequestError) as info:
+        await preprocess(body(model="m", messages=[{"role": "user", "content": [part]}]), "chat", models)
+    assert info.value.param == "messages" and words in info.value.message
+
+
 def test_refusal_for_tokenizer_endpoints_names_text_mode():
     err = refuse_in_text_mode("m", "/tokenize", param="model")
     assert (err.status, err.param) == (400, "model") and "text mode" in err.message and "/tokenize" in err.message
