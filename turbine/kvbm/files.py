@@ -151,6 +151,11 @@ class DiskStore(_FileStore):
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._index
 
+    def held(self) -> list[int]:
+        """Every block in the index, least recently used first (what a restart found, and since)."""
+        with self._lock:
+            return list(self._index)
+
     def remove(self, block_hash: int) -> bool:
         with self._lock:
             size = self._index.pop(block_hash, None)

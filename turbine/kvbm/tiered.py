@@ -91,6 +91,15 @@ class TieredStore:
             self._tier_dropped(name, h)
         return len(held)
 
+    def adopt_held(self) -> int:
+        """Records as stored what the tiers already held when this process opened them (a disk
+        tier's files from an earlier run), so they get events and later removals are reported."""
+        n = 0
+        for t in self.tiers:
+            for h in getattr(t, "held", list)():
+                n += self._gained(t.name, h, None)
+        return n
+
     # -- reads ----------------------------------------------------------------------------------
     def get(self, block_hash: int) -> tuple[Block, str] | None:
         """The block and the tier that served it, promoted into the faster tiers; None: no tier has it."""

@@ -103,3 +103,17 @@ def test_full_tier_is_skipped_by_write_through(tmp_path):
     s.tiers[1]._writable = False  # as after a full disk (tested for real in test_file_safety)
     assert s.put(blk(1)) == ["host", "shared"]
     assert s.tiers_of(1) == {"host", "shared"}
+
+
+def test_blocks_a_disk_tier_held_at_start_are_adopted_with_events(tmp_path):
+    first = three(tmp_path)
+    first.put(blk(1))
+    first.put(blk(2, 1))
+    # A new process over the same directories (a restart): the disk tier's index has both blocks.
+    again = TieredStore([HostStore(200), DiskStore(str(tmp_path / "d"), 10_000)])
+    assert again.tiers_of(1) == frozenset()
+    assert again.adopt_held() == 2
+    assert again.tiers_of(1) == {"disk"} and again.tiers_of(2) == {"disk"}
+    assert again.take_tier_events() == [TierEvent("stored", "disk", 1), TierEvent("stored", "disk", 2)]
+    again.remove(1)  # its removal is now reported
+    assert again.take_events()[-1] == BlockEvent("removed", "disk", 1)
