@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from turbine.config import check, flag
 from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.logging_setup import add_logging_args
-from turbine.vllm.connectors import ConnectorError, kv_transfer_config, parse_connectors
+from turbine.vllm.connectors import ConnectorError, KvbmTiers, check_kvbm_flags, kv_transfer_config, parse_connectors
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
@@ -90,6 +90,13 @@ def _build_parser():
                         help="take images in chats (image_url parts, fetched and checked by the frontend) for a "
                              "vision-language model, which the engine encodes in-process; without it a request "
                              "with an image gets HTTP 400")
+    parser.add_argument("--kv-host-cache-gb", type=float, default=None,
+                        help="--connector kvbm: host-memory tier for KV blocks offloaded from the engine, in GiB")
+    parser.add_argument("--kv-disk-cache-gb", type=float, default=None,
+                        help="--connector kvbm: local-disk tier size in GiB (with --kv-disk-cache-dir)")
+    parser.add_argument("--kv-disk-cache-dir", default=None,
+                        help="--connector kvbm: directory of the disk tier (this worker's alone; block files "
+                             "are checksummed, see turbine/kvbm/block.py)")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -182,14 +189,25 @@ def _configure_connector(args, parser, serving: ServingConfig) -> None:
     explicit = args.kv_transfer_config is not None
     if explicit and args.connector is not None:
         parser.error("--connector and --kv-transfer-config both configure the KV connector: give one")
+    tiers = KvbmTiers(args.kv_host_cache_gb, args.kv_disk_cache_gb, args.kv_disk_cache_dir)
+    if explicit:
+        try:
+            check_kvbm_flags([], tiers)
+        except ConnectorError as exc:
+            parser.error(str(exc))
     if not explicit:
         try:
             names = parse_connectors(args.connector)
             fields = kv_transfer_config(names, buffer_device=current_platform.device_type,
-                                        decode=serving.is_decode)
+                                        decode=serving.is_decode, tiers=tiers)
         except ConnectorError as exc:
             parser.error(str(exc))
         args.kv_transfer_config = KVTransferConfig(**fields) if fields else None
+        if "kvbm" in names and any((getattr(args, a, None) or 1) > 1 for a in (
+                "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")):
+            # Its scheduler and model-runner halves share one store: one engine process per worker.
+            parser.error("--connector kvbm: not with --tensor-parallel-size, --pipeline-parallel-size or "
+                         "--data-parallel-size above 1 yet")
     if serving.disaggregation_mode != "agg" and args.kv_transfer_config is None:
         parser.error(f"a {serving.disaggregation_mode} worker moves KV to or from its peers: add --connector nixl "
                      "(or --kv-transfer-config JSON)")

@@ -12,6 +12,7 @@ import os
 import random
 import socket
 import tempfile
+from dataclasses import dataclass
 
 from turbine.flag_sources import env_int
 
@@ -22,7 +23,54 @@ class ConnectorError(ValueError):
     """A --connector choice that cannot be served here (the message names the flag)."""
 
 
-def _single(name: str, buffer_device: str) -> dict:
+@dataclass(frozen=True)
+class KvbmTiers:
+    """--kv-host-cache-gb, --kv-disk-cache-gb, --kv-disk-cache-dir (GiB: 2**30 bytes)."""
+    host_gb: float | None = None
+    disk_gb: float | None = None
+    disk_dir: str | None = None
+
+
+GIB = 1 << 30
+
+
+def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
+    """The tier flags are only for --connector kvbm, and each needs its partner."""
+    given = [f for f, v in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb),
+                            ("--kv-disk-cache-dir", tiers.disk_dir)) if v is not None]
+    if given and "kvbm" not in names:
+        raise ConnectorError(f"{', '.join(given)}: the KV tiers need --connector kvbm")
+    if "kvbm" not in names:
+        return
+    if len(names) > 1:
+        # MultiConnector with kvbm and nixl has not been run here: refused until it is.
+        raise ConnectorError("--connector kvbm cannot be combined with other connectors yet")
+    for flag_name, value in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb)):
+        if value is not None and not value > 0:
+            raise ConnectorError(f"{flag_name} must be > 0, got {value}")
+    if (tiers.disk_gb is None) != (tiers.disk_dir is None):
+        raise ConnectorError("--kv-disk-cache-gb and --kv-disk-cache-dir go together (the disk tier's size and "
+                             "directory)")
+    if tiers.host_gb is None and tiers.disk_gb is None:
+        raise ConnectorError("--connector kvbm needs a tier: --kv-host-cache-gb and/or --kv-disk-cache-gb with "
+                             "--kv-disk-cache-dir")
+
+
+def kvbm_config(tiers: KvbmTiers) -> dict:
+    from turbine.vllm.kvbm_connector import DISK_BYTES, DISK_DIR, HOST_BYTES  # vLLM imports it in the engine
+
+    extra = {}
+    if tiers.host_gb is not None:
+        extra[HOST_BYTES] = int(tiers.host_gb * GIB)
+    if tiers.disk_gb is not None:
+        extra[DISK_BYTES] = int(tiers.disk_gb * GIB)
+        extra[DISK_DIR] = os.path.abspath(tiers.disk_dir)
+    # A block that cannot be read back (evicted meanwhile, a corrupt file) is computed instead.
+    return {"kv_connector": "TurbineKvbmConnector", "kv_connector_module_path": "turbine.vllm.kvbm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def _single(name: str, buffer_device: str, tiers: KvbmTiers | None = None) -> dict:
     if name == "nixl":
         # The KV buffer lives where the engine's cache does: host memory on the CPU platform.
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": buffer_device}
@@ -37,8 +85,7 @@ def _single(name: str, buffer_device: str) -> dict:
                                  "(pip install lmcache)") from None
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if name == "kvbm":
-        raise ConnectorError("--connector kvbm: Turbine's multi-tier KV block manager is not built yet; "
-                             "use nixl or lmcache")
+        return kvbm_config(tiers or KvbmTiers())
     raise ConnectorError(f"--connector {name!r}: choose from {', '.join(CONNECTORS)}")
 
 
@@ -59,11 +106,13 @@ def parse_connectors(value: str | None) -> list[str]:
     return names
 
 
-def kv_transfer_config(names: list[str], *, buffer_device: str, decode: bool) -> dict | None:
+def kv_transfer_config(names: list[str], *, buffer_device: str, decode: bool,
+                       tiers: KvbmTiers | None = None) -> dict | None:
     """vLLM's KVTransferConfig fields for these connectors (None: no connector)."""
+    check_kvbm_flags(names, tiers or KvbmTiers())
     if not names:
         return None
-    parts = [_single(n, buffer_device) for n in names]
+    parts = [_single(n, buffer_device, tiers) for n in names]
     cfg = parts[0] if len(parts) == 1 else {
         "kv_connector": "MultiConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"connectors": parts}}

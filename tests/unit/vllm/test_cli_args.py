@@ -79,7 +79,15 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
      "--connector and --kv-transfer-config"),
     (["--connector", "nixl,none"], "--connector none"),
     (["--connector", "nixl,nixl"], "named twice"),
-    (["--connector", "kvbm"], "--connector kvbm"),
+    (["--connector", "kvbm"], "--connector kvbm needs a tier"),
+    (["--kv-host-cache-gb", "1"], "--kv-host-cache-gb: the KV tiers need --connector kvbm"),
+    (["--connector", "nixl", "--kv-disk-cache-dir", "/tmp/x"], "--kv-disk-cache-dir: the KV tiers need --connector kvbm"),
+    (["--connector", "kvbm", "--kv-disk-cache-gb", "1"], "--kv-disk-cache-gb and --kv-disk-cache-dir go together"),
+    (["--connector", "kvbm", "--kv-host-cache-gb", "0"], "--kv-host-cache-gb must be > 0"),
+    (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm cannot be combined"),
+    (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--tensor-parallel-size", "2"], "--connector kvbm: not with"),
+    (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}', "--kv-host-cache-gb", "1"],
+     "--kv-host-cache-gb: the KV tiers need --connector kvbm"),
     (["--connector", "rdma"], "--connector"),
     (["--is-decode-worker", "--connector", "nixl", "--kv-transfer-timeout", "0"], "--kv-transfer-timeout"),
     (["--event-plane", "kafka"], "--event-plane"),
@@ -112,6 +120,16 @@ def test_disaggregation_roles_and_connectors():
     explicit = parse_worker_args(["--is-decode-worker", "--kv-transfer-config",
                                   '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'])
     assert explicit.engine_args.kv_transfer_config.kv_role == "kv_consumer"  # the user's config, untouched
+
+
+def test_kvbm_connector_and_its_tiers(tmp_path):
+    cfg = parse_worker_args(["--connector", "kvbm", "--kv-host-cache-gb", "0.5", "--kv-disk-cache-gb", "2",
+                             "--kv-disk-cache-dir", str(tmp_path)]).engine_args.kv_transfer_config
+    assert (cfg.kv_connector, cfg.kv_connector_module_path) == ("TurbineKvbmConnector", "turbine.vllm.kvbm_connector")
+    assert cfg.kv_load_failure_policy == "recompute"  # a block that cannot be read back is computed instead
+    assert cfg.kv_connector_extra_config == {"host_bytes": 2**29, "disk_bytes": 2 * 2**30, "disk_dir": str(tmp_path)}
+    host_only = parse_worker_args(["--connector", "kvbm", "--kv-host-cache-gb", "1"]).engine_args.kv_transfer_config
+    assert host_only.kv_connector_extra_config == {"host_bytes": 2**30}
 
 
 def test_several_connectors_become_vllms_multi_connector():

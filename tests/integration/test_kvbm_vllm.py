@@ -1,0 +1,125 @@
+"""--connector kvbm on a real vLLM CPU engine with a deliberately small KV cache: a long prompt pushed
+out of the engine comes back from the host tier, then (pushed out of the host tier too) from the
+disk tier, with the same greedy text as its first, fresh computation and the engine counting the
+tokens as external-cache hits by tier; a corrupted block file is recomputed, not used.
+
+One engine for the module, with the CPU build's default 128-token blocks. Each prompt is 400 token
+ids: 3 full blocks (what is offloaded) and a partial one, so 4 engine blocks with its output. The
+engine holds 7 blocks (6 usable: vLLM keeps one as its null block), the host tier 6.5 blocks' bytes (two prompts). vLLM evicts the least
+recently freed blocks first, the tail of a request before its head; the comments count blocks."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
+from tests.integration.procs import (
+    base_env,
+    http_text,
+    instances_of,
+    start_frontend,
+    start_worker,
+    stop_all,
+    wait_until,
+    worker_ready,
+)
+from turbine.kvbm.block import HEADER_SIZE, file_name
+from turbine.router.hashing import block_hashes
+
+BLOCK = 128
+FULL = 3
+PROMPT_LEN = FULL * BLOCK + 16
+BLOCK_BYTES = 30 * 3 * BLOCK * 128 * 4  # SmolLM2-135M, float32: layers × KV heads × tokens × (K+V head dims) × 4
+HOST_GB = 6.5 * BLOCK_BYTES / 2**30
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(PROMPT_LEN)]
+
+
+@pytest.fixture(scope="module")
+def kvbm(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("kvbm")
+    env = base_env(str(root / "discovery"))
+    disk = root / "kv-disk"
+    worker = start_worker("kvbm-worker", env, root, "--dtype", "float32", "--max-model-len", "768",
+                          "--num-gpu-blocks-override", "7", "--connector", "kvbm",
+                          "--kv-host-cache-gb", f"{HOST_GB:.9f}", "--kv-disk-cache-gb", "1",
+                          "--kv-disk-cache-dir", str(disk))
+    frontend = start_frontend("kvbm-frontend", env, root)
+    procs = [worker, frontend]
+    try:
+        wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, "kvbm worker ready", procs)
+        wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, "frontend sees the worker", procs)
+        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield {"worker": worker, "client": client, "disk": disk}
+    finally:
+        stop_all(procs)
+
+
+def cached_by_source(worker) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in http_text(f"{worker.url}/metrics").splitlines():
+        if m := re.match(r'vllm:prompt_tokens_cached_by_source_total\{.*source="([a-z_]+)".*\} (\S+)', line):
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    out["external"] = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(f"{worker.url}/metrics").splitlines()
+                          if line.startswith("vllm:external_prefix_cache_hits_total"))
+    return out
+
+
+def run(kvbm, tokens: list[int]) -> tuple[str, dict[str, float]]:
+    """The greedy text and what the engine counted as cached, by source, for this request."""
+    before = cached_by_source(kvbm["worker"])
+    r = kvbm["client"].completions.create(model=MODEL, prompt=tokens, max_tokens=6, temperature=0)
+    # Counted at admission: that step's stats reached /metrics steps before the request's last token.
+    after = cached_by_source(kvbm["worker"])
+    return r.choices[0].text, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def block_files(kvbm, tokens: list[int]) -> list[str]:
+    """The disk tier's file of each full block, named by the router's block hash."""
+    (layout,) = os.listdir(kvbm["disk"])  # one model, one KV layout
+    return [os.path.join(kvbm["disk"], layout, file_name(h)) for h in block_hashes(tokens[:FULL * BLOCK], BLOCK)]
+
+
+def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_recomputed(kvbm):
+    a = prompt(1)
+    fresh, counted = run(kvbm, a)
+    assert counted["external"] == 0
+    # Offloaded as computed, each block under the router's hash of it.
+    assert all(os.path.exists(f) for f in block_files(kvbm, a))
+
+    # Host tier: B takes A's last full block's engine slot; all of A is still in host memory.
+    run(kvbm, prompt(2))
+    text, counted = run(kvbm, a)
+    assert text == fresh
+    assert counted["device"] == 2 * BLOCK and counted["host"] == BLOCK, counted
+    assert counted["external"] == BLOCK and counted["disk"] == 0
+
+    # Disk tier: C and D push A out of the engine and out of the host tier (least recently used).
+    run(kvbm, prompt(3))
+    run(kvbm, prompt(4))
+    text, counted = run(kvbm, a)
+    assert text == fresh
+    assert counted["disk"] == FULL * BLOCK and counted["external"] == FULL * BLOCK, counted
+    assert counted["device"] == 0 and counted["host"] == 0
+
+    # A corrupt block file: E and F push A out again; A's block 1 gets one payload byte flipped.
+    run(kvbm, prompt(5))
+    run(kvbm, prompt(6))
+    bad = block_files(kvbm, a)[1]
+    with open(bad, "r+b") as f:
+        f.seek(HEADER_SIZE + 1000)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    text, counted = run(kvbm, a)
+    assert counted["disk"] == FULL * BLOCK, counted  # planned from disk; block 1 fails its checksum on read
+    assert text == fresh  # blocks 1 and 2 recomputed: the damaged block never reached the engine
+    assert not os.path.exists(bad)  # and its file was dropped

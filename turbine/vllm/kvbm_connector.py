@@ -1,0 +1,297 @@
+"""Turbine's multi-tier KV cache as a vLLM v1 KV connector (`--connector kvbm`, issue #18).
+
+The engine's own KV cache is the fastest tier; this connector keeps every full block it computes
+in turbine.kvbm's TieredStore (host memory, then a local disk directory) and, when a new request's
+prompt continues past what the engine still holds, loads the following blocks from the store into
+the engine's blocks before the forward pass instead of recomputing them.
+
+- Block identity is the router's chained hash (turbine.router.hashing: tokens, parent chain,
+  adapter), so the same hash names the same KV on every worker of the model; the disk directory is
+  namespaced by the model and its KV layout, so two models never share files.
+- Saves happen in the step that computes a block (the worker side gathers every layer's slice of it
+  after the forward pass), so nothing has to keep a finished request's blocks alive.
+- Loads are synchronous in `start_load_kv`. A block that cannot be read (evicted meanwhile, a file
+  that fails its checksum) is reported by `get_block_ids_with_load_errors`, and with
+  `kv_load_failure_policy=recompute` the engine computes it instead: a bad block is never used, and
+  blocks computed in a step that had a failed load are not saved.
+- The two halves live in different processes (vLLM's CPU build always runs the model runner in a
+  worker process of its own): the worker half owns the TieredStore and does all the I/O; the
+  scheduler half decides hits from a mirror of which tier holds which block, fed each step by the
+  worker's tier events (KVConnectorWorkerMetadata → update_connector_output). The mirror is exact as
+  of the last step; a block evicted since is a failed load, hence recomputed, never a wrong one.
+  Tensor, pipeline and data parallelism are refused for now (one worker process per store).
+
+The CPU attention backend's per-layer cache is `[num_blocks, num_kv_heads, block_size, 2*head]`
+(block-major), so one block of one layer is `kv_cache[block_id]`; a block's payload in the store is
+those slices of every layer, in the engine's layer order, as raw bytes of the cache dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from turbine.kvbm import Block, DiskStore, HostStore, TieredStore
+from turbine.router.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+log = logging.getLogger("turbine.vllm.kvbm")
+
+# kv_connector_extra_config keys (set by turbine.vllm.connectors from the --kv-* flags)
+HOST_BYTES, DISK_BYTES, DISK_DIR = "host_bytes", "disk_bytes", "disk_dir"
+
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+TIER_ORDER = ("host", "disk")  # fastest first
+
+
+def layout_key(vllm_config) -> str:
+    """Names the KV layout a block payload has: model, dtype, block size, layers, heads."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    parts = (mc.model, str(mc.dtype), str(cc.cache_dtype), cc.block_size, mc.get_num_layers(pc),
+             mc.get_num_kv_heads(pc), mc.get_head_size())
+    return f"{xxhash.xxh3_64_intdigest(repr(parts).encode()):016x}"
+
+
+def build_store(vllm_config) -> TieredStore:
+    """The worker half's tiers, from kv_connector_extra_config; the disk tier in a directory per layout."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    tiers = []
+    if extra.get(HOST_BYTES):
+        tiers.append(HostStore(int(extra[HOST_BYTES])))
+    if extra.get(DISK_BYTES):
+        tiers.append(DiskStore(os.path.join(extra[DISK_DIR], layout_key(vllm_config)), int(extra[DISK_BYTES])))
+    store = TieredStore(tiers)
+    adopted = store.adopt_held()
+    log.info("kvbm tiers: %s; %d blocks found on disk", ", ".join(f"{t.name} {t.capacity_bytes} bytes"
+                                                                      for t in tiers), adopted)
+    return store
+
+
+@dataclass
+class KvbmWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler each step: what the tiers gained and lost, (stored?, tier, block hash)."""
+    events: list[tuple[bool, str, int]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvbmWorkerMetadata)
+        return KvbmWorkerMetadata(self.events + other.events)
+
+
+@dataclass
+class KvbmMetadata(KVConnectorMetadata):
+    # (request id, engine block id, block hash) to read from the store into the engine before the forward pass
+    loads: list[tuple[str, int, int]] = field(default_factory=list)
+    # (request id, engine block id, block hash, parent hash or None) to copy out after the forward pass
+    saves: list[tuple[str, int, int, int | None]] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows: its chain of block hashes so far."""
+    request: Any
+    lora_name: str | None
+    hashes: list[int] = field(default_factory=list)
+    saved: int = 0  # leading blocks already offloaded (or found in the store)
+
+
+class TurbineKvbmConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        pc = vllm_config.parallel_config
+        if pc.world_size != 1 or pc.data_parallel_size != 1:
+            # The scheduler half mirrors the tiers of exactly one model-runner process.
+            raise ValueError("--connector kvbm: one engine and one model-runner process per worker only (no "
+                             "tensor, pipeline or data parallelism yet)")
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) != 1:
+            raise ValueError(f"--connector kvbm: models with one KV cache group only (this one has {len(groups)})")
+        self.block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._where: dict[int, set[str]] = {}  # the worker's tiers as of its last step: hash -> tiers
+        self._tracked: dict[str, _Tracked] = {}
+        self._lookups: dict[str, tuple[int, list[int], list[str]]] = {}  # req -> (first block, hashes, tiers)
+        self._loads: list[tuple[str, int, int]] = []
+        self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
+        # worker side
+        self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
+        self._layers: list[torch.Tensor] = []
+        self._block_nbytes = 0
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+
+    # ============================ scheduler side ============================
+    def on_new_request(self, request) -> None:
+        # Prompt embeddings and multimodal inputs are not named by their token ids: not cached here.
+        if request.prompt_embeds is not None or request.mm_features:
+            return
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        self._tracked[request.request_id] = _Tracked(request, lora)
+
+    def _hashes(self, t: _Tracked, num_blocks: int) -> list[int]:
+        if len(t.hashes) < num_blocks:
+            tokens = list(t.request.all_token_ids[len(t.hashes) * self.block_size:num_blocks * self.block_size])
+            t.hashes.extend(block_hashes(tokens, self.block_size, lora_name=t.lora_name,
+                                         parent=t.hashes[-1] if t.hashes else None))
+        return t.hashes[:num_blocks]
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            return 0, False
+        # Never the last token: the engine must compute one to sample from.
+        loadable = (request.num_tokens - 1) // self.block_size
+        first = num_computed_tokens // self.block_size
+        if first >= loadable:
+            return 0, False
+        hashes = self._hashes(t, loadable)
+        tiers = []
+        for h in hashes[first:]:
+            if (tier := self._locate(h)) is None:
+                break
+            tiers.append(tier)
+        if not tiers:
+            self._lookups.pop(request.request_id, None)
+            return 0, False
+        self._lookups[request.request_id] = (first, hashes, tiers)
+        return len(tiers) * self.block_size, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        lookup = self._lookups.pop(request.request_id, None)
+        if num_external_tokens <= 0 or lookup is None:
+            return
+        first, hashes, tiers = lookup
+        n = num_external_tokens // self.block_size
+        block_ids = blocks.get_block_ids()[0]
+        self._loads.extend((request.request_id, block_ids[first + i], hashes[first + i]) for i in range(n))
+        counts: dict[CacheHitSource, int] = {}
+        for tier in tiers[:n]:
+            source = _SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            counts[source] = counts.get(source, 0) + self.block_size
+        self._hit_sources[request.request_id] = counts
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        counts = self._hit_sources.pop(request.request_id, None)
+        if not num_external_tokens:
+            return {}
+        if counts is None or sum(counts.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return counts
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmMetadata:
+        meta = KvbmMetadata(loads=self._loads)
+        self._loads = []
+        planned: set[int] = set()  # two requests of one step may share a prefix
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            # Full blocks whose KV exists once this step has run (the scheduler advances
+            # num_computed_tokens after building this) and whose tokens are all known.
+            done = min(t.request.num_computed_tokens + scheduled, len(t.request.all_token_ids)) // self.block_size
+            if done <= t.saved:
+                continue
+            hashes = self._hashes(t, done)
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            for i in range(t.saved, done):
+                if self._locate(hashes[i]) is None and hashes[i] not in planned:
+                    planned.add(hashes[i])
+                    meta.saves.append((req_id, block_ids[i], hashes[i], hashes[i - 1] if i else None))
+            t.saved = done
+        return meta
+
+    def _locate(self, block_hash: int) -> str | None:
+        where = self._where.get(block_hash)
+        return next((t for t in TIER_ORDER if t in where), None) if where else None
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KvbmWorkerMetadata):
+            return
+        for stored, tier, h in meta.events:
+            if stored:
+                self._where.setdefault(h, set()).add(tier)
+            elif (where := self._where.get(h)) is not None:
+                where.discard(tier)
+                if not where:
+                    del self._where[h]
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._tracked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        self._hit_sources.pop(request.request_id, None)
+        return False, None  # saves are done in the step that computes a block: nothing to keep alive
+
+    # ============================ worker side ============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        num_blocks = self._kv_cache_config.num_blocks
+        layers = list(kv_caches.values())
+        for name, t in kv_caches.items():
+            if t.shape[0] != num_blocks or not t.is_contiguous():
+                raise ValueError(f"--connector kvbm: layer {name}'s KV cache {tuple(t.shape)} is not block-major "
+                                 f"over {num_blocks} blocks (the CPU attention layout)")
+        self._layers = layers
+        self._block_nbytes = sum(t[0].numel() * t.element_size() for t in layers)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvbmMetadata)
+        self._failed_reqs = set()
+        for req_id, block_id, block_hash in meta.loads:
+            if req_id in self._failed_reqs:
+                self._load_errors.add(block_id)  # after a failed block the rest of the prefix is recomputed
+                continue
+            found = self.store.get(block_hash)
+            if found is None or found[0].nbytes != self._block_nbytes:
+                log.warning("kvbm: block %016x unavailable (%s): recomputed", block_hash,
+                            "gone or corrupt" if found is None else f"{found[0].nbytes} bytes, not {self._block_nbytes}")
+                self._load_errors.add(block_id)
+                self._failed_reqs.add(req_id)
+                continue
+            payload = torch.frombuffer(bytearray(found[0].data), dtype=torch.uint8)
+            offset = 0
+            for layer in self._layers:
+                dst = layer[block_id].view(torch.uint8).view(-1)
+                dst.copy_(payload[offset:offset + dst.numel()])
+                offset += dst.numel()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are complete when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # whole blocks are copied out in wait_for_save, after every layer has run
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvbmMetadata)
+        for req_id, block_id, block_hash, parent in meta.saves:
+            if req_id in self._failed_reqs:
+                continue  # this step attended over a block that failed to load: its output is not kept
+            data = b"".join(layer[block_id].contiguous().view(torch.uint8).numpy().tobytes() for layer in self._layers)
+            self.store.put(Block(block_hash, parent, self.block_size, data))
+
+    def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
+        events = self.store.take_tier_events()
+        self.store.take_events()  # the consolidated stream is not published yet (issue #18): kept from growing
+        if not events:
+            return None
+        return KvbmWorkerMetadata([(e.kind == "stored", e.tier, e.block_hash) for e in events])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
