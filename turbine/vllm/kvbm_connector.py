@@ -128,6 +128,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, list[int], list[str]]] = {}  # req -> (first block, hashes, tiers)
         self._loads: list[tuple[str, int, int]] = []
         self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
+        # req -> {engine block id: block index} of the loads planned for this step / in the step running
+        self._loading: dict[str, dict[int, int]] = {}
+        self._in_flight: dict[str, dict[int, int]] = {}
         # worker side
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
         self._layers: list[torch.Tensor] = []
@@ -179,6 +182,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         n = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0]
         self._loads.extend((request.request_id, block_ids[first + i], hashes[first + i]) for i in range(n))
+        self._loading[request.request_id] = {block_ids[first + i]: first + i for i in range(n)}
         counts: dict[CacheHitSource, int] = {}
         for tier in tiers[:n]:
             source = _SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
@@ -196,6 +200,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmMetadata:
         meta = KvbmMetadata(loads=self._loads)
         self._loads = []
+        self._in_flight, self._loading = self._loading, {}
         planned: set[int] = set()  # two requests of one step may share a prefix
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
@@ -220,6 +225,13 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         return next((t for t in TIER_ORDER if t in where), None) if where else None
 
     def update_connector_output(self, connector_output) -> None:
+        if failed := connector_output.invalid_block_ids:
+            # vLLM recomputes from the first block that failed to load: those blocks are to be saved again.
+            for req_id, loaded in self._in_flight.items():
+                bad = [i for block_id, i in loaded.items() if block_id in failed]
+                if bad and (t := self._tracked.get(req_id)) is not None:
+                    t.saved = min(t.saved, min(bad))
+        self._in_flight = {}
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KvbmWorkerMetadata):
             return
@@ -235,6 +247,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         return False, None  # saves are done in the step that computes a block: nothing to keep alive
 
     # ============================ worker side ============================
