@@ -6,8 +6,9 @@ tokens as external-cache hits by tier; a corrupted block file is recomputed, not
 One engine for the module, with 32-token blocks (the CPU build's default is 128; smaller prompts keep
 the test short). Each prompt is 112 token ids: 3 full blocks (what is offloaded) and a partial one,
 so 4 engine blocks with its output. The
-engine holds 7 blocks (6 usable: vLLM keeps one as its null block), the host tier 6.5 blocks' bytes (two prompts). vLLM evicts the least
-recently freed blocks first, the tail of a request before its head; the comments count blocks."""
+engine holds 7 blocks (6 usable: vLLM keeps one as its null block), the host tier 6.5 blocks' bytes
+(two prompts). vLLM evicts the least recently freed blocks first, the tail of a request before its
+head; the comments count blocks."""
 
 from __future__ import annotations
 

@@ -203,6 +203,10 @@ def _configure_connector(args, parser, serving: ServingConfig) -> None:
         except ConnectorError as exc:
             parser.error(str(exc))
         args.kv_transfer_config = KVTransferConfig(**fields) if fields else None
+        if "kvbm" in names and serving.disaggregation_mode != "agg":
+            # The tiers are this worker's own; moving KV between workers is nixl's job (not combined yet).
+            parser.error(f"--connector kvbm does not move KV between prefill and decode workers (and is not combined "
+                         f"with nixl yet): a {serving.disaggregation_mode} worker needs --connector nixl")
         if "kvbm" in names and any((getattr(args, a, None) or 1) > 1 for a in (
                 "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")):
             # Its scheduler and model-runner halves share one store: one engine process per worker.

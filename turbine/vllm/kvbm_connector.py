@@ -271,8 +271,8 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
                 continue
             found = self.store.get(block_hash)
             if found is None or found[0].nbytes != self._block_nbytes:
-                log.warning("kvbm: block %016x unavailable (%s): recomputed", block_hash,
-                            "gone or corrupt" if found is None else f"{found[0].nbytes} bytes, not {self._block_nbytes}")
+                why = "gone or corrupt" if found is None else f"{found[0].nbytes} bytes, not {self._block_nbytes}"
+                log.warning("kvbm: block %016x unavailable (%s): recomputed", block_hash, why)
                 self._load_errors.add(block_id)
                 self._failed_reqs.add(req_id)
                 continue
