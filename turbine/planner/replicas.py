@@ -17,9 +17,18 @@ is its batch. Each request stays `osl x t(b)` in it, so by Little's law it susta
 `b / (osl x t(b))` requests per second. When even b = 1 misses the target, b = 1 and
 `reachable=False`.
 
-**Replicas.** `ceil(rate / per-engine rate)` for prefill and for decode. An aggregated engine
-does both, its time split between them: `ceil(rate / prefill rate + rate / decode rate)` (the
-fractions of an engine each needs add up).
+**Aggregated.** One engine prefills and decodes in the same steps, so each prompt it prefills
+stalls every sequence it decodes: at `lam` requests per second the prefills take a share
+`u = lam x s / 1000` of its time, and a sequence's mean gap between tokens is
+`ITL = t(b) / (1 - u)` with `b = lam x osl x ITL / 1000` in the batch (Little's law). That is a
+fixed point in ITL (iterated from `t(1) / (1 - u)`; it grows with `lam`, so it is bisected): the
+engine sustains the largest `lam` whose ITL meets the target, whose batch fits (max_num_seqs, KV)
+and whose prompts' M/D/1 TTFT `s + u s / (2 (1 - u))` meets the TTFT target. (Adding the two
+roles' fractions, `rate / prefill rate + rate / decode rate`, plans each at its own target and
+ignores that stall: on the mocker fleet it sized ~1.5 requests/s per engine where ~1 met the ITL.)
+When even a trickle misses the targets, the fractions' sum is used and `reachable=False`.
+
+**Replicas.** `ceil(rate / per-engine rate)` for prefill, decode and aggregated.
 
 **Clamping.** Each role to [min, max]; then, when the total is over the budget (max workers in
 all), each role keeps its minimum and the budget left above the minimums is shared in proportion
@@ -87,6 +96,47 @@ def decode_rate(model: PerformanceModel, load: Load, itl_ms: float) -> EngineRat
     return best
 
 
+def agg_rate(model: PerformanceModel, load: Load, ttft_ms: float, itl_ms: float) -> EngineRate:
+    """What one aggregated engine sustains (the rule in the module's docstring); `batch`: its mean
+    concurrency there, `step_ms`: its mean ITL there."""
+    isl_eff = max(load.isl * (1.0 - min(max(load.kv_hit_rate, 0.0), 1.0)), 1.0)
+    s = model.prefill_ms(isl_eff)
+    osl = max(load.osl, 1.0)
+    context = load.isl + osl / 2
+    max_batch = 1024
+    if model.limits is not None:
+        max_batch = min(model.limits.max_num_seqs, max(1, int(model.limits.kv_tokens // max(load.isl + osl, 1.0))))
+
+    def itl_at(lam: float) -> tuple[float, float] | None:
+        """(ITL, batch) at `lam` requests/s, or None when it misses a target or the batch does not fit."""
+        u = lam * s / 1000.0
+        if u >= 1.0 or s + u * s / (2 * (1 - u)) > ttft_ms:
+            return None
+        itl = model.decode_ms(1, context) / (1 - u)
+        for _ in range(200):
+            b = max(1.0, lam * osl * itl / 1000.0)
+            if b > max_batch:
+                return None
+            nxt = model.decode_ms(b, b * context) / (1 - u)
+            if nxt > itl_ms:
+                return None
+            if abs(nxt - itl) < 1e-6:
+                break
+            itl = nxt
+        return itl, max(1.0, lam * osl * itl / 1000.0)
+
+    lo, hi = 0.0, 1000.0 / s
+    if itl_at(1e-6) is None:
+        p, d = prefill_rate(model, load, ttft_ms), decode_rate(model, load, itl_ms)
+        rate = 1.0 / (1.0 / p.requests_per_s + 1.0 / d.requests_per_s)
+        return EngineRate(rate, d.step_ms, d.batch, reachable=False)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if itl_at(mid) is not None else (lo, mid)
+    itl, b = itl_at(lo) or (model.decode_ms(1, context), 1.0)
+    return EngineRate(lo, itl, max(1, math.floor(b)))
+
+
 @dataclass(frozen=True)
 class Sizing:
     """The replicas a load needs per role, before clamping, and why."""
@@ -94,6 +144,7 @@ class Sizing:
     replicas: dict[str, int]
     prefill: EngineRate | None = None
     decode: EngineRate | None = None
+    agg: EngineRate | None = None  # mode agg: one engine doing both
 
 
 def size(mode: str, model: PerformanceModel, load: Load, ttft_ms: float, itl_ms: float,
@@ -105,15 +156,17 @@ def size(mode: str, model: PerformanceModel, load: Load, ttft_ms: float, itl_ms:
     need_decode = mode in ("agg", "disagg", "decode")
     p = prefill_rate(model, load, ttft_ms) if need_prefill else None
     d = decode_rate(decode_model or model, load, itl_ms) if need_decode else None
+    a = None
     if mode == "agg":
-        replicas = {"agg": math.ceil(rate / p.requests_per_s + rate / d.requests_per_s - 1e-9)}
+        a = agg_rate(model, load, ttft_ms, itl_ms)
+        replicas = {"agg": math.ceil(rate / a.requests_per_s - 1e-9)}
     else:
         replicas = {}
         if p is not None:
             replicas["prefill"] = math.ceil(rate / p.requests_per_s - 1e-9)
         if d is not None:
             replicas["decode"] = math.ceil(rate / d.requests_per_s - 1e-9)
-    return Sizing(replicas, p, d)
+    return Sizing(replicas, p, d, a)
 
 
 def clamp(wanted: dict[str, int], minimum: dict[str, int], maximum: dict[str, int],

@@ -14,7 +14,7 @@ from turbine.planner.profile import (
     load_engine_profile,
     write_engine_profile,
 )
-from turbine.planner.replicas import Load, clamp, decode_rate, prefill_rate, size
+from turbine.planner.replicas import Load, agg_rate, clamp, decode_rate, prefill_rate, size
 
 # Prefill: 1 ms per prompt token. Decode step: batch 1: 10 ms at 100 tokens of context per
 # sequence, 20 ms at 1100; batch 8: 24 ms and 40 ms.
@@ -66,12 +66,26 @@ def test_decode_rate_is_the_largest_batch_under_the_itl_target_by_littles_law():
     assert not decode_rate(MODEL, LOAD, itl_ms=15).reachable
 
 
+def test_an_aggregated_engine_counts_the_stall_its_prefills_put_on_its_decodes():
+    # s = 500 ms per prompt: at lam/s prefills take u = 0.5 lam of the time; t(b) = 120/7 + (20/7) b with
+    # b = lam x 200 x ITL / 1000, and ITL = t(b) / (1 - u) -> ITL = (120/7) / (1 - (15/14) lam);
+    # ITL <= 30 ms -> lam <= (3/7)(14/15) = 0.4 per second, b = 0.2 x 0.4 x 30 = 2.4, TTFT 562.5 ms.
+    rate = agg_rate(MODEL, LOAD, ttft_ms=1000, itl_ms=30)
+    assert rate.reachable and rate.requests_per_s == pytest.approx(0.4, rel=1e-6)
+    assert rate.step_ms == pytest.approx(30.0, rel=1e-6) and rate.batch == 2
+    # The two roles' fractions added up (each at its own target) would say 1 / (3/4 + 1/0.7) = 0.46 per second.
+    assert 1 / (1 / prefill_rate(MODEL, LOAD, 1000).requests_per_s + 1 / decode_rate(MODEL, LOAD, 30).requests_per_s) \
+        == pytest.approx(0.4590, abs=1e-4)
+    # 15 ms < t(1): no rate meets it.
+    assert not agg_rate(MODEL, LOAD, ttft_ms=1000, itl_ms=15).reachable
+
+
 def test_replicas_per_mode():
-    # prefill: 5 / (4/3) = 3.75 -> 4; decode: 5 / 0.7 = 7.14 -> 8; agg: 3.75 + 7.14 = 10.89 -> 11.
+    # prefill: 5 / (4/3) = 3.75 -> 4; decode: 5 / 0.7 = 7.14 -> 8; agg: 5 / 0.4 = 12.5 -> 13 (above).
     assert size("disagg", MODEL, LOAD, 1000, 30).replicas == {"prefill": 4, "decode": 8}
     assert size("prefill", MODEL, LOAD, 1000, 30).replicas == {"prefill": 4}
     assert size("decode", MODEL, LOAD, 1000, 30).replicas == {"decode": 8}
-    assert size("agg", MODEL, LOAD, 1000, 30).replicas == {"agg": 11}
+    assert size("agg", MODEL, LOAD, 1000, 30).replicas == {"agg": 13}
     # Exactly 4/3 per second needs exactly one prefill engine (no rounding up past a whole one).
     assert size("prefill", MODEL, Load(4 / 3, 1000, 200, 0.5), 1000, 30).replicas == {"prefill": 1}
     assert size("agg", MODEL, Load(0.0, 1000, 200, 0.5), 1000, 30).replicas == {"agg": 0}
