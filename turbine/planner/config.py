@@ -41,6 +41,9 @@ class PlannerConfig:
     adjustment_interval_s: float = flag("--adjustment-interval", default=60.0)
     fast_interval_s: float = flag("--fast-interval", default=5.0)  # 0: no load-based path
     scale_down_sensitivity: float = flag("--scale-down-sensitivity", default=0.8)
+    # The throughput path sizes engines for this share of the targets: the model gives a mean latency,
+    # requests scatter around it and the SLA counts each one, so 1 (plan at the targets) misses ~half.
+    target_share: float = flag("--target-share", default=1.0)
     # Expected worker start-up, s: the throughput path sizes for the load predicted until the workers
     # it starts now are ready. None: the start-ups observed (0 until one was).
     startup_s: float | None = flag("--startup-s", default=None)
@@ -72,6 +75,7 @@ class PlannerConfig:
         check(self, self.startup_s is None or (math.isfinite(self.startup_s) and self.startup_s >= 0), "startup_s",
               "must be >= 0 seconds (leave it out to use the start-ups observed)")
         check(self, 0 < self.scale_down_sensitivity <= 1, "scale_down_sensitivity", "must be in (0, 1]")
+        check(self, 0 < self.target_share <= 1, "target_share", "must be in (0, 1]")
         roles = ROLES_OF_MODE.get(self.mode, ())
         for name in ("min_replicas", "max_replicas"):
             counts = getattr(self, name)
@@ -166,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between load-based +-1 decisions from the workers' load reports (default 5; 0: off)")
     p.add_argument("--scale-down-sensitivity", type=float,
                    help="load-based scale-down only when every engine is under this share of the targets (0.8)")
+    p.add_argument("--target-share", type=float,
+                   help="the throughput path sizes engines for this share of the TTFT and ITL targets (default 1)")
     p.add_argument("--startup-s", type=float, help="expected worker start-up, s: the throughput path sizes for the "
                                                    "load predicted until new workers are ready (default: observed)")
     p.add_argument("--min-replicas", type=_role_counts, help="N or ROLE=N,...: fewest workers per role (default 1)")

@@ -9,6 +9,14 @@ Two paths (docs: the README's Planner section):
   its ITL, `decode_ms(running, KV tokens in use)`. A role gets +1 worker when ALL its engines are
   over target (prefill: TTFT; decode: ITL, or requests waiting for a batch slot; agg: either
   signal), and -1 when ALL are under `--scale-down-sensitivity` x the targets (agg: both).
+  The step up is sized from the backlog, not +1: the requests in the role's engines (running and
+  waiting) over what one engine holds at the targets (`_backlog_need`), at least +1; a burst that
+  doubles the load would otherwise take a start-up per worker to catch up. The step down is
+  half the surplus over the backlog's need (at least 1), never below what the highest arrival rate
+  of the last start-up needs (`keep`), and only once every engine was under
+  target for a whole start-up (else each interval:
+  a worker stopped now cannot be back sooner than that if the load returns, so it waits out a
+  dip shorter than a start-up).
   With this path on, the throughput path's result is a lower bound: a role never goes below
   it, and rises to it at once, but only the load path brings a role down (so the two do not
   undo each other every interval). After a role changed, the load path waits for a report
@@ -21,6 +29,11 @@ Start-up delay: workers asked for now serve only after a start-up (`--startup-s`
 of the start-ups observed: a role's first worker asked for until its ready count rose). So the
 throughput path sizes for the highest request rate predicted over the intervals until then and the
 interval after (`horizon()` steps: 1 + ceil(start-up / interval); 1 with no start-up known).
+
+The request rate the throughput path predicts from is the interval's arrivals, counted as the
+requests that finished plus the change in those in the engines (running + waiting, from the load
+reports, `in_system`): finished requests alone lag the arrivals by a request's lifetime and, while
+the engines are saturated, count their capacity, not the demand.
 
 The throughput path keeps the last decision above its bound; the load path steps from the last
 decision, or, in advisory mode (nothing is applied), from the workers running now.
@@ -96,6 +109,10 @@ class Planner:
         self.changed_at: dict[str, float] = {}  # role -> when its target last changed (monotonic)
         self._unreachable: set[str] = set()  # roles whose target one engine cannot meet (warned)
         self.startups: deque[float] = deque(maxlen=8)  # observed start-ups, s (newest last)
+        self._in_system: int | None = None  # requests in the engines at the last throughput step
+        self._under_since: dict[str, float] = {}  # role -> since when every engine has been under target
+        self._rates: deque[float] = deque(maxlen=16)  # observed arrival rates, newest last
+        self.keep: dict[str, int] = {}  # what the highest rate of the last start-up needs: no step down below
 
     # -- start-up delay ------------------------------------------------------------------
     def note_startup(self, seconds: float) -> None:
@@ -135,16 +152,29 @@ class Planner:
             return clamp(wanted, {r: self.cfg.minimum(r) for r in roles}, maximum, self.cfg.max_workers)
 
     # -- throughput path -------------------------------------------------------------------
-    def observe(self, obs: Observation) -> Load | None:
-        """Feed the predictors one interval; return the predicted next one (None: no traffic seen yet)."""
+    def arrival_rate(self, obs: Observation, in_system: int | None) -> float:
+        """The interval's arrivals per second: finished + the change in requests in the engines
+        (the module's docstring); the finished rate alone while either count is unknown."""
+        rate = obs.request_rate
+        if in_system is not None and self._in_system is not None and obs.seconds > 0:
+            rate = max(0.0, rate + (in_system - self._in_system) / obs.seconds)
+        if in_system is not None:
+            self._in_system = in_system
+        return rate
+
+    def observe(self, obs: Observation, in_system: int | None = None) -> Load | None:
+        """Feed the predictors one interval; return the predicted next one (None: no traffic seen yet).
+        `in_system`: requests in the engines now (running + waiting), for the arrival rate."""
         m = self.metrics.observed
-        m.labels("request_rate").set(obs.request_rate)
+        rate = self.arrival_rate(obs, in_system)
+        m.labels("request_rate").set(rate)
         for name, value in (("isl", obs.isl), ("osl", obs.osl), ("ttft_seconds", obs.ttft_s),
                             ("itl_seconds", obs.itl_s), ("kv_hit_rate", obs.kv_hit_rate)):
             if value is not None:
                 m.labels(name).set(value)
         p = self._predictors
-        p["request_rate"].add(obs.request_rate)  # a rate: intervals may differ in length
+        p["request_rate"].add(rate)  # a rate: intervals may differ in length
+        self._rates.append(rate)
         # Means exist only for intervals where requests finished; an idle interval keeps them.
         if obs.isl is not None:
             p["isl"].add(obs.isl)
@@ -165,14 +195,15 @@ class Planner:
         return self.predicted
 
     def throughput_step(self, obs: Observation, current: dict[str, int],
-                        starting: dict[str, int] | None = None) -> dict[str, int]:
+                        starting: dict[str, int] | None = None, in_system: int | None = None) -> dict[str, int]:
         """The throughput path's decision after one interval (the current counts when nothing was seen yet).
         Its target is compared against ready + starting workers: those starting count as capacity."""
-        load = self.observe(obs)
+        load = self.observe(obs, in_system)
         base = self.targets or self._have(current, starting)
         if load is None:
             return self._clamp({r: base.get(r, 0) for r in self.cfg.roles})
-        sizing = size(self.cfg.mode, self.model, load, self.cfg.ttft_ms, self.cfg.itl_ms)
+        share = self.cfg.target_share  # room for the requests above the mean the model gives
+        sizing = size(self.cfg.mode, self.model, load, share * self.cfg.ttft_ms, share * self.cfg.itl_ms)
         self.last_sizing = sizing
         for role, rate in (("prefill", sizing.prefill), ("decode", sizing.decode)):
             if rate is None:
@@ -188,6 +219,12 @@ class Planner:
                 log.warning("the %s target cannot be met by one engine even unloaded (%s step %.1f ms); planning "
                             "for the least delay the profile allows", target, role, rate.step_ms)
         self.lower = self._clamp(sizing.replicas)
+        # The load path steps down no lower than what the highest arrival rate seen over the last start-up
+        # (and interval) needs: a dip shorter than a start-up is not worth a worker that could not be back
+        # in time (the forecast alone may dip below it: a trend fitted to a noisy interval).
+        recent = max(list(self._rates)[-self.horizon():])
+        self.keep = self._clamp(size(self.cfg.mode, self.model, Load(recent, load.isl, load.osl, load.kv_hit_rate),
+                                     share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)
         for role, n in self.lower.items():
             self.metrics.throughput_replicas.labels(role).set(n)
         if self.cfg.fast_interval_s > 0:
@@ -201,11 +238,29 @@ class Planner:
             return None
         return max(1.0, self.predicted.isl * (1.0 - self.predicted.kv_hit_rate))
 
+    def _backlog_need(self, role: str, engines: list[EngineLoad]) -> int | None:
+        """Engines of `role` that the requests in it now need at the targets (None: not sized yet):
+        decode and agg: running + waiting over one engine's concurrency at the targets; prefill:
+        the queued prompts' prefill time over the TTFT target."""
+        sizing, isl_eff = self.last_sizing, self.isl_eff()
+        if sizing is None or self.predicted is None or isl_eff is None:
+            return None
+        if role == "prefill":
+            work_ms = sum(e.report.num_waiting + e.report.num_running for e in engines) * self.model.prefill_ms(isl_eff)
+            return math.ceil(work_ms / (self.cfg.target_share * self.cfg.ttft_ms) - 1e-9)
+        rate = sizing.agg if role == "agg" else sizing.decode
+        if rate is None:
+            return None
+        # Little's law: an engine at `requests_per_s` keeps that times a request's stay in it.
+        holds = max(1.0, rate.requests_per_s * max(self.predicted.osl, 1.0) * rate.step_ms / 1000.0)
+        return math.ceil(sum(e.report.num_running + e.report.num_waiting for e in engines) / holds - 1e-9)
+
     def load_step(self, engines: list[EngineLoad], current: dict[str, int],
-                  starting: dict[str, int] | None = None) -> dict[str, int] | None:
+                  starting: dict[str, int] | None = None, now: float | None = None) -> dict[str, int] | None:
         """The load path's decision from the engines' latest reports (None: no change); `starting`:
         workers per role asked for and not ready yet (none is added to a role while one starts)."""
         starting = starting or {}
+        now = time.monotonic() if now is None else now
         base = self._base(current, starting)
         isl_eff = self.isl_eff()
         wanted = {}
@@ -223,12 +278,32 @@ class Planner:
                     self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
                 self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
+            if step < 0:
+                # Hysteresis: down only once under target for a whole start-up (the module's docstring).
+                since_under = self._under_since.setdefault(role, now)
+                if now - since_under < self.startup_s():
+                    step = 0
+                elif (need := self._backlog_need(role, mine)) is not None and need < base.get(role, 0) - 1:
+                    # Half the surplus over what the backlog needs at a time: a fleet sized for a peak comes
+                    # down in a few start-ups, not one worker each, and keeps room if the load returns.
+                    step = -math.ceil((base.get(role, 0) - need) / 2)
+            else:
+                self._under_since.pop(role, None)
+            if step > 0:
+                need = self._backlog_need(role, mine)
+                if need is not None:
+                    step = max(1, need - base.get(role, 0))  # sized from the backlog (the module's docstring)
+            if step < 0:
+                step = max(step, min(0, self.keep.get(role, 0) - base.get(role, 0)))  # not below `keep`
             if starting.get(role, 0) > 0:
                 # The worker still starting is the capacity asked for: judge again once it serves (adding
                 # now overshoots; removing now stops it, the least loaded, and thrashes: seen on a live fleet).
                 step = 0
             wanted[role] = base.get(role, 0) + step
         targets = self._clamp(wanted, self.lower)
+        for role in targets:
+            if targets[role] < base.get(role, 0):
+                self._under_since.pop(role, None)  # the next step down waits a whole start-up again
         return None if all(targets[r] == base.get(r, 0) for r in targets) else targets
 
     def decided(self, targets: dict[str, int], path: str, current: dict[str, int] | None = None) -> None:

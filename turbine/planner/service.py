@@ -190,7 +190,11 @@ class PlannerService:
                 log.info("interval: %.2f requests/s, ISL %s, OSL %s, TTFT %s s, ITL %s s, KV hit %s",
                          obs.request_rate, _f(obs.isl), _f(obs.osl), _f(obs.ttft_s), _f(obs.itl_s),
                          _f(obs.kv_hit_rate))
-                targets = await asyncio.to_thread(self.planner.throughput_step, obs, current, starting)  # ARIMA fits
+                # Requests in the engines now: with the finished ones, the interval's arrivals (planner.py).
+                reports = self.loads.engines(max_age_s=max(3 * (cfg.fast_interval_s or 0), 10.0))
+                in_system = sum(e.report.num_running + e.report.num_waiting for e in reports) if reports else None
+                targets = await asyncio.to_thread(self.planner.throughput_step, obs, current, starting,
+                                                  in_system)  # ARIMA fits
                 await self.decide(targets, have, "throughput")
             elif cfg.fast_interval_s > 0:
                 engines = self.loads.engines(max_age_s=max(3 * cfg.fast_interval_s, 10.0))

@@ -112,10 +112,11 @@ def test_the_load_path_steps_by_one_above_the_throughput_bound(profile_path):
     # 1/s: prefill 1 / (4/3) -> 1; decode 1 / 0.7 -> 2. From 1 + 1 it rises to the bound at once.
     assert p.throughput_step(obs, {"prefill": 1, "decode": 1}) == {"prefill": 1, "decode": 2}
     p.decided({"prefill": 1, "decode": 2}, "throughput")
-    # Decode engines: 8 running, 8 x 1100 tokens -> t = 20 + 7 x 20/7 = 40 ms > 30: over. Prefill: 2 waiting,
-    # isl_eff 500 -> (2 + 1) x 500 = 1500 ms > 1000: over.
+    # Decode engines: 6 running, 6 x 1100 tokens -> t = 20 + 5 x 20/7 = 34.3 ms > 30: over; their 12 requests
+    # need 12 / 4 = 3 engines (one holds 0.7/s x 200 tokens x 28.57 ms = 4 at the target): +1. Prefill: 2
+    # waiting, isl_eff 500 -> (2 + 1) x 500 = 1500 ms > 1000: over; 2 x 500 ms of prompts fit one TTFT: +1.
     def busy():
-        return [engine("decode", running=8, blocks=88, name="d1"), engine("decode", running=8, blocks=88, name="d2"),
+        return [engine("decode", running=6, blocks=66, name="d1"), engine("decode", running=6, blocks=66, name="d2"),
                 engine("prefill", waiting=2, name="p1")]
 
     def idle():
@@ -214,3 +215,112 @@ def test_the_turbine_command_runs_the_planner_and_names_a_bad_flag(tmp_path, cap
     with pytest.raises(SystemExit) as info:
         main(["planner", "--profile", str(tmp_path / "none.json")])
     assert info.value.code == 2 and "--profile" in capsys.readouterr().err
+
+
+def test_the_load_paths_step_up_is_sized_from_the_backlog(profile_path):
+    p = planner(profile_path, mode="disagg", fast_interval_s=2, max_replicas={"prefill": 8, "decode": 8})
+    obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
+    assert p.throughput_step(obs, {"prefill": 1, "decode": 1}) == {"prefill": 1, "decode": 2}
+    p.decided({"prefill": 1, "decode": 2}, "throughput")
+    # Two decode engines with 10 requests each (over target): one holds 0.7/s x 200 x 28.57 ms = 4 at the
+    # target, so the 20 need 5 engines: +3 at once (+1 would leave them over target for two more start-ups).
+    # The prefill engine: 5 prompts queued x 500 ms = 2.5 s of work for a 1 s TTFT: 3 engines.
+    engines = [engine("decode", running=10, blocks=110, name="d1"), engine("decode", running=10, blocks=110, name="d2"),
+               engine("prefill", waiting=5, name="p1")]
+    assert p.load_step(engines, {"prefill": 1, "decode": 2}) == {"prefill": 3, "decode": 5}
+
+
+def test_the_load_path_scales_down_only_after_a_whole_start_up_under_target(profile_path):
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, startup_s=15)
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})  # 0.1/s: a bound of 1
+    p.decided({"agg": 3}, "load")
+    time.sleep(0.01)
+    # Under target, one request each (one engine holds 0.4/s x 200 x 30 ms = 2.4 at the targets: the 3
+    # need 2, no surplus to halve), reported after the change.
+    idle = [engine("agg", running=1, name=f"a{i}") for i in (1, 2, 3)]
+    t0 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 3}, now=t0) is None  # under target: the clock starts
+    assert p.load_step(idle, {"agg": 3}, now=t0 + 14) is None  # a dip shorter than a start-up: kept
+    assert p.load_step(idle, {"agg": 3}, now=t0 + 15) == {"agg": 2}
+    p.decided({"agg": 2}, "load")
+    time.sleep(0.01)
+    idle = [engine("agg", running=1, name=f"a{i}") for i in (1, 2)]
+    t1 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 2}, now=t1) is None  # after a step down the clock starts again
+    busy = [engine("agg", waiting=1, name=n) for n in ("a1", "a2")]
+    assert p.load_step(busy, {"agg": 2}, now=t1 + 10) == {"agg": 3}  # over target: up at once, clock reset
+    p.decided({"agg": 2}, "load")  # (the step up not applied here)
+    assert p.load_step(idle, {"agg": 2}, now=t1 + 16) is None  # under again since t1 + 16 only
+
+
+def test_the_throughput_path_counts_arrivals_not_only_finished_requests(profile_path):
+    p = planner(profile_path, mode="agg", fast_interval_s=0, max_replicas={"agg": 50})
+    obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
+    assert p.arrival_rate(obs, None) == pytest.approx(1.0)  # nothing known in the engines: the finished rate
+    assert p.arrival_rate(obs, 4) == pytest.approx(1.0)  # the first count: no change known yet
+    # 10 finished while the engines went from 4 to 24 requests: 30 arrived in 10 s (saturated engines
+    # finish what they can; the finished rate alone would say 1/s).
+    p.throughput_step(obs, {"agg": 1}, in_system=24)
+    assert p.predicted.request_rate == pytest.approx(3.0)
+    assert p.arrival_rate(obs, 4) == pytest.approx(0.0)  # 10 finished, 20 fewer in the engines: none arrived
+
+
+def test_the_throughput_path_sizes_for_a_share_of_the_targets(profile_path):
+    # 1 request/s of ISL 1000 (half cached), OSL 200, agg: at the targets (1000 ms, 30 ms) one engine takes
+    # 0.4/s (test_replicas.py) -> 3; at 0.8 x them (800 ms, 24 ms): ITL = (120/7) / (1 - (15/14) lam) <= 24
+    # -> lam <= 4/15 per second -> 3.75 -> 4 engines.
+    obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
+    at_targets = planner(profile_path, mode="agg", fast_interval_s=0, max_replicas={"agg": 8})
+    assert at_targets.throughput_step(obs, {"agg": 1}) == {"agg": 3}
+    shared = planner(profile_path, mode="agg", fast_interval_s=0, max_replicas={"agg": 8}, target_share=0.8)
+    assert shared.throughput_step(obs, {"agg": 1}) == {"agg": 4}
+    assert shared.last_sizing.agg.requests_per_s == pytest.approx(4 / 15, rel=1e-6)
+    with pytest.raises(ConfigError, match="target_share"):
+        planner(profile_path, target_share=0)
+
+
+def test_the_load_path_removes_half_the_surplus_at_a_time(profile_path):
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, startup_s=15)
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})  # 0.1/s: a bound of 1
+    p.decided({"agg": 8}, "load")
+    time.sleep(0.01)
+    # 8 engines, 2 requests in all (one engine holds 2.4 at the targets: 1 needed): surplus 7, -4 -> 4.
+    idle = [engine("agg", running=1 if i < 2 else 0, name=f"a{i}") for i in range(8)]
+    t0 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 8}, now=t0) is None
+    assert p.load_step(idle, {"agg": 8}, now=t0 + 15) == {"agg": 4}
+
+
+def test_the_load_path_keeps_what_the_last_start_ups_highest_rate_needs(profile_path):
+    # Start-up 15 s, intervals 10 s: the last 1 + 2 intervals count. 1/s then 0.1/s twice: the forecast
+    # (constant) says 0.1/s (a bound of 1), but 1/s was seen within a start-up: 3 engines kept
+    # (test_the_throughput_path_sizes_for_a_share_of_the_targets), however idle they are now.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, startup_s=15)
+    for n in (10, 1, 1):
+        p.throughput_step(Observation(seconds=10, requests=n, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                      kv_hit_rate=0.5), {"agg": 1})
+    assert p.lower == {"agg": 1} and p.keep == {"agg": 3}
+    p.decided({"agg": 8}, "load")
+    time.sleep(0.01)
+    idle = [engine("agg", name=f"a{i}") for i in range(8)]
+    t0 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 8}, now=t0) is None
+    assert p.load_step(idle, {"agg": 8}, now=t0 + 15) == {"agg": 4}  # half the surplus
+    p.decided({"agg": 4}, "load")
+    time.sleep(0.01)
+    idle = [engine("agg", name=f"a{i}") for i in range(4)]  # reports after the change
+    t1 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 4}, now=t1) is None
+    assert p.load_step(idle, {"agg": 4}, now=t1 + 15) == {"agg": 3}  # not 2: `keep`
+    p.decided({"agg": 3}, "load")
+    time.sleep(0.01)
+    idle = [engine("agg", name=f"a{i}") for i in range(3)]
+    t2 = time.monotonic() + 1
+    assert p.load_step(idle[:3], {"agg": 3}, now=t2) is None
+    assert p.load_step(idle[:3], {"agg": 3}, now=t2 + 15) is None
+    # Once 1/s is older than a start-up: down to the bound.
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 3})
+    assert p.keep == {"agg": 1}

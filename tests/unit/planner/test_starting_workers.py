@@ -24,8 +24,9 @@ def applied(profile_path, **kw):
 
 
 def busy(*names):
-    """Agg engines over the TTFT target: 3 waiting x (isl_eff 500 ms) = 2000 ms > 1000."""
-    return [engine("agg", running=4, waiting=3, blocks=10, name=n) for n in names]
+    """Agg engines over target (a request waits for a slot), a backlog of one request each: the load
+    path's step up from them is +1 (more requests would size a larger step: test_planner_logic.py)."""
+    return [engine("agg", running=0, waiting=1, name=n) for n in names]
 
 
 def test_the_load_path_adds_none_while_a_worker_of_the_role_starts(profile_path):  # noqa: F811
