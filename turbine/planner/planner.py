@@ -23,7 +23,8 @@ Two paths (docs: the README's Planner section):
   from every worker of it that came after the change (new workers included), so it does not
   add again while the last one is still starting or taking its share. While a worker of a role
   is starting (asked for, not ready: the connector's `starting_replicas`), the load path neither
-  adds to nor removes from that role: the one to come is the capacity it asked for.
+  adds to nor removes from that role: the one to come is the capacity it asked for (it adds only
+  when the backlog needs more than the ready and starting workers together).
 
 Start-up delay: workers asked for now serve only after a start-up (`--startup-s`, else the median
 of the start-ups observed: a role's first worker asked for until its ready count rose). So the
@@ -289,15 +290,18 @@ class Planner:
                     step = -math.ceil((base.get(role, 0) - need) / 2)
             else:
                 self._under_since.pop(role, None)
+            need = None
             if step > 0:
                 need = self._backlog_need(role, mine)
                 if need is not None:
                     step = max(1, need - base.get(role, 0))  # sized from the backlog (the module's docstring)
             if step < 0:
                 step = max(step, min(0, self.keep.get(role, 0) - base.get(role, 0)))  # not below `keep`
-            if starting.get(role, 0) > 0:
+            if starting.get(role, 0) > 0 and not (need is not None and need > base.get(role, 0)):
                 # The worker still starting is the capacity asked for: judge again once it serves (adding
                 # now overshoots; removing now stops it, the least loaded, and thrashes: seen on a live fleet).
+                # Unless the backlog needs more than ready + starting (`base`): a burst that began while one
+                # starts would otherwise wait a whole start-up more.
                 step = 0
             wanted[role] = base.get(role, 0) + step
         targets = self._clamp(wanted, self.lower)
