@@ -2,7 +2,8 @@
 served by ONE real vLLM CPU worker started with --enable-multimodal, a frontend, and the official openai client.
 The same picture gives the same greedy tokens (alone and in a concurrent batch), another picture other tokens;
 bad media each get a 400 naming the problem while the server keeps serving; a model whose workers lack
---enable-multimodal (a mocker beside it) refuses images by naming the flag. The bad-media cases in full (size,
+--enable-multimodal (a mocker beside it) refuses images by naming the flag. `/v1/responses` input_image parts
+give the chat answer and the same refusals, named by their input item. The bad-media cases in full (size,
 format, redirects, timeouts, private addresses) are tests/unit/frontend/test_media.py, without an engine.
 Run it under the engine lock (flock /tmp/turbine-engine.lock)."""
 
@@ -84,7 +85,8 @@ def vlm_cluster(tmp_path_factory, vlm_dir):
         env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT), log, port)
     mocker = start_mocker("mocker", env, root, "--served-model-name", TEXT_ONLY, "--speedup-ratio", "0")
     # KV routing: image requests are routed on block hashes keyed by their images (router/hashing.py).
-    frontend = start_frontend("frontend", env, root, "--router-mode", "kv")
+    # (--max-images-per-request: above the worker's limit of 2, so each refusal is told apart by its flag)
+    frontend = start_frontend("frontend", env, root, "--router-mode", "kv", "--max-images-per-request", "3")
     procs = [worker, mocker, frontend]
     try:
         wait_until(lambda: worker_ready(worker) and worker_ready(mocker), ENGINE_START_TIMEOUT, "workers ready",
@@ -175,6 +177,32 @@ def test_more_images_than_the_worker_takes_is_a_400(oai):
     assert "image" in err.value.message
     still = oai.chat.completions.create(model=VLM, messages=chat(url), max_tokens=1)
     assert still.choices[0].message.content is not None
+
+
+def responses_input(*urls: str, detail: str = "auto") -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "input_image", "image_url": u, "detail": detail} for u in urls),
+                                         {"type": "input_text", "text": "Describe the picture."}]}]
+
+
+def test_responses_input_image_gives_the_chat_answer(oai):
+    url = data_url(picture(*PICTURES["blue"]))
+    reply = oai.responses.create(model=VLM, input=responses_input(url), max_output_tokens=MAX_TOKENS, temperature=0)
+    assert reply.status == "incomplete" and reply.usage.output_tokens == MAX_TOKENS  # (the length stop)
+    assert reply.output_text == answer(oai, url).choices[0].message.content
+    assert reply.usage.input_tokens == 53
+
+
+@pytest.mark.parametrize("kwargs, param, named", [
+    ({"urls": ["http://10.0.0.7/picture.png"]}, "input", "input[0].content[0].image_url: refused to fetch"),
+    ({"urls": ["data:x"], "detail": "high"}, "input[0].content[0].detail", "'high' is not supported"),
+    # The frontend's own bound (--max-images-per-request 3) holds here too.
+    ({"urls": [data_url(picture(*PICTURES["red"]))] * 4}, "input", "--max-images-per-request"),
+])
+def test_responses_bad_images_are_400s_naming_the_input_item(oai, kwargs, param, named):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=VLM, input=responses_input(*kwargs["urls"], detail=kwargs.get("detail", "auto")),
+                             max_output_tokens=4)
+    assert err.value.body["param"] == param and named in err.value.message, err.value.body
 
 
 def test_video_and_audio_parts_are_refused_by_name(oai):

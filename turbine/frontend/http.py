@@ -170,7 +170,7 @@ class HttpApi:
             span = tracing.start("preprocess") if tracing.tracer is not None else None
             try:
                 if kind == "responses":
-                    responses_req, prepared = await prepare_response(body, self.frontend.models)
+                    responses_req, prepared = await prepare_response(body, self.frontend.models, self.cfg.media)
                 else:
                     batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
                                                  self.cfg.max_prompt_embeds_bytes, self.cfg.media)

@@ -33,6 +33,8 @@ REFUSED_PARTS = {
     "input_audio": "audio", "audio_url": "audio", "video_url": "video", "file": "file",
     "image_embeds": "image embeddings", "image_pil": "image",
 }
+# The `detail` values this server honours: the default only (OpenAI's low/high/original pick a resolution).
+DETAILS = (None, "auto")
 _REDIRECTS = (301, 302, 303, 307, 308)
 # A larger data: URL is decoded off the event loop (as prompt_embeds).
 _DECODE_IN_THREAD_CHARS = 256 << 10
@@ -87,6 +89,10 @@ def split_media(messages: list[Any]) -> tuple[list[Any], list[tuple[str, str]]]:
             url = value.get("url") if isinstance(value, dict) else value
             if not isinstance(url, str) or not url:
                 raise RequestError(f"{where}.image_url: must be an object with a 'url' string", param=PARAM)
+            detail = value.get("detail") if isinstance(value, dict) else None
+            if detail not in DETAILS:  # the model's processor sizes every picture alike: no detail level to choose
+                raise RequestError(f"{where}.image_url.detail: {detail!r} is not supported; leave it out or send "
+                                   "'auto' (the model's image processor decides the resolution)", param=PARAM)
             urls.append((f"{where}.image_url", url))
             parts.append({"type": "image"})
         out.append({**message, "content": parts})

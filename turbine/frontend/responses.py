@@ -23,6 +23,7 @@ from starlette.responses import Response
 from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.media import DETAILS, MediaConfig
 from turbine.frontend.openai_schemas import ChatCompletionRequest, json_object
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Prepared, preprocess
@@ -81,10 +82,11 @@ def decode_responses_request(body: bytes) -> ResponsesRequest:
 
 
 # -- Responses body -> chat body ---------------------------------------------------------
-def chat_body(req: ResponsesRequest) -> dict[str, Any]:
+def chat_body(req: ResponsesRequest, origins: dict[str, str] | None = None) -> dict[str, Any]:
     """The chat completions body that asks for what `req` asks for. Raises RequestError
-    naming the Responses field for anything this server cannot honour."""
-    body = converted_body(req)
+    naming the Responses field for anything this server cannot honour. `origins` (when given)
+    gets each image's chat location -> its Responses location, for renaming the media stage's errors."""
+    body = converted_body(req, origins)
     for name in body:
         # The chat request drops fields it does not know: never hand it one it would ignore.
         if name not in _CHAT_FIELDS:
@@ -92,7 +94,7 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     return body
 
 
-def converted_body(req: ResponsesRequest) -> dict[str, Any]:
+def converted_body(req: ResponsesRequest, origins: dict[str, str] | None = None) -> dict[str, Any]:
     """`req` as chat completions fields (unchecked against what the chat path takes)."""
     if req.previous_response_id is not None:
         raise _fail("previous_response_id", "this server keeps no responses (stateless); "
@@ -103,7 +105,7 @@ def converted_body(req: ResponsesRequest) -> dict[str, Any]:
         raise _fail("reasoning", "reasoning effort and summaries are not configurable here; the model's "
                     "reasoning (when its worker has a reasoning parser) comes back as reasoning items")
     _check_metadata(req.metadata)
-    body: dict[str, Any] = {"model": req.model, "messages": messages_of(req.input, req.instructions),
+    body: dict[str, Any] = {"model": req.model, "messages": messages_of(req.input, req.instructions, origins),
                             "stream": req.stream}
     for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("user", req.user)):
@@ -122,10 +124,13 @@ def converted_body(req: ResponsesRequest) -> dict[str, Any]:
     return body
 
 
-def messages_of(input_: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+def messages_of(input_: str | list[dict[str, Any]], instructions: str | None,
+                origins: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Chat messages for a Responses `input`. Consecutive assistant-side items (reasoning, an
     assistant message, function calls) become one assistant message, as a chat template
-    expects a turn that thinks, says something and calls tools."""
+    expects a turn that thinks, says something and calls tools. A message with input_image
+    parts becomes chat text and image_url parts (the chat path's media stage fetches and checks
+    them); `origins` gets each image's chat location -> its `input` location."""
     messages: list[dict[str, Any]] = []
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
@@ -151,13 +156,14 @@ def messages_of(input_: str | list[dict[str, Any]], instructions: str | None) ->
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _fail(f"{where}.role", "must be user, system, developer or assistant")
-            text = _text_of(item.get("content"), f"{where}.content")
             if role == "assistant":
-                assistant_turn()["content"] += text
+                assistant_turn()["content"] += _text_of(item.get("content"), f"{where}.content")
             else:
                 turn = None
+                content = _content_of(item.get("content"), f"{where}.content", f"messages[{len(messages)}].content",
+                                      origins)
                 # Chat templates know system, not OpenAI's newer name for it.
-                messages.append({"role": "system" if role == "developer" else role, "content": text})
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             _only_keys(item, where, {"call_id", "name", "arguments"})
             for key in ("call_id", "name", "arguments"):
@@ -199,26 +205,70 @@ def _only_keys(item: dict[str, Any], where: str, allowed: set[str]) -> None:
             raise _fail(f"{where}.{key}", "is not supported")
 
 
-def _text_of(content: Any, where: str) -> str:
+def _content_of(content: Any, where: str, chat_where: str, origins: dict[str, str] | None) -> str | list[dict]:
+    """A user/system message's content for the chat path: its text, or (when it holds input_image
+    parts) chat text and image_url parts in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content, where, images=True)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "input_image"):
+            parts.append({"type": "text", "text": _part_text(part, f"{where}[{j}]", True)})
+            continue
+        parts.append({"type": "image_url", "image_url": {"url": _image_url_of(part, f"{where}[{j}]")}})
+        if origins is not None:
+            origins[f"{chat_where}[{j}].image_url"] = f"{where}[{j}].image_url"
+    return parts
+
+
+def _image_url_of(part: dict[str, Any], where: str) -> str:
+    """An input_image part's URL (data: or http(s); fetched and checked by the media stage)."""
+    for key in part:
+        if key not in ("type", "image_url", "file_id", "detail"):
+            raise _fail(f"{where}.{key}", "is not supported")
+    if part.get("file_id") is not None:
+        raise _fail(f"{where}.file_id", "this server has no Files API; send the image as image_url "
+                    "(a data: URL or an http(s) URL)")
+    if part.get("detail") not in DETAILS:  # every picture is sized by the model's processor alike
+        raise _fail(f"{where}.detail", f"{part['detail']!r} is not supported; send 'auto' (the model's image "
+                    "processor decides the resolution)")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise _fail(f"{where}.image_url", "is required and must be a data: URL or an http(s) URL")
+    return url
+
+
+def _renamed(exc: RequestError, origins: dict[str, str]) -> None:
+    """The media stage names an image by its chat location: name it by its `input` location."""
+    for chat_where, where in origins.items():
+        if exc.message.startswith(chat_where):
+            exc.message = where + exc.message[len(chat_where):]
+            exc.args = (exc.message,)
+            return
+
+
+def _text_of(content: Any, where: str, images: bool = False) -> str:
     """The text of a message's content: a string or text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _fail(where, "must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _fail(f"{where}[{j}]", f"content parts of type {kind!r} are not supported; use input_text "
-                        "or output_text")
-        for key in part:
-            # annotations/logprobs come back on output_text parts we wrote; they ask for nothing.
-            if key not in ("type", "text", "annotations", "logprobs"):
-                raise _fail(f"{where}[{j}].{key}", "is not supported")
-        if not isinstance(part.get("text"), str):
-            raise _fail(f"{where}[{j}].text", "is required and must be a string")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}[{j}]", images) for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str, images: bool) -> str:
+    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise _fail(where, f"content parts of type {kind!r} are not supported; use input_text"
+                    + (", output_text or input_image" if images else " or output_text"))
+    for key in part:
+        # annotations/logprobs come back on output_text parts we wrote; they ask for nothing.
+        if key not in ("type", "text", "annotations", "logprobs"):
+            raise _fail(f"{where}.{key}", "is not supported")
+    if not isinstance(part.get("text"), str):
+        raise _fail(f"{where}.text", "is required and must be a string")
+    return part["text"]
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
@@ -278,15 +328,18 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                         f"values at most {MAX_METADATA_VALUE}")
 
 
-async def prepare(body: bytes, models) -> tuple[ResponsesRequest, Prepared]:
-    """Decode, convert and run the chat preprocess stage; errors name the Responses field."""
+async def prepare(body: bytes, models, media: MediaConfig = MediaConfig()) -> tuple[ResponsesRequest, Prepared]:
+    """Decode, convert and run the chat preprocess stage (its media stage under the operator's
+    bounds); errors name the Responses field."""
     req = decode_responses_request(body)
-    chat = chat_body(req)
+    origins: dict[str, str] = {}
+    chat = chat_body(req, origins)
     try:
-        prepared = await preprocess(_json.encode(chat), "chat", models)
+        prepared = await preprocess(_json.encode(chat), "chat", models, media=media)
     except RequestError as exc:
         if exc.param in _PARAM_OF_CHAT:
             exc.param = _PARAM_OF_CHAT[exc.param]
+        _renamed(exc, origins)
         raise
     if prepared.constraint_param in _PARAM_OF_CHAT:  # a constraint the engine refuses names text.format
         prepared = dataclasses.replace(prepared, constraint_param=_PARAM_OF_CHAT[prepared.constraint_param])

@@ -16,6 +16,7 @@ import pytest
 from tests.multimodal_model import CHAT_TEMPLATE
 from tests.unit.frontend.test_dispatch import instance, served
 from turbine.config import ConfigError
+from turbine.frontend import responses
 from turbine.frontend.errors import RequestError
 from turbine.frontend.media import MediaConfig, address_refusal, check_image, load_image, split_media
 from turbine.frontend.models import ModelTable
@@ -241,6 +242,37 @@ async def test_images_go_to_the_worker_as_checked_bytes_in_prompt_order(vlm_toke
     p = await preprocess(msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
                          "chat", table(vlm_tokenizer, True))
     assert p.request.images is None
+
+
+def test_a_detail_other_than_auto_is_refused_not_ignored():
+    part = {"type": "image_url", "image_url": {"url": "data:one", "detail": "auto"}}
+    assert split_media([{"role": "user", "content": [part]}])[1] == [(WHERE, "data:one")]
+    part["image_url"]["detail"] = "low"
+    with pytest.raises(RequestError, match=r"image_url\.detail: 'low' is not supported"):
+        split_media([{"role": "user", "content": [part]}])
+
+
+def responses_body(url: str, **part) -> bytes:
+    return msgspec.json.encode({"model": "m", "max_output_tokens": 4, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": url, **part}, {"type": "input_text", "text": "Hi"}]}]})
+
+
+async def test_responses_input_image_takes_the_chat_media_path(vlm_tokenizer):
+    red = picture()
+    chat = await preprocess(chat_body(data_url(red)), "chat", table(vlm_tokenizer, True))
+    _, resp = await responses.prepare(responses_body(data_url(red), detail="auto"), table(vlm_tokenizer, True))
+    assert resp.request.token_ids == chat.request.token_ids and resp.request.images == chat.request.images
+    # The media stage's refusals name the Responses field, under the operator's bounds.
+    for url, cfg, why in [("http://127.0.0.1:9/x.png", MediaConfig(), "loopback"),
+                          (data_url(picture(size=(40, 40))), MediaConfig(max_image_pixels=100), "--max-image-pixels"),
+                          (data_url(b"not a picture"), MediaConfig(), "not an image")]:
+        with pytest.raises(RequestError) as err:
+            await responses.prepare(responses_body(url), table(vlm_tokenizer, True), cfg)
+        assert err.value.param == "input" and err.value.message.startswith("input[0].content[0].image_url: ")
+        assert why in err.value.message
+    with pytest.raises(RequestError) as err:
+        await responses.prepare(responses_body(data_url(red)), table(vlm_tokenizer, False))
+    assert "--enable-multimodal" in err.value.message and err.value.message.startswith("input[0].content[0]")
 
 
 async def test_without_enable_multimodal_images_are_refused_naming_the_flag(vlm_tokenizer):

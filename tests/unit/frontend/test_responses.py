@@ -78,6 +78,25 @@ def test_an_agent_loop_transcript_becomes_chat_messages():
     ]
 
 
+def test_input_image_parts_become_chat_image_url_parts_in_order():
+    origins: dict[str, str] = {}
+    req = request(instructions="be brief", input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:one", "detail": "auto"},
+        {"type": "input_image", "image_url": "https://x/two.png"}]}])
+    assert responses.chat_body(req, origins)["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "image_url", "image_url": {"url": "data:one"}},
+                                     {"type": "image_url", "image_url": {"url": "https://x/two.png"}}]}]
+    # The media stage's errors name messages[1]...: the client sent input[0]...
+    assert origins == {"messages[1].content[1].image_url": "input[0].content[1].image_url",
+                       "messages[1].content[2].image_url": "input[0].content[2].image_url"}
+    # Without images, text parts stay one string (as before).
+    assert convert(input=[{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                       {"type": "input_text", "text": "b"}]}])["messages"] == [
+        {"role": "user", "content": "ab"}]
+
+
 def test_a_field_the_chat_path_would_drop_is_refused(monkeypatch):
     monkeypatch.setattr(responses, "_CHAT_FIELDS", responses._CHAT_FIELDS - {"response_format"})
     with pytest.raises(RequestError) as info:
@@ -113,7 +132,15 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
     ("input", {"input": 5}),
     ("input[0].role", {"input": [{"role": "tool", "content": "x"}]}),
     ("input[0].type", {"input": [{"type": "item_reference", "id": "x"}]}),
-    ("input[0].content[0]", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+    ("input[0].content[0]", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
+    ("input[0].content[1].file_id", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "x"}, {"type": "input_image", "file_id": "file-1", "detail": "auto"}]}]}),
+    ("input[0].content[0].detail", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:x", "detail": "high"}]}]}),
+    ("input[0].content[0].image_url", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+    ("input[0].content[0].prompt_cache_breakpoint", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}]}),
+    ("input[0].content[0]", {"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "u"}]}]}),
     ("input[0].content[0].text", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}),
     ("input[0].name", {"input": [{"role": "user", "content": "x", "name": "bob"}]}),
     ("input[0].call_id", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}),
