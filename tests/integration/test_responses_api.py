@@ -47,8 +47,11 @@ def test_streamed_deltas_equal_the_final_text_and_the_unstreamed_text(client):
 
 def test_previous_response_id_and_bad_input_are_named_400s_and_the_server_keeps_serving(client):
     for kwargs, param in [({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
-                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                          ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
                            "input[0].content[0]"),
+                          # (a text model: its worker runs without --enable-multimodal)
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                           "input"),
                           ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
                           ({"input": "hi", "store": True}, "store"),
                           ({"input": "hi", "extra_body": {"frobnicate": True}}, "frobnicate")]:
