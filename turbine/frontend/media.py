@@ -9,7 +9,6 @@ audio parts are refused by name. Every fault is a RequestError naming the part (
 from __future__ import annotations
 
 import asyncio
-import binascii
 import hashlib
 import io
 import ipaddress
@@ -20,9 +19,9 @@ from urllib.parse import urljoin, urlsplit
 
 import httpcore
 import httpx
-import pybase64
 
 from turbine.config import check, flag
+from turbine.frontend.base64_payload import decode_base64
 from turbine.frontend.errors import RequestError
 from turbine.protocol.generate import ImageInput
 
@@ -36,8 +35,6 @@ REFUSED_PARTS = {
 # The `detail` values this server honours: the default only (OpenAI's low/high/original pick a resolution).
 DETAILS = (None, "auto")
 _REDIRECTS = (301, 302, 303, 307, 308)
-# A larger data: URL is decoded off the event loop (as prompt_embeds).
-_DECODE_IN_THREAD_CHARS = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -162,20 +159,8 @@ async def _data_url_bytes(where: str, url: str, cfg: MediaConfig) -> bytes:
         raise RequestError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param=PARAM)
     if mime and not mime.lower().startswith("image/"):
         raise RequestError(f"{where}: a data: URL of type {mime!r} is not an image", param=PARAM)
-    # 4 characters per 3 bytes: an oversized payload is refused before it is decoded.
-    if len(payload) > (cfg.max_image_bytes + 2) // 3 * 4:
-        raise RequestError(f"{where}: the image is over the limit of {cfg.max_image_bytes} bytes (--max-image-bytes)",
-                           param=PARAM)
-    try:
-        if len(payload) > _DECODE_IN_THREAD_CHARS:
-            data = await asyncio.to_thread(pybase64.b64decode, payload, validate=True)
-        else:
-            data = pybase64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RequestError(f"{where}: the data: URL is not valid base64: {exc}", param=PARAM) from None
-    if not data:
-        raise RequestError(f"{where}: the data: URL is empty", param=PARAM)
-    return data
+    return await decode_base64(payload, max_bytes=cfg.max_image_bytes, where=f"{where} (data: URL)",
+                               what="the image", flag="--max-image-bytes", param=PARAM)
 
 
 def address_refusal(ip: str) -> str | None:

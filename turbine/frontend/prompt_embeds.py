@@ -7,12 +7,9 @@ prompt_embeds when wrong)."""
 
 from __future__ import annotations
 
-import asyncio
-import binascii
 from typing import Any
 
-import pybase64
-
+from turbine.frontend.base64_payload import decode_base64
 from turbine.frontend.errors import RequestError
 from turbine.frontend.models import ServedModel
 
@@ -20,10 +17,6 @@ PARAM = "prompt_embeds"
 # Decoded bytes; the request plane's frames hold 32 MiB, the whole request included.
 DEFAULT_MAX_PROMPT_EMBEDS_BYTES = 4 << 20
 MAX_PROMPT_EMBEDS_BYTES = 24 << 20
-
-
-# Larger payloads are decoded off the event loop, which serves every other request meanwhile.
-_DECODE_IN_THREAD_CHARS = 256 << 10
 
 
 async def prompt_embeds_payload(value: Any, model: ServedModel, max_bytes: int) -> bytes:
@@ -37,17 +30,5 @@ async def prompt_embeds_payload(value: Any, model: ServedModel, max_bytes: int) 
     if not all(card.accepts_prompt_embeds for card in cards):
         raise RequestError(f"{PARAM}: the model {model.name!r} is served by workers that do not take prompt "
                            "embeddings (start them with --enable-prompt-embeds)", param=PARAM)
-    # Base64 is 4 characters per 3 bytes: an oversized payload is refused before it is decoded.
-    if len(value) > (max_bytes + 2) // 3 * 4:
-        raise RequestError(f"{PARAM}: the payload is over the limit of {max_bytes} bytes "
-                           "(--max-prompt-embeds-bytes)", param=PARAM)
-    try:
-        if len(value) > _DECODE_IN_THREAD_CHARS:
-            payload = await asyncio.to_thread(pybase64.b64decode, value, validate=True)
-        else:
-            payload = pybase64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RequestError(f"{PARAM}: not valid base64: {exc}", param=PARAM) from None
-    if not payload:
-        raise RequestError(f"{PARAM}: is empty", param=PARAM)
-    return payload
+    return await decode_base64(value, max_bytes=max_bytes, where=PARAM, what="the payload",
+                               flag="--max-prompt-embeds-bytes", param=PARAM)
