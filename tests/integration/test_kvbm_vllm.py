@@ -67,11 +67,17 @@ def kvbm(tmp_path_factory, model_dir):
 
 
 def cached_by_source(worker) -> dict[str, float]:
+    """vLLM's cached prompt tokens by source, and the tiers' own counters (`turbine_kvbm_*_total`,
+    counted in the model-runner process) as "family/tier", both from the worker's /metrics."""
     out: dict[str, float] = {}
-    for line in http_text(f"{worker.url}/metrics").splitlines():
+    text = http_text(f"{worker.url}/metrics")
+    for line in text.splitlines():
         if m := re.match(r'vllm:prompt_tokens_cached_by_source_total\{.*source="([a-z_]+)".*\} (\S+)', line):
             out[m[1]] = out.get(m[1], 0.0) + float(m[2])
-    out["external"] = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(f"{worker.url}/metrics").splitlines()
+        elif m := re.match(r'turbine_kvbm_([a-z_]+)_total\{(?:.*tier="([a-z]+)")?.*\} (\S+)', line):
+            key = f"{m[1]}/{m[2]}" if m[2] else m[1]
+            out[key] = out.get(key, 0.0) + float(m[3])
+    out["external"] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                           if line.startswith("vllm:external_prefix_cache_hits_total"))
     return out
 
@@ -82,7 +88,7 @@ def run(kvbm, tokens: list[int]) -> tuple[str, dict[str, float]]:
     r = kvbm["client"].completions.create(model=MODEL, prompt=tokens, max_tokens=4, temperature=0)
     # Counted at admission: that step's stats reached /metrics steps before the request's last token.
     after = cached_by_source(kvbm["worker"])
-    return r.choices[0].text, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return r.choices[0].text, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after | before}
 
 
 def block_files(kvbm, tokens: list[int]) -> list[str]:
@@ -97,6 +103,12 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     assert counted["external"] == 0
     # Offloaded as computed, each block under the router's hash of it.
     assert all(os.path.exists(f) for f in block_files(kvbm, a))
+    # ... and counted on the worker's /metrics (from the model-runner process, through vLLM's connector stats).
+    assert counted["blocks_stored/host"] == FULL and counted["blocks_stored/disk"] == FULL, counted
+    assert counted["bytes_written/disk"] == FULL * BLOCK_BYTES and counted.get("hits/host", 0) == 0
+    disk_used = [float(line.rsplit(" ", 1)[1]) for line in http_text(f"{kvbm['worker'].url}/metrics").splitlines()
+                 if line.startswith("turbine_kvbm_tier_used_bytes{") and 'tier="disk"' in line]
+    assert disk_used and disk_used[0] >= FULL * BLOCK_BYTES
 
     # Host tier: B takes A's last full block's engine slot; all of A is still in host memory.
     run(kvbm, prompt(2))
@@ -104,6 +116,8 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     assert text == fresh
     assert counted["device"] == 2 * BLOCK and counted["host"] == BLOCK, counted
     assert counted["external"] == BLOCK and counted["disk"] == 0
+    assert counted["hits/host"] == 1 and counted["bytes_read/host"] == BLOCK_BYTES, counted  # onboarded
+    assert counted.get("hits/disk", 0) == 0
 
     # Disk tier: C and D push A out of the engine and out of the host tier (least recently used).
     run(kvbm, prompt(3))
@@ -112,6 +126,8 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     assert text == fresh
     assert counted["disk"] == FULL * BLOCK and counted["external"] == FULL * BLOCK, counted
     assert counted["device"] == 0 and counted["host"] == 0
+    assert counted["hits/disk"] == FULL and counted["bytes_read/disk"] == FULL * BLOCK_BYTES, counted
+    assert counted["blocks_stored/host"] >= FULL  # promoted into the host tier as they were read
 
     # A corrupt block file: E and F push A out again; A's block 1 gets one payload byte flipped.
     run(kvbm, prompt(5))
@@ -125,6 +141,7 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     text, counted = run(kvbm, a)
     assert counted["disk"] == FULL * BLOCK, counted  # planned from disk; block 1 fails its checksum on read
     assert text == fresh  # blocks 1 and 2 recomputed: the damaged block never reached the engine
+    assert counted["corrupt_blocks/disk"] == 1 and counted["hits/disk"] == 1, counted  # block 0 only
     # The bad file was dropped and the recomputed block written again, whole.
     with open(bad, "rb") as f:
         assert decode(f.read(), block_hashes(a[:2 * BLOCK], BLOCK)[1]).num_tokens == BLOCK

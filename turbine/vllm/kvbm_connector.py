@@ -20,6 +20,8 @@ the engine's blocks before the forward pass instead of recomputing them.
   worker's tier events (KVConnectorWorkerMetadata → update_connector_output). The mirror is exact as
   of the last step; a block evicted since is a failed load, hence recomputed, never a wrong one.
   Tensor, pipeline and data parallelism are refused for now (one worker process per store).
+- The store's `turbine_kvbm_*` metrics reach the worker's /metrics by vLLM's connector-stats path
+  (`get_kv_connector_stats` → SchedulerStats → `build_prom_metrics`): turbine.vllm.kvbm_stats.
 
 The CPU attention backend's per-layer cache is `[num_blocks, num_kv_heads, block_size, 2*head]`
 (block-major), so one block of one layer is `kv_cache[block_id]`; a block's payload in the store is
@@ -45,6 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from turbine.kvbm import Block, DiskStore, HostStore, TieredStore
 from turbine.router.hashing import block_hashes
+from turbine.vllm.kvbm_stats import KvbmPromMetrics, KvbmStats, StatsSource
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -133,6 +136,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._in_flight: dict[str, dict[int, int]] = {}
         # worker side
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
+        self._stats = StatsSource(self.store.metrics) if self.store is not None else None
         self._layers: list[torch.Tensor] = []
         self._block_nbytes = 0
         self._load_errors: set[int] = set()
@@ -308,3 +312,15 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    # ======== metrics: worker half -> engine core -> the Turbine worker's /metrics (kvbm_stats) ========
+    def get_kv_connector_stats(self) -> KvbmStats | None:
+        return self._stats.take() if self._stats is not None else None  # the scheduler half counts nothing
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvbmStats:
+        return KvbmStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvbmPromMetrics:
+        return KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
