@@ -128,6 +128,7 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     assert counted["device"] == 0 and counted["host"] == 0
     assert counted["hits/disk"] == FULL and counted["bytes_read/disk"] == FULL * BLOCK_BYTES, counted
     assert counted["blocks_stored/host"] >= FULL  # promoted into the host tier as they were read
+    assert counted["read_seconds/disk"] > 0 and counted["write_seconds/host"] > 0  # transfer time, per tier
 
     # A corrupt block file: E and F push A out again; A's block 1 gets one payload byte flipped.
     run(kvbm, prompt(5))

@@ -21,6 +21,9 @@ SPECS: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
     ("corrupt", Counter, "turbine_kvbm_corrupt_blocks", "block files that failed their check on read and "
      "were dropped", ("tier",)),
     ("write_errors", Counter, "turbine_kvbm_write_errors", "writes a tier's filesystem refused", ("tier",)),
+    ("write_seconds", Counter, "turbine_kvbm_write_seconds", "time spent writing blocks to a tier", ("tier",)),
+    ("read_seconds", Counter, "turbine_kvbm_read_seconds", "time spent reading blocks from a tier (hits, misses "
+     "and failed checks)", ("tier",)),
     ("tier_disabled", Gauge, "turbine_kvbm_tier_disabled", "1 when a tier stopped writing (a full disk)",
      ("tier",)),
     ("used_bytes", Gauge, "turbine_kvbm_tier_used_bytes", "bytes a tier holds (the shared tier: an estimate)",
@@ -37,6 +40,8 @@ class KvbmMetrics:
     bytes_read: Counter
     corrupt: Counter
     write_errors: Counter
+    write_seconds: Counter
+    read_seconds: Counter
     tier_disabled: Gauge
     used_bytes: Gauge
 

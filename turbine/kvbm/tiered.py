@@ -15,6 +15,7 @@ blocks other workers evict from it are noticed when a lookup misses them.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,7 +69,12 @@ class TieredStore:
         return [t.name for t in self.tiers if self._put_one(t, block)]
 
     def _put_one(self, tier: BlockStore, block: Block) -> bool:
-        if not tier.writable or not tier.put(block):
+        if not tier.writable:
+            return False
+        start = time.perf_counter()
+        written = tier.put(block)
+        self.metrics.write_seconds.labels(tier.name).inc(time.perf_counter() - start)
+        if not written:
             return False
         if self._gained(tier.name, block.block_hash, block.parent_hash):
             self.metrics.stored.labels(tier.name).inc()
@@ -104,7 +110,9 @@ class TieredStore:
     def get(self, block_hash: int) -> tuple[Block, str] | None:
         """The block and the tier that served it, promoted into the faster tiers; None: no tier has it."""
         for i, tier in enumerate(self.tiers):
+            start = time.perf_counter()
             block = tier.get(block_hash)
+            self.metrics.read_seconds.labels(tier.name).inc(time.perf_counter() - start)
             if block is None:
                 # Gone without this process seeing it go (another worker evicted it from the shared tier).
                 self._tier_dropped(tier.name, block_hash)

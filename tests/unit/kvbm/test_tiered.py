@@ -28,6 +28,11 @@ def test_write_through_every_tier(tmp_path):
     for t in ("host", "disk", "shared"):
         assert sample(s, "turbine_kvbm_blocks_stored_total", t) == 1
         assert sample(s, "turbine_kvbm_bytes_written_total", t) == 100
+        assert sample(s, "turbine_kvbm_write_seconds_total", t) > 0  # timed, each tier on its own
+    assert sample(s, "turbine_kvbm_read_seconds_total", "host") == 0
+    s.get(1)
+    assert sample(s, "turbine_kvbm_read_seconds_total", "host") > 0
+    assert sample(s, "turbine_kvbm_read_seconds_total", "disk") == 0  # served by the host tier: not read
 
 
 def test_lookup_fastest_first_and_promotion(tmp_path):
