@@ -73,6 +73,8 @@ class Handlers:
                                  param="structured_outputs")
         if req.prompt_embeds is not None:  # its card says so too (accepts_prompt_embeds is false)
             raise InvalidRequest("prompt_embeds: the mocker does not take prompt embeddings")
+        if req.images:  # its card says so too (multimodal is false)
+            raise InvalidRequest("images: the mocker takes no images", param="images")
         if req.sampling.logit_bias:
             raise InvalidRequest("logit_bias: the mocker does not simulate logits")
         if req.output.prompt_logprobs is not None:

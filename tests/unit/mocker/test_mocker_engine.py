@@ -19,6 +19,7 @@ from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import (
     ClearKvBlocksRequest,
     GenerateRequest,
+    ImageInput,
     OutputOptions,
     SamplingOptions,
     StopConditions,
@@ -168,6 +169,9 @@ async def test_invalid_requests_raise_a_typed_error():
                            (request(max_tokens=2, min_tokens=3), "min_tokens"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[], prompt_embeds=b"PK"),
                             "prompt_embeds: the mocker does not take prompt embeddings"),
+                           (GenerateRequest(request_id="r", model="m", token_ids=[5],
+                                            images=[ImageInput(data=b"\x89PNG", hash="0" * 64)]),
+                            "images: the mocker takes no images"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5],
                                             sampling=SamplingOptions(logit_bias={5: 1.0})), "logit_bias"),
                            (GenerateRequest(request_id="r", model="m", token_ids=[5],
