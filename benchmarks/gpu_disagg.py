@@ -76,12 +76,14 @@ def post_json(url: str, body: dict, timeout: float = 600.0):
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Prometheus text → {'name{labels}': value} (no parsing beyond that)."""
+    """Prometheus text → {'name{labels}': value} (no parsing beyond that). A failed scrape is logged
+    and raises: an empty answer must not read as "no transfers"."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=30) as r:
             text = r.read().decode()
-    except Exception:
-        return {}
+    except Exception as exc:
+        log(f"scrape {url} failed: {type(exc).__name__}: {exc}")
+        raise
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -166,10 +168,37 @@ def start(a, run_dir: Path, setup: str, *, parity: bool) -> tuple[Stack, float]:
         st.frontend(*a.frontend_args.split())
         return st, st.wait(decode=len(gpus), prefill=0)
     st.worker("prefill", 0, "--disaggregation-mode", "prefill", "--connector", "nixl")
-    st.worker("decode", 1 if a.gpus > 1 else 0, "--disaggregation-mode", "decode", "--connector", "nixl")
+    st.worker("decode", 1 if a.gpus > 1 else 0, "--disaggregation-mode", "decode", *decode_connector(a, parity))
     fe = ["--max-local-prefill-length", "0"] if parity else []
     st.frontend(*fe, *a.frontend_args.split())
     return st, st.wait(decode=1, prefill=1)
+
+
+def decode_connector(a, parity: bool) -> list[str]:
+    """The decode worker's connector. Turbine's default load-failure policy on a decode worker is
+    `recompute` (a KV pull that fails is computed locally: the request survives), which would make a
+    broken transfer invisible to a parity check; with --strict-kv the parity run gives vLLM's own
+    --kv-transfer-config with the policy `fail` instead, so a failed pull fails the request."""
+    if not (parity and a.strict_kv):
+        return ["--connector", "nixl"]
+    from turbine.vllm.connectors import kv_transfer_config
+
+    cfg = kv_transfer_config(["nixl"], buffer_device=a.kv_buffer_device, decode=True)
+    cfg["kv_load_failure_policy"] = "fail"
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+LOG_MARKERS = ("nixl", "ucx", "kv_transfer", "kv transfer", "error", "warning", "failed")
+
+
+def log_lines(st: "Stack", limit: int = 60) -> dict[str, list[str]]:
+    """Each process's log lines that mention the KV transfer or a problem (the logs stay on the host)."""
+    out = {}
+    for name, _ in st.procs.procs:
+        path = st.procs.run_dir / f"{name}.log"
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if any(m in ln.lower() for m in LOG_MARKERS)]
+        out[name] = lines[-limit:]
+    return out
 
 
 # --------------------------------------------------------------------------- parity
@@ -196,9 +225,18 @@ def run_parity(a, run_dir: Path, doc: dict) -> None:
                 res["decode_worker_prompt_tokens_by_source"] = {
                     k: v for k, v in wm.items() if k.startswith("vllm:prompt_tokens_by_source_total")
                     or k.startswith("vllm:prompt_tokens_cached_by_source_total")}
-                res["decode_worker_nixl"] = {k: v for k, v in wm.items() if "nixl" in k.lower()}
+                res["decode_worker_nixl"] = {k: v for k, v in wm.items() if "nixl" in k.lower()
+                                             and ("_count" in k or "_sum" in k or "_total" in k)}
+                res["kv_transferred_tokens"] = metric_sum(wm, "vllm:prompt_tokens_by_source_total",
+                                                          source="external_kv_transfer")
+                res["nixl_transfers"] = metric_sum(wm, "vllm:nixl_xfer_time_seconds_count")
+                res["nixl_failed_transfers"] = metric_sum(wm, "vllm:nixl_num_failed_transfers_total")
+                res["strict_kv"] = a.strict_kv
+            res["logs"] = log_lines(st)
             doc["setups"][setup] = res
-            log(f"{setup}: {[x['usage']['completion_tokens'] for x in answers]} tokens, prefills {res['prefills']}")
+            log(f"{setup}: {[x['usage']['completion_tokens'] for x in answers]} tokens, prefills {res['prefills']}, "
+                f"KV tokens pulled {res.get('kv_transferred_tokens')}, NIXL transfers {res.get('nixl_transfers')} "
+                f"(failed {res.get('nixl_failed_transfers')})")
         finally:
             st.stop()
     if "agg" in doc["setups"] and "disagg" in doc["setups"]:
@@ -302,11 +340,20 @@ def run_load(a, run_dir: Path, doc: dict) -> None:
             after = st.frontend_metrics()
             res = summarize(recs)
             res["start_s"] = round(took, 1)
+            if setup == "disagg":
+                wm = st.worker_metrics("decode")
+                res["kv_transferred_tokens"] = metric_sum(wm, "vllm:prompt_tokens_by_source_total",
+                                                          source="external_kv_transfer")
+                res["decode_local_compute_tokens"] = metric_sum(wm, "vllm:prompt_tokens_by_source_total",
+                                                                source="local_compute")
+                res["nixl_transfers"] = metric_sum(wm, "vllm:nixl_xfer_time_seconds_count")
+                res["nixl_failed_transfers"] = metric_sum(wm, "vllm:nixl_num_failed_transfers_total")
+                res["logs"] = log_lines(st)
             res["prefills"] = {w: metric_sum(after, "turbine_frontend_prefills_total", where=w)
                                - metric_sum(before, "turbine_frontend_prefills_total", where=w)
                                for w in ("remote", "local", "local_fallback")}
             doc["setups"].setdefault(setup, []).append(res)
-            log(f"{setup}: {json.dumps(res)}")
+            log(f"{setup}: {json.dumps({k: v for k, v in res.items() if k != 'logs'})}")
         finally:
             st.stop()
 
@@ -330,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     par = sub.choices["parity"]
     par.add_argument("--max-tokens", type=int, default=64)
     par.add_argument("--long-repeats", type=int, default=30, help="the long chat's paragraph count (~45 tokens each)")
+    par.add_argument("--strict-kv", action=argparse.BooleanOptionalAction, default=True,
+                     help="the decode worker fails a request whose KV pull fails instead of recomputing it")
+    par.add_argument("--kv-buffer-device", default="cuda", help="where the KV buffer lives (cpu on a CPU host)")
     ld = sub.choices["load"]
     ld.add_argument("--agg-workers", type=int, default=2)
     ld.add_argument("--rate", type=float, default=16.0, help="requests/s")
