@@ -11,6 +11,7 @@ table says which release has which:
 |---|---|---|
 | client errors (4xx) | `ValueError` subclasses (`VLLMValidationError`, ...) | `VLLMClientError` |
 | densify a caller's sparse prompt embeddings within a memory budget | (none: done here) | `safe_to_dense` |
+| requests the engine still holds | `output_processor.get_num_unfinished_requests()` | also `AsyncLLM.get_num_unfinished_requests()` |
 
 Checked the same in both (source of 0.26.0 against 0.32.0): the KV event structs the relay reads
 (`vllm.distributed.kv_events`, decoded by the installed vLLM's own types, so their field order may
@@ -18,8 +19,9 @@ differ), the stat-logger `record` signature, `AsyncLLM.sleep` / `wake_up` / `res
 `wake_up` returns whether it is fully awake, 0.26's returns None: `turbine.vllm.sleep` uses neither),
 `ChatParams` and `render_messages_async`, `KVTransferConfig.kv_load_failure_policy`, and the NIXL
 glue's `base_worker.nixl_agent_config` and `NixlConnector`. On a GPU, the worker (relay, load reports,
-handlers) served with 0.26.0 (benchmarks/RESULTS.md, "Serving speed on one H100"); its NIXL path there
-has not run yet.
+handlers) served with 0.26.0 (benchmarks/RESULTS.md, "Serving speed on one H100"); its NIXL path ran
+there between two H100s (greedy parity; that the KV moved over NIXL is still to be shown), and its
+status port's /metrics failed there on the missing `get_num_unfinished_requests` (bridged below).
 
 A release outside KNOWN_RELEASES is not refused (newer ones usually keep these names), but the
 worker says at start that it was not tested on it.
@@ -87,6 +89,12 @@ def dense_within_budget(tensor: object, *, parameter: str, max_bytes: int | None
                                   f"{dense_bytes} bytes once densified, over the {max_bytes} byte limit "
                                   f"(VLLM_MAX_EMBED_DECODE_BYTES)", parameter=parameter)
     return tensor.to_dense()
+
+
+def unfinished_requests(engine) -> int:
+    """Requests an AsyncLLM still holds. 0.32 has `AsyncLLM.get_num_unfinished_requests()`, 0.26 has
+    not (on an H100 the worker's /metrics failed on it); both count them in the output processor."""
+    return engine.output_processor.get_num_unfinished_requests()
 
 
 try:

@@ -24,7 +24,7 @@ from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import engine_canary
-from turbine.vllm.compat import unknown_release_warning
+from turbine.vllm.compat import unfinished_requests, unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers, pooling_canary
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
@@ -152,7 +152,7 @@ class VllmEngine:
 
     def refresh_gauges(self) -> None:
         if self.engine is not None:
-            self.metrics.engine_unfinished.set(self.engine.get_num_unfinished_requests())
+            self.metrics.engine_unfinished.set(unfinished_requests(self.engine))
 
     def serving(self) -> None:
         log.info("worker %s serving %r at %s", self.instance_id, self.cfg.served_model_name, self._server.address)

@@ -65,3 +65,29 @@ def test_loader_uses_the_bridge():
     torch.save(_sparse((1 << 15, 1 << 15)), buf)
     with pytest.raises(InvalidRequest, match="prompt_embeds: .*limit"):
         load_prompt_embeds(buf.getvalue(), hidden_size=8, dtype=torch.float32, max_model_len=64)
+
+
+def test_unfinished_requests_without_the_0_32_method():
+    """vLLM 0.26's AsyncLLM has no get_num_unfinished_requests (the worker's /metrics failed on an H100);
+    the count comes from the output processor, which both releases have."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    class Engine026:  # what 0.26's AsyncLLM offers for this: the output processor only
+        def __init__(self, n: int):
+            self.output_processor = type("P", (), {"get_num_unfinished_requests": lambda _self: n})()
+
+    assert compat.unfinished_requests(Engine026(3)) == 3
+    assert hasattr(OutputProcessor, "get_num_unfinished_requests")  # the installed 0.32 has it too
+
+
+def test_the_worker_reads_unfinished_requests_through_compat():
+    from turbine.vllm.worker import VllmEngine
+
+    worker = VllmEngine.__new__(VllmEngine)
+    worker.engine = type("Engine026", (), {})()
+    worker.engine.output_processor = type("P", (), {"get_num_unfinished_requests": lambda _self: 5})()
+    worker.metrics = type("M", (), {})()
+    seen = []
+    worker.metrics.engine_unfinished = type("G", (), {"set": lambda _self, v: seen.append(v)})()
+    worker.refresh_gauges()
+    assert seen == [5]
