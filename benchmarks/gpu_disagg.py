@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -210,9 +211,14 @@ def run_parity(a, run_dir: Path, doc: dict) -> None:
             before = st.frontend_metrics()
             answers = []
             for p in prompts:
-                r = post_json(f"{st.base}/v1/chat/completions",
-                              {"model": SERVED, "messages": [{"role": "user", "content": p}],
-                               "max_tokens": a.max_tokens, "temperature": 0.0})
+                try:
+                    r = post_json(f"{st.base}/v1/chat/completions",
+                                  {"model": SERVED, "messages": [{"role": "user", "content": p}],
+                                   "max_tokens": a.max_tokens, "temperature": 0.0})
+                except urllib.error.HTTPError as exc:  # a failed request is a result (strict KV: a failed pull)
+                    answers.append({"text": None, "error": f"HTTP {exc.code}: {exc.read()[:300]!r}",
+                                    "usage": {"completion_tokens": None, "prompt_tokens": None}})
+                    continue
                 answers.append({"text": r["choices"][0]["message"]["content"], "usage": r["usage"],
                                 "finish_reason": r["choices"][0]["finish_reason"]})
             after = st.frontend_metrics()
@@ -241,7 +247,7 @@ def run_parity(a, run_dir: Path, doc: dict) -> None:
             st.stop()
     if "agg" in doc["setups"] and "disagg" in doc["setups"]:
         ag, dg = doc["setups"]["agg"]["answers"], doc["setups"]["disagg"]["answers"]
-        same = [x["text"] == y["text"] for x, y in zip(ag, dg)]
+        same = [x["text"] is not None and x["text"] == y["text"] for x, y in zip(ag, dg)]
         doc["identical"] = f"{sum(same)}/{len(same)}"
         doc["prompt_tokens"] = [x["usage"]["prompt_tokens"] for x in ag]
         log(f"disaggregated text identical to aggregated: {doc['identical']}")
