@@ -20,6 +20,8 @@ SPECS: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
     ("bytes_read", Counter, "turbine_kvbm_bytes_read", "payload bytes read from a tier", ("tier",)),
     ("corrupt", Counter, "turbine_kvbm_corrupt_blocks", "block files that failed their check on read and "
      "were dropped", ("tier",)),
+    ("filtered", Counter, "turbine_kvbm_writes_filtered", "blocks a tier's frequency filter kept out (used "
+     "fewer times than its minimum, --kv-disk-min-uses)", ("tier",)),
     ("write_errors", Counter, "turbine_kvbm_write_errors", "writes a tier's filesystem refused", ("tier",)),
     ("write_seconds", Counter, "turbine_kvbm_write_seconds", "time spent writing blocks to a tier", ("tier",)),
     ("read_seconds", Counter, "turbine_kvbm_read_seconds", "time spent reading blocks from a tier (hits, misses "
@@ -39,6 +41,7 @@ class KvbmMetrics:
     bytes_written: Counter
     bytes_read: Counter
     corrupt: Counter
+    filtered: Counter
     write_errors: Counter
     write_seconds: Counter
     read_seconds: Counter

@@ -10,12 +10,18 @@ Two event streams, both taken by polling (like vLLM's connector `take_events`):
   is gone from all of them; each names the tier that caused it. This is what the router follows.
 The shared tier's blocks written by other workers appear here when a lookup first finds them;
 blocks other workers evict from it are noticed when a lookup misses them.
+
+Frequency filter (`min_uses`, per tier; the seeds' "offload to disk only what is reused"): a tier
+with min_uses N takes a block only once the block has been used N times, a use being a put (the
+engine computed it) or a hit in any tier. A block that reaches N on a hit is then written to the
+filtered tiers that lack it. Uses are counted for the most recent USES_TRACKED hashes only.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +30,8 @@ from turbine.kvbm.metrics import KvbmMetrics
 from turbine.kvbm.store import BlockStore
 
 Kind = Literal["stored", "removed"]
+
+USES_TRACKED = 1 << 18  # hashes whose use count is kept (least recently used forgotten): a few MB
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +52,19 @@ class BlockEvent:
 
 
 class TieredStore:
-    def __init__(self, tiers: list[BlockStore], metrics: KvbmMetrics | None = None):
+    def __init__(self, tiers: list[BlockStore], metrics: KvbmMetrics | None = None,
+                 min_uses: dict[str, int] | None = None):
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
+        for name, n in (min_uses or {}).items():
+            if name not in names or n < 1:
+                raise ValueError(f"min_uses: {name}={n} (a tier of {names}, at least 1)")
         self.tiers = list(tiers)
+        self.min_uses = {name: n for name, n in (min_uses or {}).items() if n > 1}
+        self._uses: OrderedDict[int, int] = OrderedDict()  # block hash -> uses (puts and hits), bounded
         self.metrics = metrics or KvbmMetrics()
         self._where: dict[int, set[str]] = {}  # block hash -> the tiers holding it, as this process knows
         self._lock = threading.Lock()
@@ -65,8 +79,28 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------------
     def put(self, block: Block) -> list[str]:
-        """Writes through every tier that takes writes; returns the tiers that now hold it."""
-        return [t.name for t in self.tiers if self._put_one(t, block)]
+        """Writes through every tier that takes writes (and whose frequency filter lets the block in);
+        returns the tiers that now hold it."""
+        uses = self._used(block.block_hash)
+        return [t.name for t in self.tiers if self._admitted(t, uses) and self._put_one(t, block)]
+
+    def _used(self, block_hash: int) -> int:
+        """Counts one use of the block; returns its uses so far (1 when not tracked, or no filter)."""
+        if not self.min_uses:
+            return 1
+        with self._lock:
+            n = self._uses.pop(block_hash, 0) + 1
+            self._uses[block_hash] = n
+            if len(self._uses) > USES_TRACKED:
+                self._uses.popitem(last=False)
+        return n
+
+    def _admitted(self, tier: BlockStore, uses: int) -> bool:
+        need = self.min_uses.get(tier.name, 1)
+        if uses < need:
+            self.metrics.filtered.labels(tier.name).inc()
+            return False
+        return True
 
     def _put_one(self, tier: BlockStore, block: Block) -> bool:
         if not tier.writable:
@@ -121,8 +155,15 @@ class TieredStore:
             self.metrics.bytes_read.labels(tier.name).inc(block.nbytes)
             if self._gained(tier.name, block_hash, block.parent_hash):
                 self.metrics.stored.labels(tier.name).inc()  # another worker's, found in the shared tier
+            uses = self._used(block_hash)
             for faster in self.tiers[:i]:
-                self._put_one(faster, block)
+                if self._admitted(faster, uses):
+                    self._put_one(faster, block)
+            for slower in self.tiers[i + 1:]:
+                # A filtered tier takes the block once it has been used often enough.
+                if (uses >= self.min_uses.get(slower.name, 1) > 1
+                        and slower.name not in self.tiers_of(block_hash)):
+                    self._put_one(slower, block)
             return block, tier.name
         self.metrics.misses.inc()
         return None

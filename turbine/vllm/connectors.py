@@ -25,10 +25,11 @@ class ConnectorError(ValueError):
 
 @dataclass(frozen=True)
 class KvbmTiers:
-    """--kv-host-cache-gb, --kv-disk-cache-gb, --kv-disk-cache-dir (GiB: 2**30 bytes)."""
+    """--kv-host-cache-gb, --kv-disk-cache-gb, --kv-disk-cache-dir (GiB: 2**30 bytes), --kv-disk-min-uses."""
     host_gb: float | None = None
     disk_gb: float | None = None
     disk_dir: str | None = None
+    disk_min_uses: int | None = None  # the disk tier's frequency filter (None: every block is written)
 
 
 GIB = 1 << 30
@@ -37,7 +38,8 @@ GIB = 1 << 30
 def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
     """The tier flags are only for --connector kvbm, and each needs its partner."""
     given = [f for f, v in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb),
-                            ("--kv-disk-cache-dir", tiers.disk_dir)) if v is not None]
+                            ("--kv-disk-cache-dir", tiers.disk_dir), ("--kv-disk-min-uses", tiers.disk_min_uses))
+             if v is not None]
     if given and "kvbm" not in names:
         raise ConnectorError(f"{', '.join(given)}: the KV tiers need --connector kvbm")
     if "kvbm" not in names:
@@ -51,13 +53,24 @@ def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
     if (tiers.disk_gb is None) != (tiers.disk_dir is None):
         raise ConnectorError("--kv-disk-cache-gb and --kv-disk-cache-dir go together (the disk tier's size and "
                              "directory)")
+    if tiers.disk_min_uses is not None:
+        if tiers.disk_gb is None:
+            raise ConnectorError("--kv-disk-min-uses filters the disk tier: it needs --kv-disk-cache-gb and "
+                                 "--kv-disk-cache-dir")
+        if tiers.disk_min_uses < 1:
+            raise ConnectorError(f"--kv-disk-min-uses must be >= 1, got {tiers.disk_min_uses}")
     if tiers.host_gb is None and tiers.disk_gb is None:
         raise ConnectorError("--connector kvbm needs a tier: --kv-host-cache-gb and/or --kv-disk-cache-gb with "
                              "--kv-disk-cache-dir")
 
 
 def kvbm_config(tiers: KvbmTiers) -> dict:
-    from turbine.vllm.kvbm_connector import DISK_BYTES, DISK_DIR, HOST_BYTES  # vLLM imports it in the engine
+    from turbine.vllm.kvbm_connector import (  # vLLM imports it in the engine
+        DISK_BYTES,
+        DISK_DIR,
+        DISK_MIN_USES,
+        HOST_BYTES,
+    )
 
     extra = {}
     if tiers.host_gb is not None:
@@ -65,6 +78,8 @@ def kvbm_config(tiers: KvbmTiers) -> dict:
     if tiers.disk_gb is not None:
         extra[DISK_BYTES] = int(tiers.disk_gb * GIB)
         extra[DISK_DIR] = os.path.abspath(tiers.disk_dir)
+    if tiers.disk_min_uses is not None:
+        extra[DISK_MIN_USES] = tiers.disk_min_uses
     # A block that cannot be read back (evicted meanwhile, a corrupt file) is computed instead.
     return {"kv_connector": "TurbineKvbmConnector", "kv_connector_module_path": "turbine.vllm.kvbm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}

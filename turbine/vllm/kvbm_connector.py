@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("turbine.vllm.kvbm")
 
 # kv_connector_extra_config keys (set by turbine.vllm.connectors from the --kv-* flags)
-HOST_BYTES, DISK_BYTES, DISK_DIR = "host_bytes", "disk_bytes", "disk_dir"
+HOST_BYTES, DISK_BYTES, DISK_DIR, DISK_MIN_USES = "host_bytes", "disk_bytes", "disk_dir", "disk_min_uses"
 
 _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
@@ -79,7 +79,7 @@ def build_store(vllm_config) -> TieredStore:
         tiers.append(HostStore(int(extra[HOST_BYTES])))
     if extra.get(DISK_BYTES):
         tiers.append(DiskStore(os.path.join(extra[DISK_DIR], layout_key(vllm_config)), int(extra[DISK_BYTES])))
-    store = TieredStore(tiers)
+    store = TieredStore(tiers, min_uses={"disk": int(extra[DISK_MIN_USES])} if extra.get(DISK_MIN_USES) else None)
     adopted = store.adopt_held()
     log.info("kvbm tiers: %s; %d blocks found on disk", ", ".join(f"{t.name} {t.capacity_bytes} bytes"
                                                                       for t in tiers), adopted)

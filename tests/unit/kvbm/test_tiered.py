@@ -122,3 +122,35 @@ def test_blocks_a_disk_tier_held_at_start_are_adopted_with_events(tmp_path):
     assert again.take_tier_events() == [TierEvent("stored", "disk", 1), TierEvent("stored", "disk", 2)]
     again.remove(1)  # its removal is now reported
     assert again.take_events()[-1] == BlockEvent("removed", "disk", 1)
+
+
+def test_frequency_filter_writes_a_tier_only_blocks_used_often_enough(tmp_path):
+    s = TieredStore([HostStore(2 * 100), DiskStore(str(tmp_path / "d"), 100 * (100 + HEADER_SIZE))],
+                    min_uses={"disk": 2})
+    assert s.put(blk(1)) == ["host"]  # computed once: not worth a disk write yet
+    assert not s.tiers[1].contains(1) and sample(s, "turbine_kvbm_writes_filtered_total", "disk") == 1
+    assert s.get(1) == (blk(1), "host")  # its second use: now written to disk
+    assert s.tiers[1].contains(1) and s.tiers_of(1) == {"host", "disk"}
+    assert sample(s, "turbine_kvbm_bytes_written_total", "disk") == 100
+    # A block computed twice (it left every tier in between) is written on its second put.
+    s.put(blk(2))
+    s.put(blk(3))
+    s.put(blk(4))  # the host tier (2 blocks) dropped 2
+    assert s.locate(2) is None
+    assert s.put(blk(2)) == ["host", "disk"]
+    # Promotion from disk into the host tier is unfiltered; a block used once stays off disk.
+    s.clear_tier("host")
+    assert s.get(1) == (blk(1), "disk") and s.tiers[0].contains(1)
+    assert not s.tiers[1].contains(3) and not s.tiers[1].contains(4)
+
+
+def test_no_filter_writes_every_block_and_min_uses_is_checked(tmp_path):
+    s = TieredStore([HostStore(200), DiskStore(str(tmp_path / "d"), 10_000)], min_uses={"disk": 1})
+    assert s.put(blk(1)) == ["host", "disk"]
+    for bad in ({"disk": 0}, {"shared": 2}):
+        try:
+            TieredStore([HostStore(200)], min_uses=bad)
+        except ValueError as e:
+            assert "min_uses" in str(e)
+        else:
+            raise AssertionError(f"accepted {bad}")

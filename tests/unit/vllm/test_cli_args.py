@@ -85,6 +85,11 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
      "--kv-disk-cache-dir: the KV tiers need --connector kvbm"),
     (["--connector", "kvbm", "--kv-disk-cache-gb", "1"], "--kv-disk-cache-gb and --kv-disk-cache-dir go together"),
     (["--connector", "kvbm", "--kv-host-cache-gb", "0"], "--kv-host-cache-gb must be > 0"),
+    (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--kv-disk-min-uses", "2"],
+     "--kv-disk-min-uses filters the disk tier: it needs --kv-disk-cache-gb"),
+    (["--connector", "kvbm", "--kv-disk-cache-gb", "1", "--kv-disk-cache-dir", "/tmp/x", "--kv-disk-min-uses", "0"],
+     "--kv-disk-min-uses must be >= 1"),
+    (["--kv-disk-min-uses", "2"], "--kv-disk-min-uses: the KV tiers need --connector kvbm"),
     (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm cannot be combined"),
     (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--tensor-parallel-size", "2"], "--connector kvbm: not with"),
     (["--is-decode-worker", "--connector", "kvbm", "--kv-host-cache-gb", "1"],
@@ -133,6 +138,9 @@ def test_kvbm_connector_and_its_tiers(tmp_path):
     assert cfg.kv_connector_extra_config == {"host_bytes": 2**29, "disk_bytes": 2 * 2**30, "disk_dir": str(tmp_path)}
     host_only = parse_worker_args(["--connector", "kvbm", "--kv-host-cache-gb", "1"]).engine_args.kv_transfer_config
     assert host_only.kv_connector_extra_config == {"host_bytes": 2**30}
+    filtered = parse_worker_args(["--connector", "kvbm", "--kv-disk-cache-gb", "2", "--kv-disk-cache-dir", str(tmp_path),
+                                  "--kv-disk-min-uses", "2"]).engine_args.kv_transfer_config
+    assert filtered.kv_connector_extra_config["disk_min_uses"] == 2
 
 
 def test_several_connectors_become_vllms_multi_connector():
