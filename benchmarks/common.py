@@ -111,8 +111,8 @@ def _is_pytest(pid: int) -> bool:
     except OSError:
         return False
     argv = [x.decode(errors="replace") for x in argv if x]
-    if not argv:
-        return False
+    if not argv or os.path.basename(argv[0]) == "flock":
+        return False  # `flock LOCK pytest ...` waits for the engine lock (maybe ours): not running yet
     if os.path.basename(argv[0]).startswith(("pytest", "py.test")):
         return True
     if len(argv) > 1 and os.path.basename(argv[1]).startswith(("pytest", "py.test")):

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+r"""Multi-tier KV cache (issue #18) on a real vLLM CPU worker: returning conversations' TTFT and the
+run's throughput with no tiers vs `--connector kvbm` tiers, same run, alternating order, repeats.
+
+Each run starts, on a private file-discovery folder (benchmarks/common.py):
+  python -m turbine.vllm --model SmolLM2 --dtype float32 --enforce-eager --max-model-len L
+        --num-gpu-blocks-override N [mode's flags]          (VLLM_CPU_KVCACHE_SPACE=1)
+  python -m turbine.frontend --http-port P
+waits for the model, sends one sanity request, drives the workload from this process, scrapes the
+worker's /metrics (turbine_kvbm_* and vLLM's prefix-cache counters) and stops both. Every run
+starts with empty caches and an empty disk directory of its own.
+
+Modes (--modes, each a worker configuration):
+  none            no connector: the engine's own prefix cache only
+  host            --connector kvbm --kv-host-cache-gb --host-gb (sized to hold the whole working set)
+  host+disk       --connector kvbm --kv-host-cache-gb --small-host-gb --kv-disk-cache-gb --disk-gb
+                  --kv-disk-cache-dir RUN/disk-TAG (the host tier holds a fraction of the working set)
+  host+disk-minN  host+disk with --kv-disk-min-uses N (the disk tier's frequency filter)
+  small-host      --kv-host-cache-gb --small-host-gb alone (what host+disk adds its disk to)
+
+Workload (synthetic multi-turn chat as token ids through /v1/completions, so prompts are exact):
+--conversations conversations, each with its own --context-tokens tokens of history (random ids,
+seeded per conversation: no two conversations share a prefix); turn t's prompt is the context plus,
+for every earlier turn, --user-tokens user tokens and --answer-tokens tokens standing for the
+answer (fixed ids, not the model's output, so every turn's prompt extends the previous one), plus
+this turn's user tokens. --output-tokens tokens are generated (ignore_eos). Turn-major order: turn 1
+of every conversation, then turn 2 of every conversation, ... one request at a time (closed loop),
+so between two turns of a conversation every other conversation ran: with an engine cache of N
+blocks holding a few conversations, a returning conversation's history has always left the engine.
+
+Reported per mode (medians over repeats): TTFT p50/p99 of returning turns (turn >= 2) and of first
+turns, run throughput (requests/s and prompt tokens/s over the whole run), cache hit rate of
+returning turns (usage cached_tokens / prompt tokens), disk bytes written and tier hits (the
+worker's turbine_kvbm_* counters); ratios of `none` over each mode's returning-turn TTFT p50.
+
+  .venv/bin/python benchmarks/kv_tiers.py --repeats 2 --lock /tmp/turbine-engine.lock --out benchmarks/results/kv_tiers-$(date +%F).json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    REPO_ROOT, Stack, default_model, fmt, free_port, http_get_json, log, median, ratio, turbine_env, wait_quiet)
+from kv_routing_fleet import pct, scrape, stream_request  # noqa: E402
+
+SERVED = "smollm2-135m-instruct"
+VOCAB = 49152  # SmolLM2's
+BASE_MODES = ("none", "host", "host+disk", "small-host")
+
+
+def mode_flags(a, mode: str, disk_dir: Path) -> list[str]:
+    if mode == "none":
+        return []
+    if mode == "host":
+        return ["--connector", "kvbm", "--kv-host-cache-gb", str(a.host_gb)]
+    if mode == "small-host":
+        return ["--connector", "kvbm", "--kv-host-cache-gb", str(a.small_host_gb)]
+    if mode == "host+disk" or mode.startswith("host+disk-min"):
+        flags = ["--connector", "kvbm", "--kv-host-cache-gb", str(a.small_host_gb), "--kv-disk-cache-gb",
+                 str(a.disk_gb), "--kv-disk-cache-dir", str(disk_dir)]
+        if mode != "host+disk":
+            flags += ["--kv-disk-min-uses", mode.removeprefix("host+disk-min")]
+        return flags
+    raise SystemExit(f"--modes: unknown mode {mode!r} (none, host, small-host, host+disk, host+disk-minN)")
+
+
+# --------------------------------------------------------------------------- workload
+def conversations(a) -> list[list[dict]]:
+    """Per turn, the requests of every conversation in order: {conv, turn, prompt_ids}."""
+    def ids(seed: int, n: int) -> list[int]:
+        g = random.Random(seed)
+        return [g.randrange(1000, VOCAB) for _ in range(n)]
+
+    turns: list[list[dict]] = [[] for _ in range(a.turns)]
+    for c in range(a.conversations):
+        history = ids(a.seed * 1_000_003 + c, a.context_tokens)
+        for t in range(a.turns):
+            user = ids(a.seed * 1_000_003 + c * 1009 + t * 7 + 1, a.user_tokens)
+            prompt = history + user
+            turns[t].append({"conv": c, "turn": t + 1, "prompt_ids": prompt})
+            history = prompt + ids(a.seed * 1_000_003 + c * 1009 + t * 7 + 2, a.answer_tokens)
+    return turns
+
+
+async def drive(a, url: str) -> list[dict]:
+    import httpx
+    records = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
+        for turn in conversations(a):
+            for item in turn:
+                body = {"model": SERVED, "prompt": item["prompt_ids"], "max_tokens": a.output_tokens,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                rec = await stream_request(client, f"{url}/v1/completions", body, "completions")
+                rec.pop("text", None)
+                rec.update(conv=item["conv"], turn=item["turn"], prompt_len=len(item["prompt_ids"]))
+                records.append(rec)
+    return records
+
+
+# --------------------------------------------------------------------------- one run
+def worker_argv(a, port: int, flags: list[str]) -> list[str]:
+    return ["-m", "turbine.vllm", "--model", a.model, "--served-model-name", SERVED, "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", str(a.max_model_len), "--num-gpu-blocks-override",
+            str(a.engine_blocks), "--system-port", str(port), *flags]
+
+
+def kv_counters(samples) -> dict:
+    """turbine_kvbm_* and vLLM's prefix-cache counters, summed over other labels, keyed name{tier|source}."""
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name.endswith(("_created", "_bucket")):
+            continue
+        if name.startswith("turbine_kvbm_") or name.startswith(("vllm:prefix_cache", "vllm:external_prefix_cache",
+                                                                "vllm:prompt_tokens_cached")):
+            sub = labels.get("tier") or labels.get("source")
+            key = f"{name}{{{sub}}}" if sub else name
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def analyze(records: list[dict], wall_s: float) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    def ttfts(sel):
+        return [(r["t_first"] - r["t_send"]) * 1000 for r in sel]
+    returning = [r for r in ok if r["turn"] >= 2]
+    first = [r for r in ok if r["turn"] == 1]
+    rt, ft = ttfts(returning), ttfts(first)
+    prompt_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
+    ret_prompt = sum(r["prompt_tokens"] or 0 for r in returning)
+    ret_cached = sum(r["cached_tokens"] or 0 for r in returning)
+    return {
+        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "error_samples": [r["error"] for r in records if r["error"]][:3],
+        "returning_ttft_p50_ms": pct(rt, 50), "returning_ttft_p99_ms": pct(rt, 99),
+        "returning_ttft_mean_ms": statistics.fmean(rt) if rt else None,
+        "first_ttft_p50_ms": pct(ft, 50), "first_ttft_p99_ms": pct(ft, 99),
+        "returning_hit_rate": ret_cached / ret_prompt if ret_prompt else None,
+        "request_per_s": len(ok) / wall_s, "prompt_tok_s": prompt_tokens / wall_s, "wall_s": wall_s,
+        "prompt_tokens_mean": statistics.fmean(r["prompt_len"] for r in records) if records else None,
+        "per_turn_ttft_p50_ms": {t: pct(ttfts([r for r in ok if r["turn"] == t]), 50)
+                                 for t in sorted({r["turn"] for r in ok})},
+        "per_turn_hit_rate": {t: (sum(r["cached_tokens"] or 0 for r in ok if r["turn"] == t)
+                                  / max(1, sum(r["prompt_tokens"] or 0 for r in ok if r["turn"] == t)))
+                              for t in sorted({r["turn"] for r in ok})},
+    }
+
+
+def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
+    if not a.lock:
+        return _run_one(a, mode, rep, run_dir)
+    import fcntl
+    with open(a.lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one engine run at a time on a host shared with others
+        return _run_one(a, mode, rep, run_dir)
+
+
+def _run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
+    tag = f"r{rep}_{mode}"
+    wait_quiet()
+    disk_dir = run_dir / f"disk-{tag}"
+    st = Stack(mode, run_dir, tag)
+    disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
+    metrics_port = free_port()
+    argv = worker_argv(a, metrics_port, mode_flags(a, mode, disk_dir))
+    st.spawn("worker", [a.python, *argv], turbine_env(disc, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1"))
+    st.spawn("frontend", [a.python, "-m", "turbine.frontend", "--http-port", str(st.port)], turbine_env(disc))
+
+    def ready():
+        status, body = http_get_json(f"{st.base_url}/health")
+        return status == 200 and isinstance(body, dict) and (body.get("models") or {}).get(SERVED) == 1
+    try:
+        st.wait_ready(ready, a.startup_timeout)
+        st.sanity_check(SERVED)
+        before = kv_counters(scrape(f"http://127.0.0.1:{metrics_port}/metrics"))
+        t0 = time.monotonic()
+        records = asyncio.run(drive(a, st.base_url))
+        wall = time.monotonic() - t0
+        time.sleep(1.5)  # the connector's stats reach /metrics with the engine's next stats interval
+        after = kv_counters(scrape(f"http://127.0.0.1:{metrics_port}/metrics"))
+        died = [p.name for p in st.procs if not p.alive()]
+    except BaseException:
+        log(st.logs_tail(20))
+        raise
+    finally:
+        st.stop()
+    disk_bytes = sum(f.stat().st_size for f in disk_dir.rglob("*.kvb")) if disk_dir.exists() else 0
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    m = analyze(records, wall)
+    m.update({"repeat": rep, "mode": mode, "died": died, "worker_argv": argv, "disk_dir_bytes_at_end": disk_bytes,
+              "counters": {k: v - before.get(k, 0.0) for k, v in after.items()},
+              "logs": [str(p.log_path) for p in st.procs]})
+    c = m["counters"]
+    log(f"{tag}: {m['ok']}/{m['requests']} ok, returning TTFT p50 {fmt(m['returning_ttft_p50_ms'])} "
+        f"p99 {fmt(m['returning_ttft_p99_ms'])} ms, first-turn p50 {fmt(m['first_ttft_p50_ms'])} ms, "
+        f"returning hit {fmt((m['returning_hit_rate'] or 0) * 100)} %, {m['request_per_s']:.3f} req/s, "
+        f"disk written {c.get('turbine_kvbm_bytes_written_total{disk}', 0) / 2**20:.0f} MiB, "
+        f"hits host/disk {c.get('turbine_kvbm_hits_total{host}', 0):.0f}/{c.get('turbine_kvbm_hits_total{disk}', 0):.0f}, "
+        f"{wall:.0f}s")
+    if died or m["errors"]:
+        log(f"{tag}: errors {m['error_samples']} died {died}")
+    return m
+
+
+# --------------------------------------------------------------------------- summary
+KEYS = ("returning_ttft_p50_ms", "returning_ttft_p99_ms", "first_ttft_p50_ms", "first_ttft_p99_ms",
+        "returning_hit_rate", "request_per_s", "prompt_tok_s", "wall_s")
+COUNTERS = ("turbine_kvbm_bytes_written_total{disk}", "turbine_kvbm_bytes_written_total{host}",
+            "turbine_kvbm_hits_total{host}", "turbine_kvbm_hits_total{disk}", "turbine_kvbm_misses_total",
+            "turbine_kvbm_read_seconds_total{disk}", "turbine_kvbm_read_seconds_total{host}",
+            "turbine_kvbm_write_seconds_total{disk}", "turbine_kvbm_write_seconds_total{host}")
+
+
+def summarize(runs: list[dict], modes: list[str]) -> dict:
+    out = {}
+    for mode in modes:
+        rs = [r for r in runs if r["mode"] == mode]
+        s = {k: median([r[k] for r in rs if r.get(k) is not None]) for k in KEYS}
+        s.update({k: median([r["counters"].get(k, 0.0) for r in rs]) for k in COUNTERS})
+        s["repeats"] = len(rs)
+        s["per_repeat_returning_ttft_p50_ms"] = [r["returning_ttft_p50_ms"] for r in rs]
+        out[mode] = s
+    base = out.get("none")
+    if base:
+        for mode, s in out.items():
+            s["returning_ttft_p50_speedup_vs_none"] = ratio(base["returning_ttft_p50_ms"], s["returning_ttft_p50_ms"])
+            s["returning_ttft_p99_speedup_vs_none"] = ratio(base["returning_ttft_p99_ms"], s["returning_ttft_p99_ms"])
+            s["request_per_s_vs_none"] = ratio(s["request_per_s"], base["request_per_s"])
+    return out
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| mode | returning TTFT p50 ms | p99 ms | p50 speedup vs none | first-turn TTFT p50 ms | returning hit rate "
+             "| req/s (x none) | disk MiB written | host / disk hits (blocks) |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode, s in summary.items():
+        lines.append(
+            f"| {mode} | {fmt(s['returning_ttft_p50_ms'])} | {fmt(s['returning_ttft_p99_ms'])} | "
+            f"{fmt(s.get('returning_ttft_p50_speedup_vs_none'))}x | {fmt(s['first_ttft_p50_ms'])} | "
+            f"{fmt((s['returning_hit_rate'] or 0) * 100)} % | {fmt(s['request_per_s'])} "
+            f"({fmt(s.get('request_per_s_vs_none'))}x) | {s['turbine_kvbm_bytes_written_total{disk}'] / 2**20:.0f} | "
+            f"{s['turbine_kvbm_hits_total{host}']:.0f} / {s['turbine_kvbm_hits_total{disk}']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--python", default=str(REPO_ROOT / ".venv/bin/python"))
+    p.add_argument("--model", default=None, help="model folder (default: `turbine model prepare`'s SmolLM2)")
+    p.add_argument("--modes", default="none,host,host+disk", help="comma-separated; see the module doc")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=48)
+    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--output-tokens", type=int, default=4)
+    p.add_argument("--engine-blocks", type=int, default=24, help="--num-gpu-blocks-override (128-token blocks)")
+    p.add_argument("--max-model-len", type=int, default=1536)
+    p.add_argument("--host-gb", type=float, default=1.0, help="host tier of the `host` mode")
+    p.add_argument("--small-host-gb", type=float, default=0.125, help="host tier of host+disk and small-host")
+    p.add_argument("--disk-gb", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--run-dir", default=None, help="logs and disk tiers (default: a temp folder)")
+    p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--lock", default=os.environ.get("TURBINE_ENGINE_LOCK"),
+                   help="flock this file around each run (e.g. /tmp/turbine-engine.lock on a shared host)")
+    a = p.parse_args(argv)
+    a.model = a.model or default_model(a.python)
+    modes = [m for m in a.modes.split(",") if m]
+    run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="kv_tiers_"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for m in modes:
+        mode_flags(a, m, run_dir)  # refuse an unknown mode before starting anything
+    lens = [len(i["prompt_ids"]) for t in conversations(a) for i in t]
+    block_bytes = 30 * 3 * 128 * 128 * 4  # SmolLM2-135M float32, 128-token blocks (the CPU build's default)
+    working_blocks = sum((len(t[-1]["prompt_ids"]) + a.output_tokens) // 128 for t in zip(*conversations(a)))
+    describe = {"conversations": a.conversations, "turns": a.turns, "context_tokens": a.context_tokens,
+                "user_tokens": a.user_tokens, "answer_tokens": a.answer_tokens, "output_tokens": a.output_tokens,
+                "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "engine_blocks": a.engine_blocks,
+                "engine_usable_tokens": (a.engine_blocks - 1) * 128, "working_set_blocks": working_blocks,
+                "working_set_over_engine": working_blocks / (a.engine_blocks - 1),
+                "block_bytes": block_bytes, "host_gb": a.host_gb, "small_host_gb": a.small_host_gb,
+                "small_host_blocks": int(a.small_host_gb * 2**30 // block_bytes), "disk_gb": a.disk_gb}
+    log(f"workload: {json.dumps(describe)}")
+    runs = []
+    for rep in range(a.repeats):
+        order = modes if rep % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            runs.append(run_one(a, mode, rep, run_dir))
+    summary = summarize(runs, modes)
+    table = markdown(summary)
+    print(table)
+    result = {"benchmark": "kv_tiers", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "host": f"{platform.node()} {os.cpu_count()} cores (this 2-core AVX2 CPU host, shared with other helpers)",
+              "argv": sys.argv, "workload": describe, "modes": modes, "summary": summary, "table": table, "runs": runs}
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        log(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
