@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from turbine.flag_sources import env_int
 
-CONNECTORS = ("nixl", "lmcache", "kvbm", "none")
+CONNECTORS = ("nixl", "lmcache", "kvbm", "offload", "none")
+
+# vLLM's own CPU offloading (OffloadingConnector): named so that asking for it gets the reason, not "unknown".
+OFFLOAD_REFUSED = (
+    "--connector offload (vLLM's OffloadingConnector) is refused: it cannot run on the vLLM CPU build (its CPU "
+    "offloading spec copies between a CUDA or XPU device's KV cache and host memory; vllm/v1/kv_offload/cpu/spec.py "
+    "refuses other platforms: \"CPU Offloading is currently only supported on CUDA-alike and XPU GPUs\"), and "
+    "Turbine has not run it on a GPU (there, vLLM's own --kv-transfer-config reaches it). Use --connector kvbm "
+    "with --kv-host-cache-gb / --kv-disk-cache-gb")
 
 
 class ConnectorError(ValueError):
@@ -101,6 +109,8 @@ def _single(name: str, buffer_device: str, tiers: KvbmTiers | None = None) -> di
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if name == "kvbm":
         return kvbm_config(tiers or KvbmTiers())
+    if name == "offload":
+        raise ConnectorError(OFFLOAD_REFUSED)
     raise ConnectorError(f"--connector {name!r}: choose from {', '.join(CONNECTORS)}")
 
 

@@ -90,6 +90,7 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
     (["--connector", "kvbm", "--kv-disk-cache-gb", "1", "--kv-disk-cache-dir", "/tmp/x", "--kv-disk-min-uses", "0"],
      "--kv-disk-min-uses must be >= 1"),
     (["--kv-disk-min-uses", "2"], "--kv-disk-min-uses: the KV tiers need --connector kvbm"),
+    (["--connector", "offload"], "only supported on CUDA-alike and XPU GPUs"),
     (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm cannot be combined"),
     (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--tensor-parallel-size", "2"], "--connector kvbm: not with"),
     (["--is-decode-worker", "--connector", "kvbm", "--kv-host-cache-gb", "1"],
