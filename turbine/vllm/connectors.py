@@ -18,6 +18,13 @@ from turbine.flag_sources import env_int
 
 CONNECTORS = ("nixl", "lmcache", "kvbm", "offload", "none")
 
+# LMCache on the vLLM CPU build (read from lmcache 0.5.6, PyPI's latest; see benchmarks/RESULTS.md).
+LMCACHE_CPU_REFUSED = (
+    "--connector lmcache cannot run on the vLLM CPU build: LMCache (0.5.6) moves KV between the engine and its "
+    "cache through a per-device connector and has none for vLLM on the CPU (lmcache/v1/gpu_connector: \"No "
+    "supported cpu connector found\"); its package also requires CUDA ones (cupy-cuda13x, cuda-python) and its "
+    "cuda_ops links libcudart. Use --connector kvbm with --kv-host-cache-gb / --kv-disk-cache-gb")
+
 # vLLM's own CPU offloading (OffloadingConnector): named so that asking for it gets the reason, not "unknown".
 OFFLOAD_REFUSED = (
     "--connector offload (vLLM's OffloadingConnector) is refused: it cannot run on the vLLM CPU build (its CPU "
@@ -101,6 +108,8 @@ def _single(name: str, buffer_device: str, tiers: KvbmTiers | None = None) -> di
             cfg["kv_connector_module_path"] = "turbine.vllm.nixl_cpu"  # no busy progress thread
         return cfg
     if name == "lmcache":
+        if buffer_device == "cpu":
+            raise ConnectorError(LMCACHE_CPU_REFUSED)
         try:
             import lmcache  # noqa: F401
         except ImportError:

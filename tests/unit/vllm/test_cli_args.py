@@ -91,6 +91,7 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
      "--kv-disk-min-uses must be >= 1"),
     (["--kv-disk-min-uses", "2"], "--kv-disk-min-uses: the KV tiers need --connector kvbm"),
     (["--connector", "offload"], "only supported on CUDA-alike and XPU GPUs"),
+    (["--connector", "lmcache"], "--connector lmcache cannot run on the vLLM CPU build"),
     (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm cannot be combined"),
     (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--tensor-parallel-size", "2"], "--connector kvbm: not with"),
     (["--is-decode-worker", "--connector", "kvbm", "--kv-host-cache-gb", "1"],
@@ -145,9 +146,13 @@ def test_kvbm_connector_and_its_tiers(tmp_path):
 
 
 def test_several_connectors_become_vllms_multi_connector():
-    from turbine.vllm.connectors import kv_transfer_config, uses_nixl
+    from turbine.vllm.connectors import ConnectorError, kv_transfer_config, uses_nixl
 
     cfg = kv_transfer_config(["nixl"], buffer_device="cuda", decode=False)
+    # LMCache: refused on the CPU build whatever is installed; on a GPU it needs its package.
+    for device, why in (("cpu", "No supported cpu connector"), ("cuda", "not installed")):
+        with pytest.raises(ConnectorError, match=why):
+            kv_transfer_config(["lmcache"], buffer_device=device, decode=False)
     assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}
     multi = kv_transfer_config(["nixl", "nixl"], buffer_device="cpu", decode=True)
     assert multi["kv_connector"] == "MultiConnector"
