@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -160,16 +161,25 @@ def analyze(records: list[dict], wall_s: float) -> dict:
     }
 
 
-def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
-    if not a.lock:
-        return _run_one(a, mode, rep, run_dir)
+def run_repeat(a, modes: list[str], rep: int, run_dir: Path) -> list[dict]:
+    """One run of every mode (order reversed on odd repeats), holding --lock for the repeat
+    (--lock-scope repeat) or for every repeat (all)."""
+    order = modes if rep % 2 == 0 else list(reversed(modes))
+    if not a.lock or a.lock_scope == "all":
+        return [run_one(a, mode, rep, run_dir) for mode in order]
+    with engine_lock(a.lock):
+        return [run_one(a, mode, rep, run_dir) for mode in order]
+
+
+@contextlib.contextmanager
+def engine_lock(path: str):
     import fcntl
-    with open(a.lock, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one engine run at a time on a host shared with others
-        return _run_one(a, mode, rep, run_dir)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # engine runs one at a time on a host shared with others
+        yield
 
 
-def _run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
+def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
     tag = f"r{rep}_{mode}"
     wait_quiet()
     disk_dir = run_dir / f"disk-{tag}"
@@ -278,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None, help="logs and disk tiers (default: a temp folder)")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--lock", default=os.environ.get("TURBINE_ENGINE_LOCK"),
-                   help="flock this file around each run (e.g. /tmp/turbine-engine.lock on a shared host)")
+                   help="flock this file around the engine runs (e.g. /tmp/turbine-engine.lock on a shared host)")
+    p.add_argument("--lock-scope", choices=("repeat", "all"), default="repeat",
+                   help="hold --lock for each repeat or for the whole benchmark")
     a = p.parse_args(argv)
     a.model = a.model or default_model(a.python)
     modes = [m for m in a.modes.split(",") if m]
@@ -298,10 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                 "small_host_blocks": int(a.small_host_gb * 2**30 // block_bytes), "disk_gb": a.disk_gb}
     log(f"workload: {json.dumps(describe)}")
     runs = []
-    for rep in range(a.repeats):
-        order = modes if rep % 2 == 0 else list(reversed(modes))
-        for mode in order:
-            runs.append(run_one(a, mode, rep, run_dir))
+    with engine_lock(a.lock) if a.lock and a.lock_scope == "all" else contextlib.nullcontext():
+        for rep in range(a.repeats):
+            runs += run_repeat(a, modes, rep, run_dir)
     summary = summarize(runs, modes)
     table = markdown(summary)
     print(table)
