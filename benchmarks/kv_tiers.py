@@ -4,7 +4,8 @@ run's throughput with no tiers vs `--connector kvbm` tiers, same run, alternatin
 
 Each run starts, on a private file-discovery folder (benchmarks/common.py):
   python -m turbine.vllm --model SmolLM2 --dtype float32 --enforce-eager --max-model-len L
-        --num-gpu-blocks-override N [mode's flags]          (VLLM_CPU_KVCACHE_SPACE=1)
+        --num-gpu-blocks-override N [mode's flags]
+        (VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=--omp-bind: the same core(s) in every mode)
   python -m turbine.frontend --http-port P
 waits for the model, sends one sanity request, drives the workload from this process, scrapes the
 worker's /metrics (turbine_kvbm_* and vLLM's prefix-cache counters) and stops both. Every run
@@ -187,7 +188,12 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
     metrics_port = free_port()
     argv = worker_argv(a, metrics_port, mode_flags(a, mode, disk_dir))
-    st.spawn("worker", [a.python, *argv], turbine_env(disc, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1"))
+    worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if a.omp_bind != "auto":
+        # The same compute cores in every mode: left to itself, vLLM's CPU build reserves one more core when a
+        # KV connector is configured, which on a 2-core host means 2 OpenMP threads with kvbm and 1 without.
+        worker_env["VLLM_CPU_OMP_THREADS_BIND"] = a.omp_bind
+    st.spawn("worker", [a.python, *argv], turbine_env(disc, **worker_env))
     st.spawn("frontend", [a.python, "-m", "turbine.frontend", "--http-port", str(st.port)], turbine_env(disc))
 
     def ready():
@@ -284,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-host-gb", type=float, default=0.125, help="host tier of host+disk and small-host")
     p.add_argument("--disk-gb", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--omp-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for the worker in every mode "
+                   "('auto': vLLM's choice, which differs with and without a connector)")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--run-dir", default=None, help="logs and disk tiers (default: a temp folder)")
     p.add_argument("--out", default=None, help="JSON results file")
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     lens = [len(i["prompt_ids"]) for t in conversations(a) for i in t]
     block_bytes = 30 * 3 * 128 * 128 * 4  # SmolLM2-135M float32, 128-token blocks (the CPU build's default)
     working_blocks = sum((len(t[-1]["prompt_ids"]) + a.output_tokens) // 128 for t in zip(*conversations(a)))
-    describe = {"conversations": a.conversations, "turns": a.turns, "context_tokens": a.context_tokens,
+    describe = {"omp_bind": a.omp_bind, "conversations": a.conversations, "turns": a.turns, "context_tokens": a.context_tokens,
                 "user_tokens": a.user_tokens, "answer_tokens": a.answer_tokens, "output_tokens": a.output_tokens,
                 "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "engine_blocks": a.engine_blocks,
                 "engine_usable_tokens": (a.engine_blocks - 1) * 128, "working_set_blocks": working_blocks,
