@@ -7,7 +7,7 @@ frontend (`--router-mode kv`, `--migration-limit 3`), with the same arrivals:
 
 - `static-peak`: `--peak-workers` workers the whole run; `static-mean`: ceil(peak × mean/peak rate);
 - `planner-<predictor>`: the SLA planner (`python -m turbine.planner`, local connector) from
-  `--start-workers`, with that load predictor (needs turbine/planner/ to have the planner).
+  `--start-workers` (or the `--planner-config`'s `min_replicas`, when higher), with that load predictor (needs turbine/planner/ to have the planner).
 
 Requests: the trace's prompts scaled 512 -> `--tokens-per-id` tokens per hash id (the same tokens for
 the same id, so prefix reuse is kept), outputs min(trace, `--max-output`) tokens, streamed
@@ -239,10 +239,13 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
     mean_workers = math.ceil(a.peak_workers * mean_rate(a) / a.peak_rps)
     static = {"static-peak": a.peak_workers, "static-mean": mean_workers}.get(mode)
     try:
-        # Planner modes: --start-workers seed workers (the planner waits for a visible worker before
-        # it plans), which the planner's local connector adopts; it starts and stops the rest.
-        await conn.set_replicas({"agg": static or a.start_workers}, decision_id=0)
-        await wait_frontend(fleet.url, static or a.start_workers, 60 + a.startup_s / a.speedup * 2)
+        # Planner modes: seed workers, which the planner's local connector adopts (it starts and stops
+        # the rest): --start-workers, or the planner's minimum when higher. A fleet at its minimum is
+        # there before the load, as the static fleets are (else the load met one worker and the
+        # planner's bring-to-minimum start-up).
+        seed = static or max(a.start_workers, planner_minimum(a))
+        await conn.set_replicas({"agg": seed}, decision_id=0)
+        await wait_frontend(fleet.url, seed, 60 + a.startup_s / a.speedup * 2)
         if static is None:
             planner = start_planner(a, mode, fleet, run_dir)
             await wait_planner_healthy(run_dir / "planner.log", planner)
@@ -269,6 +272,18 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
     return summarize(a, mode, records, series, t_end, static)
 
 
+def planner_base_config(a) -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(a.planner_config).read_text()) if a.planner_config else {}
+
+
+def planner_minimum(a) -> int:
+    """The planner's fewest agg workers: the --planner-config's min_replicas (N or {agg: N}), else 1."""
+    given = planner_base_config(a).get("min_replicas", 1)
+    return int(given.get("agg", 1) if isinstance(given, dict) else given)
+
+
 def start_planner(a, mode: str, fleet: Fleet, run_dir: Path) -> subprocess.Popen:
     """The planner process (turbine/planner/) with the local connector on this fleet's discovery, and
     a profile of the simulated workers: the mocker profile's step-time coefficients at --speedup."""
@@ -282,10 +297,10 @@ def start_planner(a, mode: str, fleet: Fleet, run_dir: Path) -> subprocess.Popen
                "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "kv_tokens": blocks * block,
                           "context_length": a.max_model_len}, "timing": timing}
     (run_dir / "profile.json").write_text(json.dumps(profile, indent=1))
-    base = yaml.safe_load(Path(a.planner_config).read_text()) if a.planner_config else {}
+    base = planner_base_config(a)
     base.update(profile=str(run_dir / "profile.json"), mode="agg", ttft_ms=a.ttft_ms, itl_ms=a.itl_ms,
                 predictor=mode.removeprefix("planner-"), connector="local", frontend_url=fleet.url,
-                min_replicas={"agg": 1}, max_replicas={"agg": a.peak_workers},
+                min_replicas={"agg": planner_minimum(a)}, max_replicas={"agg": a.peak_workers},
                 connector_options={"roles": {"agg": {"engine": "mocker", "args": list(fleet.role.args)}},
                                    "log_dir": str(run_dir / "planner-workers"),
                                    "drain_timeout": fleet.connector_cfg.drain_timeout})

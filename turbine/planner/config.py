@@ -44,6 +44,8 @@ class PlannerConfig:
     # The throughput path sizes engines for this share of the targets: the model gives a mean latency,
     # requests scatter around it and the SLA counts each one, so 1 (plan at the targets) misses ~half.
     target_share: float = flag("--target-share", default=1.0)
+    # Square-root staffing: R + beta sqrt(R) engines for R engines' worth of predicted load (0: R).
+    sqrt_staffing: float = flag("--sqrt-staffing", default=0.0)
     # Expected worker start-up, s: the throughput path sizes for the load predicted until the workers
     # it starts now are ready. None: the start-ups observed (0 until one was).
     startup_s: float | None = flag("--startup-s", default=None)
@@ -76,6 +78,8 @@ class PlannerConfig:
               "must be >= 0 seconds (leave it out to use the start-ups observed)")
         check(self, 0 < self.scale_down_sensitivity <= 1, "scale_down_sensitivity", "must be in (0, 1]")
         check(self, 0 < self.target_share <= 1, "target_share", "must be in (0, 1]")
+        check(self, isinstance(self.sqrt_staffing, (int, float)) and math.isfinite(self.sqrt_staffing)
+              and self.sqrt_staffing >= 0, "sqrt_staffing", "must be >= 0 (0: no spare)")
         roles = ROLES_OF_MODE.get(self.mode, ())
         for name in ("min_replicas", "max_replicas"):
             counts = getattr(self, name)
@@ -172,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load-based scale-down only when every engine is under this share of the targets (0.8)")
     p.add_argument("--target-share", type=float,
                    help="the throughput path sizes engines for this share of the TTFT and ITL targets (default 1)")
+    p.add_argument("--sqrt-staffing", type=float, help="square-root staffing: the throughput path keeps "
+                   "R + BETA sqrt(R) engines for R engines' worth of predicted load (default 0: R)")
     p.add_argument("--startup-s", type=float, help="expected worker start-up, s: the throughput path sizes for the "
                                                    "load predicted until new workers are ready (default: observed)")
     p.add_argument("--min-replicas", type=_role_counts, help="N or ROLE=N,...: fewest workers per role (default 1)")

@@ -1,9 +1,13 @@
 """The planner's decisions, apart from any I/O (so tests drive it with known numbers).
 
 Two paths (docs: the README's Planner section):
-- **throughput** (every `--adjustment-interval`): the interval's observed traffic feeds one
-  predictor per quantity (request rate, mean ISL, mean OSL, KV hit rate); the predicted
-  next interval is sized (replicas.py) and clamped. Without the load path this is the decision.
+- **throughput** (every `--adjustment-interval`): the interval's observed request rate feeds the
+  predictor; the per-request means (ISL, OSL, KV hit rate) are pooled over the requests that
+  finished in the last `MEANS_WINDOW` intervals (a request-weighted mean, not a forecast: they
+  do not follow the day, and an interval's mean of a few requests is noise that a trend model
+  extrapolates: Kalman once forecast an ISL of 0 from 739 then 469, and the OSL of the requests
+  that finish within an interval swung 18-120 tokens around a mean of ~87). The predicted next
+  interval is sized (replicas.py) and clamped. Without the load path this is the decision.
 - **load** (every `--fast-interval`, when on): each engine's latest load report gives estimates
   of the TTFT a new request would see there, `(waiting + 1) x prefill_ms(effective ISL)`, and of
   its ITL, `decode_ms(running, KV tokens in use)`. A role gets +1 worker when ALL its engines are
@@ -11,7 +15,10 @@ Two paths (docs: the README's Planner section):
   signal), and -1 when ALL are under `--scale-down-sensitivity` x the targets (agg: both).
   The step up is sized from the backlog, not +1: the requests in the role's engines (running and
   waiting) over what one engine holds at the targets (`_backlog_need`), at least +1; a burst that
-  doubles the load would otherwise take a start-up per worker to catch up. The step down is
+  doubles the load would otherwise take a start-up per worker to catch up. One step at most
+  doubles the role (ready + starting): the backlog is judged with the OSL of the requests that
+  finished, which early on are the short ones (a queue of 9 on one engine once asked for 9 workers
+  where 3 sufficed), and the next step may add more once these were asked for. The step down is
   half the surplus over the backlog's need (at least 1), never below what the highest arrival rate
   of the last start-up needs (`keep`), and only once every engine was under
   target for a whole start-up (else each interval:
@@ -59,6 +66,8 @@ from turbine.planner.replicas import Load, Sizing, clamp, size
 
 log = logging.getLogger("turbine.planner")
 
+MEANS_WINDOW = 6  # intervals whose finished requests the ISL / OSL / KV hit rate means pool
+
 
 @dataclass(frozen=True)
 class EngineEstimate:
@@ -101,8 +110,9 @@ class Planner:
     metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
 
     def __post_init__(self):
-        quantities = ("request_rate", "isl", "osl", "kv_hit_rate")
-        self._predictors = {q: make_predictor(self.cfg.predictor) for q in quantities}
+        self._predictors = {"request_rate": make_predictor(self.cfg.predictor)}
+        # Per interval with finished requests: (requests, ISL tokens, OSL tokens, cached prompt tokens).
+        self._finished: deque[tuple[float, float, float, float]] = deque(maxlen=MEANS_WINDOW)
         self.predicted: Load | None = None
         self.lower: dict[str, int] = {}  # the throughput path's last result
         self.targets: dict[str, int] = {}  # the last decision
@@ -177,17 +187,18 @@ class Planner:
         p["request_rate"].add(rate)  # a rate: intervals may differ in length
         self._rates.append(rate)
         # Means exist only for intervals where requests finished; an idle interval keeps them.
-        if obs.isl is not None:
-            p["isl"].add(obs.isl)
-            p["osl"].add(obs.osl or 0.0)
-            p["kv_hit_rate"].add(obs.kv_hit_rate or 0.0)
-        if self.predicted is None and obs.isl is None:
+        if obs.isl is not None and obs.requests > 0:
+            isl_tokens = obs.isl * obs.requests
+            self._finished.append((obs.requests, isl_tokens, (obs.osl or 0.0) * obs.requests,
+                                   (obs.kv_hit_rate or 0.0) * isl_tokens))
+        if not self._finished:
             return None
         # The highest rate until the workers started now are ready and over the interval after.
         rate = max(p["request_rate"].forecast(self.horizon()))
         self.metrics.horizon.set(self.horizon())
-        self.predicted = Load(request_rate=rate, isl=p["isl"].predict(),
-                              osl=p["osl"].predict(), kv_hit_rate=min(1.0, p["kv_hit_rate"].predict()))
+        n, isl_tokens, osl_tokens, cached = (sum(col) for col in zip(*self._finished, strict=True))
+        self.predicted = Load(request_rate=rate, isl=isl_tokens / n, osl=osl_tokens / n,
+                              kv_hit_rate=min(1.0, cached / isl_tokens) if isl_tokens > 0 else 0.0)
         pm = self.metrics.predicted
         pm.labels("request_rate").set(self.predicted.request_rate)
         pm.labels("isl").set(self.predicted.isl)
@@ -204,7 +215,8 @@ class Planner:
         if load is None:
             return self._clamp({r: base.get(r, 0) for r in self.cfg.roles})
         share = self.cfg.target_share  # room for the requests above the mean the model gives
-        sizing = size(self.cfg.mode, self.model, load, share * self.cfg.ttft_ms, share * self.cfg.itl_ms)
+        beta = self.cfg.sqrt_staffing
+        sizing = size(self.cfg.mode, self.model, load, share * self.cfg.ttft_ms, share * self.cfg.itl_ms, beta=beta)
         self.last_sizing = sizing
         for role, rate in (("prefill", sizing.prefill), ("decode", sizing.decode)):
             if rate is None:
@@ -225,7 +237,7 @@ class Planner:
         # in time (the forecast alone may dip below it: a trend fitted to a noisy interval).
         recent = max(list(self._rates)[-self.horizon():])
         self.keep = self._clamp(size(self.cfg.mode, self.model, Load(recent, load.isl, load.osl, load.kv_hit_rate),
-                                     share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)
+                                     share * self.cfg.ttft_ms, share * self.cfg.itl_ms, beta=beta).replicas)
         for role, n in self.lower.items():
             self.metrics.throughput_replicas.labels(role).set(n)
         if self.cfg.fast_interval_s > 0:
@@ -295,6 +307,7 @@ class Planner:
                 need = self._backlog_need(role, mine)
                 if need is not None:
                     step = max(1, need - base.get(role, 0))  # sized from the backlog (the module's docstring)
+                    step = min(step, max(1, base.get(role, 0)))  # at most doubling (the module's docstring)
             if step < 0:
                 step = max(step, min(0, self.keep.get(role, 0) - base.get(role, 0)))  # not below `keep`
             if starting.get(role, 0) > 0 and not (need is not None and need > base.get(role, 0)):

@@ -28,7 +28,12 @@ roles' fractions, `rate / prefill rate + rate / decode rate`, plans each at its 
 ignores that stall: on the mocker fleet it sized ~1.5 requests/s per engine where ~1 met the ITL.)
 When even a trickle misses the targets, the fractions' sum is used and `reachable=False`.
 
-**Replicas.** `ceil(rate / per-engine rate)` for prefill, decode and aggregated.
+**Replicas.** `ceil(rate / per-engine rate)` for prefill, decode and aggregated; with
+square-root staffing (`--sqrt-staffing beta`, default 0: none), `ceil(R + beta sqrt(R))` for
+`R = rate / per-engine rate`: the load a fleet meets varies around its mean by about the square
+root of it (Poisson arrivals), so the spare kept grows with that, not with the load; a small fleet
+keeps relatively more room (a rise within one start-up cannot be met by workers started after it
+began), a large one relatively less.
 
 **Clamping.** Each role to [min, max]; then, when the total is over the budget (max workers in
 all), each role keeps its minimum and the budget left above the minimums is shared in proportion
@@ -147,10 +152,17 @@ class Sizing:
     agg: EngineRate | None = None  # mode agg: one engine doing both
 
 
+def engines(rate: float, per_engine: float, beta: float = 0.0) -> int:
+    """Engines for `rate` when each takes `per_engine`: ceil(R + beta sqrt(R)), R = rate / per_engine."""
+    r = rate / per_engine
+    return math.ceil(r + beta * math.sqrt(r) - 1e-9)
+
+
 def size(mode: str, model: PerformanceModel, load: Load, ttft_ms: float, itl_ms: float,
-         decode_model: PerformanceModel | None = None) -> Sizing:
+         decode_model: PerformanceModel | None = None, beta: float = 0.0) -> Sizing:
     """Workers per role for `load` in `mode` ("agg", "disagg", "prefill", "decode").
-    `decode_model`: the decode workers' model when it differs from the prefill workers'."""
+    `decode_model`: the decode workers' model when it differs from the prefill workers'; `beta`:
+    square-root staffing's spare (the module's docstring)."""
     rate = max(load.request_rate, 0.0)
     need_prefill = mode in ("agg", "disagg", "prefill")
     need_decode = mode in ("agg", "disagg", "decode")
@@ -159,13 +171,13 @@ def size(mode: str, model: PerformanceModel, load: Load, ttft_ms: float, itl_ms:
     a = None
     if mode == "agg":
         a = agg_rate(model, load, ttft_ms, itl_ms)
-        replicas = {"agg": math.ceil(rate / a.requests_per_s - 1e-9)}
+        replicas = {"agg": engines(rate, a.requests_per_s, beta)}
     else:
         replicas = {}
         if p is not None:
-            replicas["prefill"] = math.ceil(rate / p.requests_per_s - 1e-9)
+            replicas["prefill"] = engines(rate, p.requests_per_s, beta)
         if d is not None:
-            replicas["decode"] = math.ceil(rate / d.requests_per_s - 1e-9)
+            replicas["decode"] = engines(rate, d.requests_per_s, beta)
     return Sizing(replicas, p, d, a)
 
 

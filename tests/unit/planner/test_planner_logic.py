@@ -16,7 +16,7 @@ from turbine.frontend.metrics import FrontendMetrics
 from turbine.planner.config import PlannerConfig, parse_planner_args
 from turbine.planner.load_reports import EngineLoad, LoadReports
 from turbine.planner.observe import Observation, deltas, parse_totals
-from turbine.planner.planner import EngineEstimate, Planner, direction
+from turbine.planner.planner import MEANS_WINDOW, EngineEstimate, Planner, direction
 from turbine.planner.profile import PerformanceModel, write_engine_profile
 from turbine.protocol.discovery import ModelCard
 from turbine.protocol.load_metrics import LoadMetrics
@@ -222,12 +222,28 @@ def test_the_load_paths_step_up_is_sized_from_the_backlog(profile_path):
     obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
     assert p.throughput_step(obs, {"prefill": 1, "decode": 1}) == {"prefill": 1, "decode": 2}
     p.decided({"prefill": 1, "decode": 2}, "throughput")
-    # Two decode engines with 10 requests each (over target): one holds 0.7/s x 200 x 28.57 ms = 4 at the
-    # target, so the 20 need 5 engines: +3 at once (+1 would leave them over target for two more start-ups).
-    # The prefill engine: 5 prompts queued x 500 ms = 2.5 s of work for a 1 s TTFT: 3 engines.
-    engines = [engine("decode", running=10, blocks=110, name="d1"), engine("decode", running=10, blocks=110, name="d2"),
-               engine("prefill", waiting=5, name="p1")]
-    assert p.load_step(engines, {"prefill": 1, "decode": 2}) == {"prefill": 3, "decode": 5}
+    # Two decode engines with 8 requests each (over target): one holds 0.7/s x 200 x 28.57 ms = 4 at the
+    # target, so the 16 need 4 engines: +2 at once (+1 would leave them over target for another start-up).
+    # The prefill engine: 2 prompts queued x 500 ms = 1 s of work, within a 1 s TTFT: the least step, +1.
+    engines = [engine("decode", running=8, blocks=88, name="d1"), engine("decode", running=8, blocks=88, name="d2"),
+               engine("prefill", waiting=2, name="p1")]
+    assert p.load_step(engines, {"prefill": 1, "decode": 2}) == {"prefill": 2, "decode": 4}
+
+
+def test_one_step_up_at_most_doubles_the_role(profile_path):
+    # OSL 10: one agg engine holds 1 request at the targets, so 9 waiting on one engine "need" 9 (early on,
+    # the OSL is that of the short requests that finished first). One step: 1 -> 2, not 9; with 2 asked
+    # for (1 still starting) and the backlog still needing more than 2: 2 -> 4.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 9}, connector="local",
+                connector_options={"roles": {"agg": {}}})
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=10, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})
+    queue = [engine("agg", waiting=9, name="a1")]
+    assert p._backlog_need("agg", queue) == 9
+    assert p.load_step(queue, {"agg": 1}) == {"agg": 2}
+    p.decided({"agg": 2}, "load")
+    p.changed_at.clear()  # (as if a1 reported after the change)
+    assert p.load_step(queue, {"agg": 1}, starting={"agg": 1}) == {"agg": 4}
 
 
 def test_the_load_path_scales_down_only_after_a_whole_start_up_under_target(profile_path):
@@ -278,6 +294,39 @@ def test_the_throughput_path_sizes_for_a_share_of_the_targets(profile_path):
     assert shared.last_sizing.agg.requests_per_s == pytest.approx(4 / 15, rel=1e-6)
     with pytest.raises(ConfigError, match="target_share"):
         planner(profile_path, target_share=0)
+
+
+def test_the_per_request_means_are_pooled_over_the_last_intervals_requests(profile_path):
+    # The first three intervals of a benchmark run: ISL 739, 469, 97 over 5, 10 and 4 requests. A trend
+    # model forecast an ISL of 0 from them (Kalman); the pooled mean is what those 19 requests had.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, predictor="kalman")
+    for n, isl, osl, hit in ((5, 739, 51, 0.0), (10, 469, 91, 0.2), (4, 97, 120, 0.5)):
+        p.throughput_step(Observation(seconds=10, requests=n, isl=isl, osl=osl, ttft_s=0.4, itl_s=0.02,
+                                      kv_hit_rate=hit), {"agg": 1})
+    isl_tokens = 5 * 739 + 10 * 469 + 4 * 97
+    assert p.predicted.isl == pytest.approx(isl_tokens / 19)
+    assert p.predicted.osl == pytest.approx((5 * 51 + 10 * 91 + 4 * 120) / 19)
+    assert p.predicted.kv_hit_rate == pytest.approx((10 * 469 * 0.2 + 4 * 97 * 0.5) / isl_tokens)
+    # An idle interval keeps them; the window holds the last MEANS_WINDOW intervals with requests.
+    p.throughput_step(Observation(seconds=10, requests=0, isl=None, osl=None, ttft_s=None, itl_s=None,
+                                  kv_hit_rate=None), {"agg": 1})
+    assert p.predicted.isl == pytest.approx(isl_tokens / 19)
+    for _ in range(MEANS_WINDOW):
+        p.throughput_step(Observation(seconds=10, requests=3, isl=300, osl=80, ttft_s=0.4, itl_s=0.02,
+                                      kv_hit_rate=0.1), {"agg": 1})
+    assert (p.predicted.isl, p.predicted.osl) == pytest.approx((300, 80))
+
+
+def test_the_throughput_path_keeps_a_square_root_spare(profile_path):
+    # 1 request/s, one engine takes 0.4/s at the targets: R = 2.5 -> 3 engines; --sqrt-staffing 1:
+    # 2.5 + sqrt(2.5) = 4.08 -> 5, the bound and what the load path keeps alike.
+    obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
+    spare = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, sqrt_staffing=1.0)
+    assert spare.throughput_step(obs, {"agg": 1}) == {"agg": 5}
+    assert spare.lower == spare.keep == {"agg": 5}
+    assert parse_planner_args(["--profile", profile_path, "--sqrt-staffing", "0.5"]).sqrt_staffing == 0.5
+    with pytest.raises(ConfigError, match="sqrt_staffing"):
+        planner(profile_path, sqrt_staffing=-1)
 
 
 def test_the_load_path_removes_half_the_surplus_at_a_time(profile_path):

@@ -14,7 +14,7 @@ from turbine.planner.profile import (
     load_engine_profile,
     write_engine_profile,
 )
-from turbine.planner.replicas import Load, agg_rate, clamp, decode_rate, prefill_rate, size
+from turbine.planner.replicas import Load, agg_rate, clamp, decode_rate, engines, prefill_rate, size
 
 # Prefill: 1 ms per prompt token. Decode step: batch 1: 10 ms at 100 tokens of context per
 # sequence, 20 ms at 1100; batch 8: 24 ms and 40 ms.
@@ -89,6 +89,16 @@ def test_replicas_per_mode():
     # Exactly 4/3 per second needs exactly one prefill engine (no rounding up past a whole one).
     assert size("prefill", MODEL, Load(4 / 3, 1000, 200, 0.5), 1000, 30).replicas == {"prefill": 1}
     assert size("agg", MODEL, Load(0.0, 1000, 200, 0.5), 1000, 30).replicas == {"agg": 0}
+
+
+def test_square_root_staffing_keeps_a_spare_that_grows_with_the_root_of_the_load():
+    # prefill 5 / (4/3): R = 3.75 -> 3.75 + sqrt(3.75) = 5.69 -> 6; decode R = 7.14 -> 9.81 -> 10; agg
+    # R = 12.5 -> 16.04 -> 17. Relative spare: 60 % for prefill's 3.75, 36 % for agg's 12.5.
+    assert size("disagg", MODEL, LOAD, 1000, 30, beta=1.0).replicas == {"prefill": 6, "decode": 10}
+    assert size("agg", MODEL, LOAD, 1000, 30, beta=1.0).replicas == {"agg": 17}
+    assert size("agg", MODEL, LOAD, 1000, 30, beta=0.5).replicas == {"agg": 15}  # 12.5 + 1.77
+    assert size("agg", MODEL, Load(0.0, 1000, 200, 0.5), 1000, 30, beta=1.0).replicas == {"agg": 0}
+    assert engines(4.0, 1.0, 1.0) == 6 and engines(1.0, 1.0, 1.0) == 2 and engines(4.0, 1.0) == 4
 
 
 def test_clamp_to_min_max_then_share_the_budget_in_proportion():
