@@ -20,8 +20,11 @@ Two paths (docs: the README's Planner section):
   finished, which early on are the short ones (a queue of 9 on one engine once asked for 9 workers
   where 3 sufficed), and the next step may add more once these were asked for. The step down is
   half the surplus over the backlog's need (at least 1), never below what the highest arrival rate
-  of the last start-up needs (`keep`), and only once every engine was under
-  target for a whole start-up (else each interval:
+  of the last start-up needs (`keep`, without the square-root spare: the throughput path's bound
+  has it), and only once the role was under target for a whole start-up: every engine under
+  target, or, when not every engine is under nor over, the backlog needing fewer than all but one
+  of its engines (with many engines one of them nearly always has a prompt waiting: nine workers
+  held through a decline of the load on the benchmark's fleet) (else each interval:
   a worker stopped now cannot be back sooner than that if the load returns, so it waits out a
   dip shorter than a start-up).
   With this path on, the throughput path's result is a lower bound: a role never goes below
@@ -237,7 +240,7 @@ class Planner:
         # in time (the forecast alone may dip below it: a trend fitted to a noisy interval).
         recent = max(list(self._rates)[-self.horizon():])
         self.keep = self._clamp(size(self.cfg.mode, self.model, Load(recent, load.isl, load.osl, load.kv_hit_rate),
-                                     share * self.cfg.ttft_ms, share * self.cfg.itl_ms, beta=beta).replicas)
+                                     share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)
         for role, n in self.lower.items():
             self.metrics.throughput_replicas.labels(role).set(n)
         if self.cfg.fast_interval_s > 0:
@@ -291,6 +294,8 @@ class Planner:
                     self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
                 self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
+            if step == 0 and (backlog := self._backlog_need(role, mine)) is not None and backlog < base.get(role, 0) - 1:
+                step = -1  # the role as a whole has a surplus (the module's docstring)
             if step < 0:
                 # Hysteresis: down only once under target for a whole start-up (the module's docstring).
                 since_under = self._under_since.setdefault(role, now)

@@ -319,14 +319,41 @@ def test_the_per_request_means_are_pooled_over_the_last_intervals_requests(profi
 
 def test_the_throughput_path_keeps_a_square_root_spare(profile_path):
     # 1 request/s, one engine takes 0.4/s at the targets: R = 2.5 -> 3 engines; --sqrt-staffing 1:
-    # 2.5 + sqrt(2.5) = 4.08 -> 5, the bound and what the load path keeps alike.
+    # 2.5 + sqrt(2.5) = 4.08 -> 5, the bound; what the load path keeps from the recent rate has no spare (3).
     obs = Observation(seconds=10, requests=10, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02, kv_hit_rate=0.5)
     spare = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, sqrt_staffing=1.0)
     assert spare.throughput_step(obs, {"agg": 1}) == {"agg": 5}
-    assert spare.lower == spare.keep == {"agg": 5}
+    assert spare.lower == {"agg": 5} and spare.keep == {"agg": 3}
     assert parse_planner_args(["--profile", profile_path, "--sqrt-staffing", "0.5"]).sqrt_staffing == 0.5
     with pytest.raises(ConfigError, match="sqrt_staffing"):
         planner(profile_path, sqrt_staffing=-1)
+
+
+def test_a_surplus_of_the_role_as_a_whole_counts_as_under_target(profile_path):
+    # 6 engines, one with a prompt waiting (so not every engine is under target, nor every one over),
+    # 3 requests in all: one engine holds 2.4 at the targets, the backlog needs 2 of the 6. After a whole
+    # start-up of that: half the surplus, -2.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, startup_s=15)
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})  # 0.1/s: a bound of 1
+    p.decided({"agg": 6}, "load")
+    time.sleep(0.01)
+    mixed = [engine("agg", waiting=1, name="a0")] + [engine("agg", running=1 if i < 3 else 0, name=f"a{i}")
+                                                     for i in range(1, 6)]
+    t0 = time.monotonic() + 1
+    assert p.load_step(mixed, {"agg": 6}, now=t0) is None
+    assert p.load_step(mixed, {"agg": 6}, now=t0 + 15) == {"agg": 4}
+    # Mixed engines whose backlog needs all but one of them (10 requests: 5 engines): no step down.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, startup_s=15)
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})
+    p.decided({"agg": 6}, "load")
+    time.sleep(0.01)
+    held = [engine("agg", waiting=1, name="a0")] + [engine("agg", running=2 if i < 5 else 1, name=f"a{i}")
+                                                    for i in range(1, 6)]
+    t0 = time.monotonic() + 1
+    assert p.load_step(held, {"agg": 6}, now=t0) is None
+    assert p.load_step(held, {"agg": 6}, now=t0 + 15) is None
 
 
 def test_the_load_path_removes_half_the_surplus_at_a_time(profile_path):
