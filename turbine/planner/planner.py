@@ -13,6 +13,10 @@ Two paths (docs: the README's Planner section):
   its ITL, `decode_ms(running, KV tokens in use)`. A role gets +1 worker when ALL its engines are
   over target (prefill: TTFT; decode: ITL, or requests waiting for a batch slot; agg: either
   signal), and -1 when ALL are under `--scale-down-sensitivity` x the targets (agg: both).
+  When neither, the role as a whole decides: +1 when its backlog (below) needs more engines than
+  it has (ready + starting), -1 when it needs fewer than all but one of them. (An aggregated
+  engine's ITL estimate leaves out the stall its prefills cause, so four engines took a burst
+  for 20 s before every one of them was over target.)
   The step up is sized from the backlog, not +1: the requests in the role's engines (running and
   waiting) over what one engine holds at the targets (`_backlog_need`), at least +1; a burst that
   doubles the load would otherwise take a start-up per worker to catch up. One step at most
@@ -294,8 +298,12 @@ class Planner:
                     self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
                 self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
-            if step == 0 and (backlog := self._backlog_need(role, mine)) is not None and backlog < base.get(role, 0) - 1:
-                step = -1  # the role as a whole has a surplus (the module's docstring)
+            if step == 0 and (backlog := self._backlog_need(role, mine)) is not None:
+                # Neither every engine over nor every one under: the role as a whole (the module's docstring).
+                if backlog > base.get(role, 0):
+                    step = 1
+                elif backlog < base.get(role, 0) - 1:
+                    step = -1
             if step < 0:
                 # Hysteresis: down only once under target for a whole start-up (the module's docstring).
                 since_under = self._under_since.setdefault(role, now)

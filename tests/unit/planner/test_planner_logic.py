@@ -16,7 +16,7 @@ from turbine.frontend.metrics import FrontendMetrics
 from turbine.planner.config import PlannerConfig, parse_planner_args
 from turbine.planner.load_reports import EngineLoad, LoadReports
 from turbine.planner.observe import Observation, deltas, parse_totals
-from turbine.planner.planner import MEANS_WINDOW, EngineEstimate, Planner, direction
+from turbine.planner.planner import MEANS_WINDOW, EngineEstimate, Planner, direction, estimate
 from turbine.planner.profile import PerformanceModel, write_engine_profile
 from turbine.protocol.discovery import ModelCard
 from turbine.protocol.load_metrics import LoadMetrics
@@ -354,6 +354,19 @@ def test_a_surplus_of_the_role_as_a_whole_counts_as_under_target(profile_path):
     t0 = time.monotonic() + 1
     assert p.load_step(held, {"agg": 6}, now=t0) is None
     assert p.load_step(held, {"agg": 6}, now=t0 + 15) is None
+
+
+def test_a_backlog_the_role_cannot_hold_adds_though_not_every_engine_is_over(profile_path):
+    # 3 engines, one under target: 11 requests in them need 11 / 2.4 -> 5 engines at the targets: +2.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8})
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})
+    p.decided({"agg": 3}, "load")
+    time.sleep(0.01)
+    engines = [engine("agg", running=6, blocks=66, name="a1"), engine("agg", running=4, blocks=44, name="a2"),
+               engine("agg", running=1, name="a3")]
+    assert direction("agg", [estimate(e, p.model, p.isl_eff()) for e in engines], 1000, 30, 0.8) == 0
+    assert p.load_step(engines, {"agg": 3}) == {"agg": 5}
 
 
 def test_the_load_path_removes_half_the_surplus_at_a_time(profile_path):
