@@ -30,7 +30,7 @@ Two paths (docs: the README's Planner section):
   of its engines (with many engines one of them nearly always has a prompt waiting: nine workers
   held through a decline of the load on the benchmark's fleet) (else each interval:
   a worker stopped now cannot be back sooner than that if the load returns, so it waits out a
-  dip shorter than a start-up).
+  dip shorter than a start-up); that time counts from when the role's workers all serve.
   With this path on, the throughput path's result is a lower bound: a role never goes below
   it, and rises to it at once, but only the load path brings a role down (so the two do not
   undo each other every interval). After a role changed, the load path waits for a report
@@ -290,6 +290,7 @@ class Planner:
             if since is not None and (any(e.at < since for e in mine)
                                       or len({e.report.instance_id for e in mine}) < current.get(role, 0)):
                 wanted[role] = base.get(role, 0)  # not every worker has reported since the change
+                self._under_since.pop(role, None)  # the time under target counts from a settled role
                 continue
             estimates = [estimate(e, self.model, isl_eff) for e in mine]
             if estimates:
@@ -327,8 +328,11 @@ class Planner:
                 # The worker still starting is the capacity asked for: judge again once it serves (adding
                 # now overshoots; removing now stops it, the least loaded, and thrashes: seen on a live fleet).
                 # Unless the backlog needs more than ready + starting (`base`): a burst that began while one
-                # starts would otherwise wait a whole start-up more.
+                # starts would otherwise wait a whole start-up more. The time under target counts from
+                # when it serves (a step down right after a start-up undid a burst's step up, 4 s later
+                # up again: seen on the benchmark's fleet).
                 step = 0
+                self._under_since.pop(role, None)
             wanted[role] = base.get(role, 0) + step
         targets = self._clamp(wanted, self.lower)
         for role in targets:

@@ -156,3 +156,20 @@ def test_start_ups_are_observed_when_none_is_configured(profile_path):  # noqa: 
     asyncio.run(go())
     assert list(svc.planner.startups) == [pytest.approx(0.3, abs=0.2)]
     assert svc.planner.horizon() == 2  # 1 + ceil(0.3 / 10)
+
+
+def test_the_time_under_target_counts_from_when_the_started_workers_serve(profile_path):  # noqa: F811
+    # Start-up 15 s. Under target while a worker starts for 20 s: no step down right after it serves; the
+    # whole start-up under target counts from then.
+    p = applied(profile_path, startup_s=15)
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})  # 0.1/s: a bound of 1
+    p.decided({"agg": 3}, "load")
+    time.sleep(0.01)
+    idle = [engine("agg", name=f"a{i}") for i in (1, 2)]
+    t0 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 2}, starting={"agg": 1}, now=t0) is None
+    assert p.load_step(idle, {"agg": 2}, starting={"agg": 1}, now=t0 + 20) is None
+    idle = [engine("agg", name=f"a{i}") for i in (1, 2, 3)]
+    assert p.load_step(idle, {"agg": 3}, starting={}, now=t0 + 21) is None  # (before: -1 here)
+    assert p.load_step(idle, {"agg": 3}, starting={}, now=t0 + 36) == {"agg": 1}  # half the surplus over 0
