@@ -147,7 +147,8 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
                            "template places one per image_url part; the text may not contain the image token)",
                            param=prompt_param)
     if tok is not None and embeds is None:
-        max_tokens = _checked_lengths(len(token_ids), max_tokens, model.card.context_length, prompt_param)
+        max_tokens = _checked_lengths(_engine_prompt_length(token_ids, images, model.card), max_tokens,
+                                      model.card.context_length, prompt_param)
     elif embeds is not None and max_tokens is not None and max_tokens >= model.card.context_length:
         raise RequestError(f"max_tokens ({max_tokens}) leaves no room for the prompt in the model's context length "
                            f"of {model.card.context_length}", param="max_tokens")
@@ -198,6 +199,15 @@ def served_model(models: ModelTable, name: str, kind: Kind) -> ServedModel:
     if kind not in model.card.endpoint_types:
         raise RequestError(f"the model {name!r} does not serve {kind} requests", param="model")
     return model
+
+
+def _engine_prompt_length(token_ids: list[int], images, card) -> int:
+    """The prompt's length as the engine holds it: each image token widens to the image's placeholder, where the
+    card says what that is (the worker measures it at start; unknown, e.g. a placeholder sized by the picture: the
+    unwidened length, and the engine ends a longer answer at the context length)."""
+    if images and card.image_placeholder is not None:
+        return len(token_ids) + len(images) * (len(card.image_placeholder) - 1)
+    return len(token_ids)
 
 
 def _checked_lengths(prompt_tokens: int, max_tokens: int | None, context: int, prompt_param: str) -> int:

@@ -73,6 +73,12 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The token id the chat template writes for each image (the model config's), which the engine widens to
     # the image's tokens; None: not known. The frontend checks a prompt's count of it and keys routing on it.
     image_token_id: int | None = None
+    # The token ids the engine widens each image token to, when they are the same for every image (measured by the
+    # worker at start, e.g. Idefics3 without tiling), and where the image's placeholder range (offset, length)
+    # lies within them; None: unknown or size-dependent. The frontend hashes an image prompt as the engine will
+    # hold it (block hashes as in the worker's KV events) and checks max_tokens against the widened prompt.
+    image_placeholder: list[int] | None = None
+    image_placeholder_range: tuple[int, int] | None = None
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the

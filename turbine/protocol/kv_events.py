@@ -50,6 +50,9 @@ class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True
     parent_hash: int | None  # hash of the block before the first one; None at sequence start
     tokens: bytes  # the blocks' token ids, packed (pack_token_ids): len(block_hashes) * block_size * 4 bytes
     block_size: int
+    # One per block: the media key (turbine.router.hashing.media_key) of the images whose placeholder tokens the
+    # block holds, 0 for none; omitted when no block has one. The router mixes it into the block's hash.
+    media_keys: list[int] | None = None
     v: int = WIRE_VERSION
 
     @classmethod

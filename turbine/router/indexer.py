@@ -72,6 +72,9 @@ class KvIndexer:
         if len(event.tokens) != len(event.block_hashes) * event.block_size * 4:
             raise ValueError(f"stored event of worker {worker.instance_id}: {len(event.tokens)} bytes of tokens "
                              f"(4 per token) for {len(event.block_hashes)} blocks of {event.block_size}")
+        if event.media_keys is not None and len(event.media_keys) != len(event.block_hashes):
+            raise ValueError(f"stored event of worker {worker.instance_id}: {len(event.media_keys)} media keys "
+                             f"for {len(event.block_hashes)} blocks")
         mapping = self._engine_to_router.get(worker)
         if mapping is None:
             mapping = self._engine_to_router[worker] = {}
@@ -86,7 +89,8 @@ class KvIndexer:
                 log.debug("worker %s stored blocks under an unknown parent; ignored", worker.instance_id)
                 return
         # Hashed straight from the wire's packed tokens: no token is ever a Python int here.
-        ours = packed_block_hashes(event.tokens, self.block_size, lora_name=lora_name, parent=parent)
+        ours = packed_block_hashes(event.tokens, self.block_size, lora_name=lora_name, parent=parent,
+                                   media_keys=event.media_keys)
         bit = self._bit(worker)
         holders = self._holders
         for engine_hash, h in zip(event.block_hashes, ours):

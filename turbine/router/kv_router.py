@@ -39,13 +39,13 @@ class KvRouter:
         self._rng = rng or random.Random()
 
     def decide(self, request_id: str, token_ids: list[int], workers: list[WorkerKey],
-               lora_name: str | None = None, track: bool = True) -> Decision:
+               lora_name: str | None = None, track: bool = True, media_keys: list[int] | None = None) -> Decision:
         """`workers`: every candidate, each data-parallel rank its own. `lora_name` salts the block
         hashes: the same tokens under another adapter are another KV cache. `track`: count the
         request as load on the chosen worker until `finished` (False: a query that changes nothing)."""
         started = time.perf_counter()
         bs = self.block_size
-        hashes = block_hashes(token_ids, bs, lora_name=lora_name)
+        hashes = block_hashes(token_ids, bs, lora_name=lora_name, media_keys=media_keys)
         overlaps = self.index.find_matches(hashes)
         loads = {w: self.loads.load(w) for w in workers}
         # An adapter's request prefers a worker that has the adapter active: elsewhere it waits for a swap.

@@ -56,10 +56,12 @@ class ModelKvRouter:
 
     # -- requests ---------------------------------------------------------------------
     def decide(self, request_id: str, token_ids: list[int], instance_ids: list[str],
-               lora_name: str | None = None, track: bool = True) -> Decision:
+               lora_name: str | None = None, track: bool = True, media_keys: list[int] | None = None) -> Decision:
         """The worker (instance and data-parallel rank) among `instance_ids` for this prompt: every
-        rank of each instance is a candidate of its own, since each engine has its own cache and load."""
-        decision = self.kv.decide(request_id, token_ids, self.workers(instance_ids), lora_name, track)
+        rank of each instance is a candidate of its own, since each engine has its own cache and load.
+        `media_keys`: each full block's media key (hashing.media_block_keys), None: none."""
+        decision = self.kv.decide(request_id, token_ids, self.workers(instance_ids), lora_name, track,
+                                  media_keys=media_keys)
         if self._per_decision is not None:
             decisions, seconds, overlap = self._per_decision
             decisions.inc()

@@ -16,7 +16,7 @@ from turbine.config import check, config_errors_to, flag
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateRequest
 from turbine.router.config import KvRouterConfig, kv_router_config_from_args
-from turbine.router.hashing import media_keyed_ids
+from turbine.router.hashing import media_block_keys, media_keyed_ids, widen_images
 from turbine.router.metrics import RouterMetrics
 from turbine.router.model_router import ModelKvRouter
 
@@ -110,17 +110,34 @@ class KvAwareRouter(Router):
     is ModelKvRouter's (shared with the standalone router service)."""
 
     def __init__(self, cfg: KvRouterConfig, model: str, block_size: int, metrics: RouterMetrics | None,
-                 image_token_id: int | None = None):
+                 image_token_id: int | None = None,
+                 image_placeholder: tuple[list[int], tuple[int, int]] | None = None):
         self.core = ModelKvRouter(model, cfg, block_size, metrics)
         self.image_token_id = image_token_id  # the model's image placeholder (its card's), None: none known
+        # What the engine widens image_token_id to, and the image's range in it (the card's; None: unknown)
+        self.image_placeholder = image_placeholder
 
     def select(self, instances: list[InstanceRecord], request: GenerateRequest) -> Target:
         by_id = {i.instance_id: i for i in instances}
-        ids = request.token_ids
-        if request.images:  # two different images behind the same text must not share a prefix
-            ids = media_keyed_ids(ids, self.image_token_id, [image.hash for image in request.images])
-        decision = self.core.decide(request.request_id, ids, list(by_id), request.lora_name)
+        ids, keys = self.hashed_ids(request)
+        decision = self.core.decide(request.request_id, ids, list(by_id), request.lora_name, media_keys=keys)
         return Target(by_id[decision.worker.instance_id], decision.worker.dp_rank)
+
+    def hashed_ids(self, request: GenerateRequest) -> tuple[list[int], list[int] | None]:
+        """The token ids the router hashes for the request, and each full block's media key (None: none).
+        Two different images behind the same text must not share a prefix: with the card's placeholder the
+        prompt is widened as the engine widens it and each image's blocks carry its key, exactly as the
+        worker's KV events give them; without it, the image keys go into the unwidened ids (media_keyed_ids),
+        which match the events' blocks only up to the first image."""
+        ids = request.token_ids
+        if not request.images:
+            return ids, None
+        hashes = [image.hash for image in request.images]
+        if self.image_placeholder is not None and self.image_token_id is not None \
+                and ids.count(self.image_token_id) == len(hashes):
+            ids, ranges = widen_images(ids, self.image_token_id, *self.image_placeholder)
+            return ids, media_block_keys(ranges, hashes, len(ids), self.core.kv.block_size)
+        return media_keyed_ids(ids, self.image_token_id, hashes), None
 
     def export_metrics(self) -> None:
         self.core.export_metrics()
@@ -137,5 +154,7 @@ class KvAwareRouter(Router):
 
 register_policy("round-robin", lambda cfg, card, metrics: RoundRobinRouter())
 register_policy("random", lambda cfg, card, metrics: RandomRouter())
-register_policy("kv", lambda cfg, card, metrics: KvAwareRouter(cfg.kv, card.name, card.kv_block_size, metrics,
-                                                              card.image_token_id))
+register_policy("kv", lambda cfg, card, metrics: KvAwareRouter(
+    cfg.kv, card.name, card.kv_block_size, metrics, card.image_token_id,
+    None if card.image_placeholder is None or card.image_placeholder_range is None
+    else (card.image_placeholder, tuple(card.image_placeholder_range))))

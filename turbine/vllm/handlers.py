@@ -149,6 +149,9 @@ class Handlers:
         self.max_model_len = cfg.model_config.max_model_len
         self.sampling_defaults = cfg.model_config.get_diff_sampling_param()
         self.model_config = cfg.model_config
+        # What the engine widens an image token to, and its range (the worker measures it at start; None: it
+        # depends on the picture): max_tokens is checked against the widened prompt.
+        self.image_placeholder: tuple[list[int], tuple[int, int]] | None = None
 
     def sampling_params(self, req: GenerateRequest, prompt_len: int | None = None) -> SamplingParams:
         """The request checked and turned into the engine's SamplingParams (InvalidRequest if bad)."""
@@ -172,7 +175,10 @@ class Handlers:
             req = text_request(req, ids, self.max_model_len)
         prompt = await self.engine_prompt(req)
         embeds = prompt.get("prompt_embeds")
-        return req, prompt, self.sampling_params(req, None if embeds is None else len(embeds))
+        prompt_len = None if embeds is None else len(embeds)
+        if req.images and self.image_placeholder is not None:  # the prompt as the engine will hold it
+            prompt_len = len(req.token_ids) + len(req.images) * (len(self.image_placeholder[0]) - 1)
+        return req, prompt, self.sampling_params(req, prompt_len)
 
     async def engine_prompt(self, req: GenerateRequest) -> dict:
         """The engine's prompt: the token ids, or the prompt embeddings loaded and checked."""

@@ -1,16 +1,21 @@
 """GenerateRequest.images (a worker with --enable-multimodal) → the engine's multi-modal data.
 
 The frontend fetched, decoded and bounded each image already; a worker still decodes what comes off the socket
-with Pillow alone (PNG, JPEG or WebP, within a pixel bound) and never fetches. Each image's hash (of its decoded
-pixels) is its identifier in the engine (multi_modal_uuids): its encoder cache, prefix cache and KV events key on
-it, so two different images never share cached KV. Every fault is an InvalidRequest naming images."""
+with Pillow alone (PNG, JPEG or WebP, within a pixel bound) and never fetches. Each image's hash (of its decoded pixels) is its identifier in the engine
+(multi_modal_uuids): its encoder cache, prefix cache and KV events key on it, so two different images never
+share cached KV. Every fault is an InvalidRequest naming images.
+
+measured_placeholder: what the engine widens one image token to, measured at start, for the card."""
 
 from __future__ import annotations
 
 import io
+import logging
 
 from turbine.protocol.generate import ImageInput
 from turbine.runtime.errors import InvalidRequest
+
+log = logging.getLogger("turbine.vllm")
 
 PARAM = "images"
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -43,3 +48,32 @@ def multimodal_prompt(token_ids: list[int], images: list[ImageInput]) -> dict:
     placeholder tokens, with the decoded images and their identifiers."""
     return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": decode_images(images)},
             "multi_modal_uuids": {"image": [item.hash for item in images]}}
+
+
+PROBE_SIZES = ((32, 48), (400, 224))  # (width, height): two unlike pictures
+
+
+def measured_placeholder(renderer, image_token_id: int) -> tuple[list[int], tuple[int, int]] | None:
+    """The token ids the engine's processor widens one image token to and the image's placeholder range
+    (offset, length) within them, when both are the same for pictures of unlike sizes (None: they differ, as
+    for models that tile or size the placeholder by the picture, or the probe failed). `renderer`: the engine's
+    (AsyncLLM.renderer), which turns a prompt into the engine's input as every request's is."""
+    from PIL import Image
+
+    seen = set()
+    for size in PROBE_SIZES:
+        prompt = {"prompt_token_ids": [image_token_id], "multi_modal_data": {"image": [Image.new("RGB", size)]}}
+        try:
+            (engine_input,) = renderer.render_cmpl([prompt], skip_mm_cache=True)
+            (where,) = engine_input["mm_placeholders"]["image"]
+            seen.add((tuple(engine_input["prompt_token_ids"]), (where.offset, where.length)))
+        except Exception as exc:  # an engine whose renderer takes no such probe: routing keys the unwidened prompt
+            log.warning("the image placeholder could not be measured (%s: %s); KV routing matches image "
+                        "prompts up to their first image", type(exc).__name__, exc)
+            return None
+    if len(seen) != 1:
+        log.info("the image placeholder depends on the picture: KV routing matches image prompts up to their "
+                 "first image")
+        return None
+    ids, where = seen.pop()
+    return list(ids), where

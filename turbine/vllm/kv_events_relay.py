@@ -21,6 +21,7 @@ import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
 from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
+from turbine.router.hashing import media_key
 from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
@@ -36,18 +37,26 @@ def engine_hash(h: bytes | int) -> int:
 def translate(event) -> KvEvent | None:
     """Ours for one of vLLM's events (None: a kind we do not relay). vLLM gives a stored block's
     token ids as a list; they are packed here, once (OverflowError / TypeError if they are not
-    u32 token ids)."""
+    u32 token ids). A block holding image placeholder tokens gets its media key (the images'
+    identifiers and offsets from vLLM's extra keys: the key the frontend computes for it)."""
     if isinstance(event, vllm_events.BlockStored):
-        if any(_beyond_lora(keys, event.lora_name) for keys in event.extra_keys or ()):
-            # Blocks keyed by more than their tokens and adapter (prompt embeddings, whose token
-            # ids are placeholders; media; a cache salt): a router hashing token ids would take
-            # them for another prompt. Not relayed; blocks stored under them then have an unknown
-            # parent. The adapter is relayed as the batch's lora_name, which salts routers' hashes.
-            return None
+        media_keys = None
+        if event.extra_keys:
+            media = [_media_items(keys, event.lora_name) for keys in event.extra_keys]
+            if any(items is None for items in media):
+                # Blocks keyed by more than their tokens, adapter and images (prompt embeddings, whose
+                # token ids are placeholders; a cache salt): a router hashing token ids would take them
+                # for another prompt. Not relayed; blocks stored under them then have an unknown parent.
+                # The adapter is relayed as the batch's lora_name, which salts routers' hashes.
+                return None
+            media_keys = [media_key(items) for items in media]
+            if not any(media_keys):
+                media_keys = None
         return BlockStored(block_hashes=[engine_hash(h) for h in event.block_hashes],
                            parent_hash=None if event.parent_block_hash is None
                            else engine_hash(event.parent_block_hash),
-                           tokens=pack_token_ids(event.token_ids), block_size=event.block_size)
+                           tokens=pack_token_ids(event.token_ids), block_size=event.block_size,
+                           media_keys=media_keys)
     if isinstance(event, vllm_events.BlockRemoved):
         return BlockRemoved(block_hashes=[engine_hash(h) for h in event.block_hashes])
     if isinstance(event, vllm_events.AllBlocksCleared):
@@ -55,13 +64,20 @@ def translate(event) -> KvEvent | None:
     return None
 
 
-def _beyond_lora(keys, lora_name: str | None) -> bool:
-    """Whether a block's extra keys hold more than its adapter's name (vLLM lists it first)."""
+def _media_items(keys, lora_name: str | None) -> list[tuple[str, int]] | None:
+    """A block's image (identifier, offset) pairs from its extra keys, which list the adapter's name first
+    (if any), then the images' pairs, then a cache salt or prompt-embedding digests (None: such keys)."""
     if not keys:
-        return False
+        return []
     if lora_name is not None and keys[0] == lora_name:
         keys = keys[1:]
-    return bool(keys)
+    items = []
+    for key in keys:
+        if not (isinstance(key, (list, tuple)) and len(key) == 2 and isinstance(key[0], str)
+                and isinstance(key[1], int) and not isinstance(key[1], bool)):
+            return None
+        items.append((key[0], key[1]))
+    return items
 
 
 class VllmKvEventsRelay:

@@ -26,6 +26,7 @@ from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import engine_canary
 from turbine.vllm.compat import unfinished_requests, unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers, pooling_canary
+from turbine.vllm.images import measured_placeholder
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
@@ -109,6 +110,11 @@ class VllmEngine:
         if cfg.enable_multimodal and not vcfg.model_config.is_multimodal_model:
             raise RuntimeError(f"--enable-multimodal: the model {cfg.model_path!r} is not a vision-language model "
                                "(vLLM serves it as text only); drop the flag")
+        image_token = image_token_id(vcfg.model_config.hf_config) if cfg.enable_multimodal else None
+        # What the engine widens an image token to (None: depends on the picture): the frontend hashes image
+        # prompts as the engine holds them (as the KV events give them) and checks max_tokens against them.
+        placeholder = None if image_token is None else measured_placeholder(engine.renderer, image_token)
+        handlers.image_placeholder = placeholder
         server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
         self.pooling = vcfg.model_config.runner_type == "pooling"
@@ -130,7 +136,7 @@ class VllmEngine:
             model_input="text" if cfg.use_vllm_tokenizer else "tokens",
             accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
             multimodal=cfg.enable_multimodal,
-            image_token_id=image_token_id(vcfg.model_config.hf_config) if cfg.enable_multimodal else None,
+            image_token_id=image_token, image_placeholder=placeholder,
             endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
         sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))

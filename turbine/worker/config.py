@@ -140,7 +140,8 @@ class ServingConfig:
                    max_num_batched_tokens: int, kv_events_address: str | None = None,
                    load_metrics_address: str | None = None, data_parallel_size: int = 1,
                    model_input: str = "tokens", accepts_prompt_embeds: bool = False,
-                   multimodal: bool = False, image_token_id: int | None = None, endpoint_types: list[str] | None = None) -> ModelCard:
+                   multimodal: bool = False, image_token_id: int | None = None, endpoint_types: list[str] | None = None,
+                   image_placeholder: tuple[list[int], tuple[int, int]] | None = None) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself
         (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
@@ -156,6 +157,8 @@ class ServingConfig:
             model_input=model_input,
             accepts_prompt_embeds=accepts_prompt_embeds, multimodal=multimodal,
             image_token_id=image_token_id,
+            image_placeholder=image_placeholder[0] if image_placeholder else None,
+            image_placeholder_range=image_placeholder[1] if image_placeholder else None,
         )
 
 

@@ -26,6 +26,7 @@ class _Block(msgspec.Struct, gc=False):
     offset: int  # its index among that event's blocks
     block_size: int
     lora_name: str | None
+    media_key: int = 0  # its media key (BlockStored.media_keys), 0: none
     live: bool = True  # False: a ghost, removed but kept for its descendants
     children: int = 0  # tracked blocks (live or ghost) whose parent this is
 
@@ -55,18 +56,22 @@ class KvCacheState:
         if parent is not None and not self._live(parent):
             return  # routers cannot place blocks under a parent they do not know
         tokens = event.tokens  # immutable: kept as is, shared by the event's blocks
+        keys = event.media_keys
+        if keys is not None and len(keys) != len(event.block_hashes):
+            return  # malformed: routers reject it too
         for i, h in enumerate(event.block_hashes):
+            key = keys[i] if keys else 0
             block = self._blocks.get(h)
             if block is None or not block.live:
                 if block is None:
-                    self._blocks[h] = _Block(parent, tokens, i, bs, lora_name)
+                    self._blocks[h] = _Block(parent, tokens, i, bs, lora_name, key)
                     self._adopt(parent)
                 else:  # a ghost is stored again: it is a cached block once more
                     if block.parent != parent:
                         self._orphan(block.parent)
                         self._adopt(parent)
                     block.parent, block.tokens, block.offset = parent, tokens, i
-                    block.block_size, block.lora_name, block.live = bs, lora_name, True
+                    block.block_size, block.lora_name, block.media_key, block.live = bs, lora_name, key, True
             parent = h  # an already cached block is skipped, as routers do; its successors chain on
 
     def _removed(self, h: int) -> None:
@@ -141,16 +146,18 @@ class _Run:
     """Consecutive blocks of a chain, for one BlockStored. Their tokens are kept as slices of
     the events' packed tokens (a chain stored by one event is one slice), joined once at the end."""
 
-    __slots__ = ("hashes", "parent", "block_size", "pieces")
+    __slots__ = ("hashes", "parent", "block_size", "pieces", "keys")
 
     def __init__(self, h: int, block: _Block):
         self.hashes = [h]
         self.parent = block.parent
         self.block_size = block.block_size
         self.pieces = [[block.tokens, block.offset, block.offset + 1]]  # [packed tokens, first block, end]
+        self.keys = [block.media_key]
 
     def add(self, h: int, block: _Block) -> None:
         self.hashes.append(h)
+        self.keys.append(block.media_key)
         last = self.pieces[-1]
         if last[0] is block.tokens and last[2] == block.offset:
             last[2] += 1
@@ -160,4 +167,5 @@ class _Run:
     def event(self) -> BlockStored:
         step = self.block_size * 4
         tokens = b"".join(packed[first * step:end * step] for packed, first, end in self.pieces)
-        return BlockStored(block_hashes=self.hashes, parent_hash=self.parent, tokens=tokens, block_size=self.block_size)
+        return BlockStored(block_hashes=self.hashes, parent_hash=self.parent, tokens=tokens, block_size=self.block_size,
+                           media_keys=self.keys if any(self.keys) else None)

@@ -285,3 +285,24 @@ async def test_a_request_holds_a_bounded_number_of_images(vlm_tokenizer):
     with pytest.raises(RequestError, match="at most 1 images"):
         await preprocess(chat_body(data_url(picture()), data_url(picture())), "chat", table(vlm_tokenizer, True),
                          media=MediaConfig(max_images=1))
+
+
+# -- max_tokens against the engine's widened prompt ----------------------------------------------------------------
+async def test_max_tokens_is_checked_against_the_engines_widened_prompt(vlm_tokenizer):
+    models = table(vlm_tokenizer, True)
+    card = models.models["m"].card
+    card.image_placeholder, card.image_placeholder_range = [5] * 19, (0, 19)  # as the worker measured it
+    body = msgspec.json.decode(chat_body(data_url(picture())))
+    plain = await preprocess(msgspec.json.encode(body), "chat", models)
+    widened = len(plain.request.token_ids) + 18
+    body["max_tokens"] = card.context_length - widened + 1
+    with pytest.raises(RequestError) as err:
+        await preprocess(msgspec.json.encode(body), "chat", models)
+    assert err.value.param == "max_tokens"
+    assert f"the prompt has {widened} tokens and max_tokens is {body['max_tokens']}" in err.value.message
+    body["max_tokens"] -= 1
+    assert (await preprocess(msgspec.json.encode(body), "chat", models)).request.stop.max_tokens == body["max_tokens"]
+    # Without max_tokens, the default is what the widened prompt leaves of the context.
+    del body["max_tokens"]
+    assert (await preprocess(msgspec.json.encode(body), "chat", models)).request.stop.max_tokens == \
+        card.context_length - widened

@@ -103,3 +103,18 @@ async def test_workers_that_take_no_images_refuse_them(role, multimodal, words):
     with pytest.raises(InvalidRequest, match=words):
         [o async for o in h.generate(request(), None)]
     assert not engine.prompts
+
+
+async def test_max_tokens_counts_the_engines_widened_prompt():
+    from turbine.protocol.generate import StopConditions
+
+    h, engine = handlers("agg", True)
+    # The engine widens the image token to the measured placeholder (10 tokens here): 3 + 9 = 12 tokens of the
+    # context of 64; max_tokens 53 would end at the context length, so it is refused as for a text prompt.
+    h.image_placeholder = ([9] * 10, (0, 10))
+    req = request()
+    req.stop = StopConditions(max_tokens=53)
+    with pytest.raises(InvalidRequest, match="the prompt has 12 tokens and max_tokens is 53"):
+        [_ async for _ in h.generate(req, None)]
+    req.stop = StopConditions(max_tokens=52)
+    [_ async for _ in h.generate(req, None)]
