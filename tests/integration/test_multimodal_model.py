@@ -1,5 +1,7 @@
 """Images in chats end to end (issue #19, aggregated): the test vision-language model (tests/multimodal_model.py)
-served by ONE real vLLM CPU worker started with --enable-multimodal, a frontend, and the official openai client.
+served by TWO real vLLM CPU workers started with --enable-multimodal (two: a repeated image and prefix must land
+on the worker that holds it, through the KV router fed by the workers' KV events), a frontend and a second one
+with --frontend-decoding (same greedy tokens from pixels decoded in the frontend), and the official openai client.
 The same picture gives the same greedy tokens (alone and in a concurrent batch), another picture other tokens;
 bad media each get a 400 naming the problem while the server keeps serving; a model whose workers lack
 --enable-multimodal (a mocker beside it) refuses images by naming the flag. `/v1/responses` input_image parts
@@ -34,6 +36,7 @@ from tests.multimodal_model import IMAGE_SEQ_LEN, build_vlm
 VLM = "tiny-vlm"
 TEXT_ONLY = "text-only-mock"
 MAX_TOKENS = 12
+BLOCK = 32  # the workers' KV block size (vLLM's CPU default, 128, would leave a one-picture chat no full block)
 PICTURES = {"red": ((200, 30, 30), (48, 40)), "blue": ((20, 40, 220), (48, 40)), "green": ((30, 200, 30), (20, 60))}
 
 
@@ -75,25 +78,31 @@ def vlm_cluster(tmp_path_factory, vlm_dir):
 
     root = tmp_path_factory.mktemp("vlm-cluster")
     env = base_env(str(root / "discovery"))
-    port = free_port()
-    log = root / "worker.log"
-    # Not procs.start_worker: its engine flags are the text model's (2048-token context, 16 sequences).
-    worker = Proc("worker", subprocess.Popen(
-        [sys.executable, "-m", "turbine.vllm", "--system-port", str(port), "--model", vlm_dir,
-         "--served-model-name", VLM, "--enable-multimodal", "--enforce-eager", "--dtype", "float32",
-         "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}'],
-        env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT), log, port)
+
+    def vlm_worker(name: str) -> Proc:
+        port = free_port()
+        log = root / f"{name}.log"
+        # Not procs.start_worker: its engine flags are the text model's (2048-token context, 16 sequences).
+        return Proc(name, subprocess.Popen(
+            [sys.executable, "-m", "turbine.vllm", "--system-port", str(port), "--model", vlm_dir,
+             "--served-model-name", VLM, "--enable-multimodal", "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}',
+             "--block-size", str(BLOCK)],
+            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT), log, port)
+
+    workers = [vlm_worker("worker-a"), vlm_worker("worker-b")]
     mocker = start_mocker("mocker", env, root, "--served-model-name", TEXT_ONLY, "--speedup-ratio", "0")
     # KV routing: image requests are routed on block hashes keyed by their images (router/hashing.py).
     # (--max-images-per-request: above the worker's limit of 2, so each refusal is told apart by its flag)
     frontend = start_frontend("frontend", env, root, "--router-mode", "kv", "--max-images-per-request", "3")
-    procs = [worker, mocker, frontend]
+    decoding = start_frontend("frontend-decoding", env, root, "--router-mode", "kv", "--frontend-decoding")
+    procs = [*workers, mocker, frontend, decoding]
     try:
-        wait_until(lambda: worker_ready(worker) and worker_ready(mocker), ENGINE_START_TIMEOUT, "workers ready",
-                   procs)
-        wait_until(lambda: instances_of(frontend, VLM) == 1 and instances_of(frontend, TEXT_ONLY) == 1, 30,
-                   "frontend sees both models", procs)
-        yield {"frontend": frontend, "worker": worker}
+        wait_until(lambda: all(worker_ready(w) for w in (*workers, mocker)), ENGINE_START_TIMEOUT,
+                   "workers ready", procs)
+        wait_until(lambda: all(instances_of(f, VLM) == 2 and instances_of(f, TEXT_ONLY) == 1
+                               for f in (frontend, decoding)), 30, "frontends see both models", procs)
+        yield {"frontend": frontend, "workers": workers, "decoding": decoding}
     finally:
         stop_all(procs)
 
@@ -222,3 +231,86 @@ def test_a_model_without_enable_multimodal_refuses_images_naming_the_flag(oai):
     reply = oai.chat.completions.create(model=TEXT_ONLY, max_tokens=4, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
     assert reply.choices[0].finish_reason
+
+
+# -- KV routing on the workers' KV events, frontend-side decoding, max_tokens against the widened prompt ---------
+
+def served_by(workers) -> list[float]:
+    """Each worker's count of successful generate requests."""
+    return [metric_of(w, "turbine_worker_requests_total", 'outcome="success"') for w in workers]
+
+
+def metric_of(proc, name: str, having: str = "") -> float:
+    from tests.integration.procs import http_text
+
+    return sum(float(line.rsplit(" ", 1)[1]) for line in http_text(f"{proc.url}/metrics").splitlines()
+               if line.startswith(name) and line[len(name)] in " {" and having in line)
+
+
+def overlap_after(frontend, ask) -> float:
+    """The KV router's overlap ratio (cached share of the prompt's full blocks on the chosen worker) of the one
+    routing decision `ask` makes."""
+    before = metric_of(frontend, "turbine_router_overlap_ratio_sum")
+    ask()
+    return metric_of(frontend, "turbine_router_overlap_ratio_sum") - before
+
+
+def test_a_repeated_image_and_prefix_lands_on_the_worker_that_holds_it(vlm_cluster, oai):
+    frontend, workers = vlm_cluster["frontend"], vlm_cluster["workers"]
+    text = "Name every color you can see in this striped picture, from the left edge to the right edge. " * 6
+    pictures = {name: data_url(picture(color, (40, 32))) for name, color in
+                (("orange", (250, 140, 10)), ("purple", (120, 20, 160)))}
+    replies = []
+
+    def ask(name: str):
+        return lambda: replies.append(oai.chat.completions.create(model=VLM, max_tokens=2, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": pictures[name]}},
+                                         {"type": "text", "text": text}]}]))
+
+    before, indexed = served_by(workers), metric_of(frontend, "turbine_router_indexed_blocks")
+    assert overlap_after(frontend, ask("orange")) == 0
+    holder = max(range(2), key=lambda i: served_by(workers)[i] - before[i])
+    # The holder's KV events name the prompt's blocks, the image's among them, by the hashes the frontend computes.
+    blocks = replies[0].usage.prompt_tokens // BLOCK
+    assert blocks >= 4
+    wait_until(lambda: metric_of(frontend, "turbine_router_indexed_blocks") >= indexed + blocks, 30,
+               "the first request's blocks indexed from the worker's KV events")
+    # So the repeats match their whole prompt there (image blocks and the text after them), and go there.
+    for _ in range(3):
+        assert overlap_after(frontend, ask("orange")) == 1.0
+    after = served_by(workers)
+    assert after[holder] - before[holder] == 4 and after[1 - holder] == before[1 - holder]
+    # Another image behind the same text shares only the blocks before the image (none here): never an alias.
+    assert overlap_after(frontend, ask("purple")) == 0
+
+
+def test_frontend_decoding_sends_pixels_and_gives_the_same_tokens(vlm_cluster, oai):
+    decoding = OpenAI(base_url=f"{vlm_cluster['decoding'].url}/v1", api_key="unused", max_retries=0, timeout=300)
+    workers = vlm_cluster["workers"]
+
+    def images(form: str) -> float:
+        return sum(metric_of(w, "turbine_worker_images_total", f'form="{form}"') for w in workers)
+
+    files, pixels = images("file"), images("pixels")
+    for name in ("red", "green"):
+        url = data_url(picture(*PICTURES[name]))
+        assert tokens(answer(decoding, url)) == tokens(answer(oai, url))
+    # The decoding frontend's images reached the workers as pixels, the other's as files.
+    assert images("pixels") - pixels == 2 and images("file") - files == 2
+
+
+def test_max_tokens_over_the_widened_prompt_is_the_400_of_a_text_prompt(oai):
+    url = data_url(picture(*PICTURES["blue"]))
+    # The frontend's prompt has 35 tokens; the engine's, with the picture's 19 placeholder tokens, 53.
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=VLM, messages=chat(url), max_tokens=512 - 53 + 1)
+    assert err.value.body["param"] == "max_tokens"
+    assert "the prompt has 53 tokens and max_tokens is 460, 513 in all, over the model's context length of 512" \
+        in err.value.message
+    text = [{"role": "user", "content": "Describe the picture."}]
+    with pytest.raises(openai.BadRequestError) as text_err:
+        oai.chat.completions.create(model=VLM, messages=text, max_tokens=512)
+    assert text_err.value.body["param"] == "max_tokens" and "over the model's context length of 512" \
+        in text_err.value.message
+    # What fits is served.
+    assert oai.chat.completions.create(model=VLM, messages=chat(url), max_tokens=1).choices[0].finish_reason

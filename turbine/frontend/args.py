@@ -82,6 +82,9 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                     help="let image URLs reach private, loopback, link-local and other non-global addresses "
                          "(default: refused, so that clients cannot reach the operator's network through the "
                          "frontend)")
+    mm.add_argument("--frontend-decoding", action="store_true", default=env_bool("TURBINE_FRONTEND_DECODING"),
+                    help="send workers each image's decoded pixels (a uint8 array) instead of its file: the "
+                         "frontend decodes once and workers decode nothing (env TURBINE_FRONTEND_DECODING)")
     d = parser.add_argument_group("Turbine frontend: disaggregated prefill/decode (when prefill workers exist)")
     d.add_argument("--max-local-prefill-length", type=int,
                    default=env_int("TURBINE_MAX_LOCAL_PREFILL_LENGTH", DisaggConfig.max_local_prefill_length),
@@ -118,7 +121,8 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                                                 max_images=args.max_images_per_request,
                                                 fetch_timeout_s=args.media_fetch_timeout,
                                                 max_redirects=args.media_max_redirects,
-                                                allow_private_urls=args.allow_private_media_urls),
+                                                allow_private_urls=args.allow_private_media_urls,
+                                                frontend_decoding=args.frontend_decoding),
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,

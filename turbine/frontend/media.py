@@ -3,7 +3,9 @@
 The frontend is the one place that reads media from the outside: it fetches (bounded in bytes, time and
 redirects; private, loopback and other non-global addresses refused unless the operator passes
 --allow-private-media-urls), decodes with Pillow (PNG, JPEG, WebP only; bounded in pixels), hashes the decoded
-pixels and sends the checked file bytes to the worker (GenerateRequest.images), which never fetches. Video and
+pixels and sends the checked file bytes to the worker (GenerateRequest.images), which never fetches; with
+--frontend-decoding it sends the decoded pixels instead (a uint8 [height, width, 3] array), so the worker never
+decodes either, within the frame's bound on a request's decoded pixels (MAX_DECODED_BYTES). Video and
 audio parts are refused by name. Every fault is a RequestError naming the part (HTTP 400)."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import httpx
 from turbine.config import check, flag
 from turbine.frontend.base64_payload import decode_base64
 from turbine.frontend.errors import RequestError
-from turbine.protocol.generate import ImageInput
+from turbine.protocol.generate import ImageInput, ImagePixels
 
 PARAM = "messages"
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -35,6 +37,8 @@ REFUSED_PARTS = {
 # The `detail` values this server honours: the default only (OpenAI's low/high/original pick a resolution).
 DETAILS = (None, "auto")
 _REDIRECTS = (301, 302, 303, 307, 308)
+# A request's decoded pixels (--frontend-decoding) travel in one request-plane frame (32 MiB) with the rest.
+MAX_DECODED_BYTES = 24 << 20
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class MediaConfig:
     # Lets image URLs reach private, loopback, link-local and other non-global addresses (off: no
     # server-side request forgery into the operator's network through this frontend).
     allow_private_urls: bool = flag("--allow-private-media-urls", default=False)
+    # Sends workers the decoded pixels (ImageInput.pixels) instead of the file: workers decode nothing.
+    frontend_decoding: bool = flag("--frontend-decoding", default=False)
 
     def __post_init__(self):
         # The bytes travel in one request-plane frame (32 MiB), all images of a request together.
@@ -106,7 +112,12 @@ async def load_images(urls: list[tuple[str, str]], cfg: MediaConfig) -> list[Ima
     if len(urls) > cfg.max_images:
         raise RequestError(f"{urls[cfg.max_images][0]}: a request may hold at most {cfg.max_images} images "
                            "(--max-images-per-request)", param=PARAM)
-    return list(await asyncio.gather(*(load_image(where, url, cfg) for where, url in urls)))
+    images = list(await asyncio.gather(*(load_image(where, url, cfg) for where, url in urls)))
+    if cfg.frontend_decoding and (total := sum(len(i.pixels.data) for i in images)) > MAX_DECODED_BYTES:
+        raise RequestError(f"{urls[0][0]}: the request's images take {total} bytes decoded, over the "
+                           f"{MAX_DECODED_BYTES} one request may carry with --frontend-decoding (send smaller "
+                           "images; --max-image-pixels bounds each)", param=PARAM)
+    return images
 
 
 async def load_image(where: str, url: str, cfg: MediaConfig) -> ImageInput:
@@ -118,6 +129,10 @@ async def load_image(where: str, url: str, cfg: MediaConfig) -> ImageInput:
     else:
         raise RequestError(f"{where}: unsupported URL {_short(url)!r}: give a data: URL (base64) or an http(s) URL",
                            param=PARAM)
+    if cfg.frontend_decoding:
+        digest, rgb = await asyncio.to_thread(decode_image, where, data, cfg.max_image_pixels)
+        pixels = ImagePixels(dtype="uint8", shape=[rgb.height, rgb.width, 3], data=rgb.tobytes())
+        return ImageInput(hash=digest, pixels=pixels)
     digest = await asyncio.to_thread(check_image, where, data, cfg.max_image_pixels)
     return ImageInput(data=data, hash=digest)
 
@@ -125,6 +140,11 @@ async def load_image(where: str, url: str, cfg: MediaConfig) -> ImageInput:
 def check_image(where: str, data: bytes, max_pixels: int) -> str:
     """Decodes the file with Pillow (a supported format, within the pixel bound, not truncated) and returns
     the SHA-256 of its decoded RGB pixels and size: the same picture in another lossless file hashes alike."""
+    return decode_image(where, data, max_pixels)[0]
+
+
+def decode_image(where: str, data: bytes, max_pixels: int):
+    """check_image's hash and the decoded RGB image (a PIL image)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -147,7 +167,7 @@ def check_image(where: str, data: bytes, max_pixels: int) -> str:
         raise RequestError(f"{where}: the image cannot be decoded: {exc}", param=PARAM) from None
     h = hashlib.sha256(f"RGB {width}x{height}\n".encode())
     h.update(rgb.tobytes())
-    return h.hexdigest()
+    return h.hexdigest(), rgb
 
 
 async def _data_url_bytes(where: str, url: str, cfg: MediaConfig) -> bytes:

@@ -74,13 +74,25 @@ class TextInput(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
 
 
+class ImagePixels(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A decoded image as a typed array: `dtype` (always "uint8") and `shape` ([height, width, 3], RGB) say
+    how to read `data`, its raw bytes in row-major order (never a pickle)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
 class ImageInput(msgspec.Struct, omit_defaults=True, kw_only=True):
     """One image of a chat prompt (a worker with --enable-multimodal): the file as the client sent or
     served it, which the frontend decoded (PNG, JPEG or WebP, within its pixel bound), and the SHA-256 of its
-    decoded RGB pixels (the engine's identifier for the image: its encoder and prefix caches key on it)."""
+    decoded RGB pixels (the engine's identifier for the image: its encoder and prefix caches key on it).
+    With the frontend's --frontend-decoding, `pixels` (the decoded image) comes instead of `data`: the worker
+    then decodes nothing. Exactly one of the two is given."""
 
-    data: bytes
+    data: bytes = b""
     hash: str
+    pixels: ImagePixels | None = None
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -188,7 +188,12 @@ class Handlers:
             if req.prompt_embeds is not None:
                 raise InvalidRequest("images: a prompt given as embeddings takes no images")
             # Pillow decodes off the event loop, which serves every other request.
-            return await asyncio.to_thread(multimodal_prompt, req.token_ids, req.images)
+            prompt = await asyncio.to_thread(multimodal_prompt, req.token_ids, req.images)
+            pixels = sum(item.pixels is not None for item in req.images)
+            for form, count in (("pixels", pixels), ("file", len(req.images) - pixels)):
+                if count:
+                    self.metrics.images(form, count)
+            return prompt
         if req.prompt_embeds is None:
             return {"prompt_token_ids": req.token_ids}
         if not self.model_config.enable_prompt_embeds:

@@ -1,7 +1,9 @@
 """GenerateRequest.images (a worker with --enable-multimodal) → the engine's multi-modal data.
 
 The frontend fetched, decoded and bounded each image already; a worker still decodes what comes off the socket
-with Pillow alone (PNG, JPEG or WebP, within a pixel bound) and never fetches. Each image's hash (of its decoded pixels) is its identifier in the engine
+with Pillow alone (PNG, JPEG or WebP, within a pixel bound) and never fetches. An image the frontend decoded
+itself (its --frontend-decoding: ImageInput.pixels, a uint8 [height, width, 3] array) is only wrapped as a PIL
+image, never decoded. Each image's hash (of its decoded pixels) is its identifier in the engine
 (multi_modal_uuids): its encoder cache, prefix cache and KV events key on it, so two different images never
 share cached KV. Every fault is an InvalidRequest naming images.
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import io
 import logging
 
-from turbine.protocol.generate import ImageInput
+from turbine.protocol.generate import ImageInput, ImagePixels
 from turbine.runtime.errors import InvalidRequest
 
 log = logging.getLogger("turbine.vllm")
@@ -29,6 +31,11 @@ def decode_images(images: list[ImageInput]) -> list:
 
     out = []
     for i, item in enumerate(images):
+        if item.pixels is not None:
+            if item.data:
+                raise InvalidRequest(f"{PARAM}[{i}]: give the image's data or its pixels, not both")
+            out.append(pixels_image(i, item.pixels))
+            continue
         try:
             with Image.open(io.BytesIO(item.data)) as image:
                 if image.format not in FORMATS:
@@ -41,6 +48,23 @@ def decode_images(images: list[ImageInput]) -> list:
         except Exception as exc:  # Pillow's many decoder errors: the request's fault, never the worker's
             raise InvalidRequest(f"{PARAM}[{i}]: the image cannot be decoded: {type(exc).__name__}: {exc}") from None
     return out
+
+
+def pixels_image(i: int, pixels: ImagePixels):
+    """A decoded image (uint8, [height, width, 3]) as a PIL RGB image: its bytes are taken as they are."""
+    from PIL import Image
+
+    shape = pixels.shape
+    if pixels.dtype != "uint8" or len(shape) != 3 or shape[2] != 3 or min(shape) < 1:
+        raise InvalidRequest(f"{PARAM}[{i}].pixels: expected dtype uint8 and shape [height, width, 3], got "
+                             f"{pixels.dtype} {shape}")
+    height, width = shape[0], shape[1]
+    if height * width > MAX_PIXELS:
+        raise InvalidRequest(f"{PARAM}[{i}]: the image is too large ({width}x{height})")
+    if len(pixels.data) != height * width * 3:
+        raise InvalidRequest(f"{PARAM}[{i}].pixels: {len(pixels.data)} bytes for shape {shape} "
+                             f"({height * width * 3} expected)")
+    return Image.frombytes("RGB", (width, height), pixels.data)
 
 
 def multimodal_prompt(token_ids: list[int], images: list[ImageInput]) -> dict:

@@ -32,6 +32,8 @@ _lora_engine_loads = Counter("turbine_worker_lora_engine_loads",
                             "LoRA adapters handed to the engine to load (a load of a name already loaded is "
                             "answered without the engine)", LABELS)
 _loras_loaded = Gauge("turbine_worker_loras_loaded", "LoRA adapters loaded", LABELS)
+_images = Counter("turbine_worker_images", "images received, by form: file (the worker decodes it) or pixels "
+                  "(decoded by the frontend: its --frontend-decoding)", [*LABELS, "form"])
 
 
 class WorkerMetrics:
@@ -51,6 +53,9 @@ class WorkerMetrics:
 
     def request_done(self, outcome: str) -> None:
         _requests.labels(*self._values, outcome).inc()
+
+    def images(self, form: str, count: int) -> None:
+        _images.labels(*self._values, form).inc(count)
 
     def error(self, error_type: str) -> None:
         _errors.labels(*self._values, error_type).inc()

@@ -287,7 +287,51 @@ async def test_a_request_holds_a_bounded_number_of_images(vlm_tokenizer):
                          media=MediaConfig(max_images=1))
 
 
-# -- max_tokens against the engine's widened prompt ----------------------------------------------------------------
+# -- --frontend-decoding, and max_tokens against the engine's widened prompt -------------------------------------
+async def test_frontend_decoding_sends_pixels_the_worker_takes_as_the_files_image(vlm_tokenizer):
+    from PIL import Image
+
+    from turbine.vllm.images import decode_images
+
+    red, blue = picture(), picture((20, 40, 220), size=(30, 50), fmt="JPEG")
+    body = chat_body(data_url(red), data_url(blue, "image/jpeg"))
+    files = await preprocess(body, "chat", table(vlm_tokenizer, True))
+    pixels = await preprocess(body, "chat", table(vlm_tokenizer, True), media=MediaConfig(frontend_decoding=True))
+    # Not the file: its decoded pixels, typed (dtype, shape) and raw, with the same hash; the rest as without.
+    assert [i.data for i in pixels.request.images] == [b"", b""]
+    assert [(i.pixels.dtype, i.pixels.shape) for i in pixels.request.images] == [("uint8", [40, 48, 3]),
+                                                                                 ("uint8", [50, 30, 3])]
+    assert [i.hash for i in pixels.request.images] == [i.hash for i in files.request.images]
+    assert pixels.request.token_ids == files.request.token_ids
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(pixels.request), type=GenerateRequest)
+    # The worker wraps the pixels (no decoding) into the image it would have decoded from the file.
+    got = decode_images(wire.images)
+    for image, data in zip(got, (red, blue)):
+        assert image.mode == "RGB" and image.tobytes() == Image.open(io.BytesIO(data)).convert("RGB").tobytes()
+
+
+async def test_frontend_decoding_bounds_a_requests_decoded_pixels(vlm_tokenizer, monkeypatch):
+    from turbine.frontend import media
+
+    body = chat_body(data_url(picture()), data_url(picture()))
+    monkeypatch.setattr(media, "MAX_DECODED_BYTES", 48 * 40 * 3 * 2 - 1)  # one byte short of the two pictures
+    with pytest.raises(RequestError, match="--frontend-decoding") as err:
+        await preprocess(body, "chat", table(vlm_tokenizer, True), media=MediaConfig(frontend_decoding=True))
+    assert err.value.param == "messages"
+    # Each picture is bounded by --max-image-pixels before it is decoded, as without the flag.
+    with pytest.raises(RequestError, match="--max-image-pixels"):
+        await preprocess(body, "chat", table(vlm_tokenizer, True),
+                         media=MediaConfig(frontend_decoding=True, max_image_pixels=100))
+
+
+def test_frontend_decoding_flag_reaches_the_config():
+    from turbine.frontend.args import build_parser, frontend_config_from_args
+
+    parser = build_parser()
+    assert frontend_config_from_args(parser.parse_args(["--frontend-decoding"]), parser).media.frontend_decoding
+    assert not frontend_config_from_args(parser.parse_args([]), parser).media.frontend_decoding
+
+
 async def test_max_tokens_is_checked_against_the_engines_widened_prompt(vlm_tokenizer):
     models = table(vlm_tokenizer, True)
     card = models.models["m"].card

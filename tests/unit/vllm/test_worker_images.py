@@ -105,6 +105,47 @@ async def test_workers_that_take_no_images_refuse_them(role, multimodal, words):
     assert not engine.prompts
 
 
+def test_pixels_from_the_frontend_are_wrapped_not_decoded():
+    from turbine.protocol.generate import ImagePixels
+
+    raw = bytes(range(256)) * 3  # 16 x 16 x 3
+    (image,) = decode_images([ImageInput(hash="h", pixels=ImagePixels(dtype="uint8", shape=[16, 16, 3], data=raw))])
+    assert image.mode == "RGB" and image.size == (16, 16) and image.tobytes() == raw
+
+
+@pytest.mark.parametrize("item, words", [
+    (dict(pixels=dict(dtype="float32", shape=[16, 16, 3])), "expected dtype uint8"),
+    (dict(pixels=dict(dtype="uint8", shape=[16, 16])), "expected dtype uint8 and shape"),
+    (dict(pixels=dict(dtype="uint8", shape=[16, 17, 3])), "bytes for shape"),
+    (dict(pixels=dict(dtype="uint8", shape=[1 << 14, 1 << 13, 3])), "too large"),
+    (dict(pixels=dict(dtype="uint8", shape=[16, 16, 3]), data=b"png"), "not both"),
+])
+def test_bad_pixels_are_invalid_requests(item, words):
+    from turbine.protocol.generate import ImagePixels
+
+    pixels = ImagePixels(data=bytes(range(256)) * 3, **item.pop("pixels"))
+    with pytest.raises(InvalidRequest, match=words):
+        decode_images([ImageInput(hash="h", pixels=pixels, **item)])
+
+
+async def test_images_are_counted_by_form():
+    from prometheus_client import REGISTRY
+
+    from turbine.protocol.generate import ImagePixels
+
+    def count(form):
+        return REGISTRY.get_sample_value("turbine_worker_images_total", {
+            "namespace": "t", "component": "c", "model": "m", "worker_id": "mm-agg-True", "form": form}) or 0
+
+    h, engine = handlers("agg", True)
+    pixels = ImageInput(hash="d" * 64, pixels=ImagePixels(dtype="uint8", shape=[2, 2, 3], data=bytes(12)))
+    req = GenerateRequest(request_id="r", model="m", token_ids=[1, 2, 3], images=[request().images[0], pixels])
+    files, decoded = count("file"), count("pixels")
+    [_ async for _ in h.generate(req, None)]
+    assert count("file") - files == 1 and count("pixels") - decoded == 1
+    assert engine.prompts[-1]["multi_modal_data"]["image"][1].size == (2, 2)
+
+
 async def test_max_tokens_counts_the_engines_widened_prompt():
     from turbine.protocol.generate import StopConditions
 
