@@ -1,9 +1,11 @@
 """--connector kvbm on a real vLLM CPU engine with a deliberately small KV cache: a long prompt pushed
 out of the engine comes back from the host tier, then (pushed out of the host tier too) from the
 disk tier, with the same greedy text as its first, fresh computation and the engine counting the
-tokens as external-cache hits by tier; a corrupted block file is recomputed, not used.
+tokens as external-cache hits by tier; a corrupted block file is recomputed, not used. A second
+worker that shares the first's shared tier (its own discovery and frontend, so each request goes
+where the test sends it) onboards a prompt the first computed.
 
-One engine for the module, with 32-token blocks (the CPU build's default is 128; smaller prompts keep
+Two engines for the module (the second only for what needs a second worker), with 32-token blocks (the CPU build's default is 128; smaller prompts keep
 the test short). Each prompt is 112 token ids: 3 full blocks (what is offloaded) and a partial one,
 so 4 engine blocks with its output. The
 engine holds 7 blocks (6 usable: vLLM keeps one as its null block), the host tier 6.5 blocks' bytes
@@ -49,21 +51,30 @@ def prompt(seed: int) -> list[int]:
 def kvbm(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("kvbm")
     env = base_env(str(root / "discovery"))
-    disk = root / "kv-disk"
-    worker = start_worker("kvbm-worker", env, root, "--dtype", "float32", "--block-size", str(BLOCK),
-                          "--max-model-len", "192",  # the 6 usable blocks
-                          "--num-gpu-blocks-override", "7", "--connector", "kvbm",
-                          "--kv-host-cache-gb", f"{HOST_GB:.9f}", "--kv-disk-cache-gb", "1",
+    env_b = base_env(str(root / "discovery-b"))
+    disk, shared = root / "kv-disk", root / "kv-shared"
+    small_engine = ("--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "192",  # the 6 usable blocks
+                    "--num-gpu-blocks-override", "7", "--connector", "kvbm", "--kv-host-cache-gb", f"{HOST_GB:.9f}",
+                    "--kv-shared-cache-gb", "1", "--kv-shared-cache-dir", str(shared))
+    worker = start_worker("kvbm-worker", env, root, *small_engine, "--kv-disk-cache-gb", "1",
                           "--kv-disk-cache-dir", str(disk))
+    worker_b = start_worker("kvbm-worker-b", env_b, root, *small_engine)
     frontend = start_frontend("kvbm-frontend", env, root)
-    procs = [worker, frontend]
+    frontend_b = start_frontend("kvbm-frontend-b", env_b, root)
+    procs = [worker, worker_b, frontend, frontend_b]
     try:
-        wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, "kvbm worker ready", procs)
-        wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, "frontend sees the worker", procs)
-        client = OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield {"worker": worker, "client": client, "disk": disk}
+        for w in (worker, worker_b):
+            wait_until(lambda: worker_ready(w), ENGINE_START_TIMEOUT, f"{w.name} ready", procs)
+        for f in (frontend, frontend_b):
+            wait_until(lambda: instances_of(f, MODEL) == 1, 30, f"{f.name} sees its worker", procs)
+        yield {"worker": worker, "client": _client(frontend), "disk": disk, "shared": shared,
+               "b": {"worker": worker_b, "client": _client(frontend_b)}}
     finally:
         stop_all(procs)
+
+
+def _client(frontend) -> OpenAI:
+    return OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def cached_by_source(worker) -> dict[str, float]:
@@ -91,10 +102,18 @@ def run(kvbm, tokens: list[int]) -> tuple[str, dict[str, float]]:
     return r.choices[0].text, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after | before}
 
 
-def block_files(kvbm, tokens: list[int]) -> list[str]:
-    """The disk tier's file of each full block, named by the router's block hash."""
-    (layout,) = os.listdir(kvbm["disk"])  # one model, one KV layout
-    return [os.path.join(kvbm["disk"], layout, file_name(h)) for h in block_hashes(tokens[:FULL * BLOCK], BLOCK)]
+def block_files(kvbm, tokens: list[int], tier: str = "disk") -> list[str]:
+    """The disk (or shared) tier's file of each full block, named by the router's block hash."""
+    (layout,) = os.listdir(kvbm[tier])  # one model, one KV layout
+    return [os.path.join(kvbm[tier], layout, file_name(h)) for h in block_hashes(tokens[:FULL * BLOCK], BLOCK)]
+
+
+def flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 1000)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_recomputed(kvbm):
@@ -130,19 +149,32 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     assert counted["blocks_stored/host"] >= FULL  # promoted into the host tier as they were read
     assert counted["read_seconds/disk"] > 0 and counted["write_seconds/host"] > 0  # transfer time, per tier
 
-    # A corrupt block file: E and F push A out again; A's block 1 gets one payload byte flipped.
+    # A corrupt block file: E and F push A out again; A's block 1 gets one payload byte flipped in both
+    # file tiers (the disk tier's copy alone would be served from the shared tier instead).
     run(kvbm, prompt(5))
     run(kvbm, prompt(6))
     bad = block_files(kvbm, a)[1]
-    with open(bad, "r+b") as f:
-        f.seek(HEADER_SIZE + 1000)
-        byte = f.read(1)
-        f.seek(HEADER_SIZE + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_a_byte(bad)
+    flip_a_byte(block_files(kvbm, a, "shared")[1])
     text, counted = run(kvbm, a)
     assert counted["disk"] == FULL * BLOCK, counted  # planned from disk; block 1 fails its checksum on read
     assert text == fresh  # blocks 1 and 2 recomputed: the damaged block never reached the engine
     assert counted["corrupt_blocks/disk"] == 1 and counted["hits/disk"] == 1, counted  # block 0 only
+    assert counted["corrupt_blocks/shared"] == 1 and counted.get("hits/shared", 0) == 0, counted
     # The bad file was dropped and the recomputed block written again, whole.
     with open(bad, "rb") as f:
         assert decode(f.read(), block_hashes(a[:2 * BLOCK], BLOCK)[1]).num_tokens == BLOCK
+
+
+def test_a_second_worker_onboards_from_the_shared_tier_what_the_first_computed(kvbm):
+    g = prompt(7)
+    fresh, counted = run(kvbm, g)  # worker A computes it: its full blocks go to every tier, the shared one too
+    assert counted["external"] == 0 and counted["blocks_stored/shared"] == FULL, counted
+    assert all(os.path.exists(f) for f in block_files(kvbm, g, "shared"))
+    # Worker B never saw it: its scheduler half finds the blocks by probing the shared directory.
+    text, counted = run(kvbm["b"], g)
+    assert text == fresh
+    assert counted["external"] == FULL * BLOCK and counted["external_unspecified"] == FULL * BLOCK, counted
+    assert counted.get("device", 0) == 0 and counted.get("host", 0) == 0, counted
+    assert counted["hits/shared"] == FULL and counted["bytes_read/shared"] == FULL * BLOCK_BYTES, counted
+    assert counted["blocks_stored/host"] == FULL  # promoted into B's host tier as they were read

@@ -249,6 +249,29 @@ class SharedStore(_FileStore):
         return self._estimate
 
 
+TIER_ID_FILE = "tier-id"
+
+
+def shared_tier_id(directory: str) -> str:
+    """The id of the shared tier rooted at `directory`, the same for every worker that sees it however it
+    is mounted: the first worker writes a random one to `directory/tier-id` (temp file + link, so one
+    writer wins and nobody reads half of it), the others read it."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TIER_ID_FILE)
+    if not os.path.exists(path):
+        tmp = os.path.join(directory, f".{TIER_ID_FILE}.{os.getpid()}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+        with open(tmp, "w") as f:
+            f.write(uuid.uuid4().hex)
+        try:
+            os.link(tmp, path)  # fails if another worker's is there already: theirs stands
+        except FileExistsError:
+            pass
+        finally:
+            _unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()
+
+
 def _unlink(path: str) -> bool:
     try:
         os.unlink(path)

@@ -100,6 +100,13 @@ def _build_parser():
     parser.add_argument("--kv-disk-min-uses", type=int, default=None,
                         help="--connector kvbm: write a block to the disk tier only once it has been used this many "
                              "times (computed, or hit in a tier); default 1, every block (see benchmarks/RESULTS.md)")
+    parser.add_argument("--kv-shared-cache-gb", type=float, default=None,
+                        help="--connector kvbm: shared tier size in GiB (with --kv-shared-cache-dir): what all the "
+                             "workers that share the directory keep there together")
+    parser.add_argument("--kv-shared-cache-dir", default=None,
+                        help="--connector kvbm: directory of the shared tier, which several workers (of one host, or "
+                             "of hosts on a shared filesystem) read and write: a prefix one worker computed is "
+                             "loaded by the others. Written by atomic rename, read checksummed")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -192,7 +199,8 @@ def _configure_connector(args, parser, serving: ServingConfig) -> None:
     explicit = args.kv_transfer_config is not None
     if explicit and args.connector is not None:
         parser.error("--connector and --kv-transfer-config both configure the KV connector: give one")
-    tiers = KvbmTiers(args.kv_host_cache_gb, args.kv_disk_cache_gb, args.kv_disk_cache_dir, args.kv_disk_min_uses)
+    tiers = KvbmTiers(args.kv_host_cache_gb, args.kv_disk_cache_gb, args.kv_disk_cache_dir, args.kv_disk_min_uses,
+                      args.kv_shared_cache_gb, args.kv_shared_cache_dir)
     if explicit:
         try:
             check_kvbm_flags([], tiers)

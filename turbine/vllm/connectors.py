@@ -40,11 +40,14 @@ class ConnectorError(ValueError):
 
 @dataclass(frozen=True)
 class KvbmTiers:
-    """--kv-host-cache-gb, --kv-disk-cache-gb, --kv-disk-cache-dir (GiB: 2**30 bytes), --kv-disk-min-uses."""
+    """--kv-host-cache-gb, --kv-disk-cache-gb, --kv-disk-cache-dir (GiB: 2**30 bytes), --kv-disk-min-uses,
+    --kv-shared-cache-gb, --kv-shared-cache-dir."""
     host_gb: float | None = None
     disk_gb: float | None = None
     disk_dir: str | None = None
     disk_min_uses: int | None = None  # the disk tier's frequency filter (None: every block is written)
+    shared_gb: float | None = None
+    shared_dir: str | None = None
 
 
 GIB = 1 << 30
@@ -53,7 +56,8 @@ GIB = 1 << 30
 def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
     """The tier flags are only for --connector kvbm, and each needs its partner."""
     given = [f for f, v in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb),
-                            ("--kv-disk-cache-dir", tiers.disk_dir), ("--kv-disk-min-uses", tiers.disk_min_uses))
+                            ("--kv-disk-cache-dir", tiers.disk_dir), ("--kv-disk-min-uses", tiers.disk_min_uses),
+                            ("--kv-shared-cache-gb", tiers.shared_gb), ("--kv-shared-cache-dir", tiers.shared_dir))
              if v is not None]
     if given and "kvbm" not in names:
         raise ConnectorError(f"{', '.join(given)}: the KV tiers need --connector kvbm")
@@ -62,7 +66,8 @@ def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
     if len(names) > 1:
         # MultiConnector with kvbm and nixl has not been run here: refused until it is.
         raise ConnectorError("--connector kvbm cannot be combined with other connectors yet")
-    for flag_name, value in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb)):
+    for flag_name, value in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb),
+                             ("--kv-shared-cache-gb", tiers.shared_gb)):
         if value is not None and not value > 0:
             raise ConnectorError(f"{flag_name} must be > 0, got {value}")
     if (tiers.disk_gb is None) != (tiers.disk_dir is None):
@@ -74,9 +79,16 @@ def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
                                  "--kv-disk-cache-dir")
         if tiers.disk_min_uses < 1:
             raise ConnectorError(f"--kv-disk-min-uses must be >= 1, got {tiers.disk_min_uses}")
-    if tiers.host_gb is None and tiers.disk_gb is None:
-        raise ConnectorError("--connector kvbm needs a tier: --kv-host-cache-gb and/or --kv-disk-cache-gb with "
-                             "--kv-disk-cache-dir")
+    if (tiers.shared_gb is None) != (tiers.shared_dir is None):
+        raise ConnectorError("--kv-shared-cache-gb and --kv-shared-cache-dir go together (the shared tier's size "
+                             "and directory)")
+    if tiers.disk_dir is not None and tiers.shared_dir is not None and (
+            os.path.abspath(tiers.disk_dir) == os.path.abspath(tiers.shared_dir)):
+        raise ConnectorError("--kv-disk-cache-dir and --kv-shared-cache-dir must differ (the disk tier is this "
+                             "worker's alone, the shared one everyone's)")
+    if tiers.host_gb is None and tiers.disk_gb is None and tiers.shared_gb is None:
+        raise ConnectorError("--connector kvbm needs a tier: --kv-host-cache-gb, --kv-disk-cache-gb with "
+                             "--kv-disk-cache-dir and/or --kv-shared-cache-gb with --kv-shared-cache-dir")
 
 
 def kvbm_config(tiers: KvbmTiers) -> dict:
@@ -85,6 +97,8 @@ def kvbm_config(tiers: KvbmTiers) -> dict:
         DISK_DIR,
         DISK_MIN_USES,
         HOST_BYTES,
+        SHARED_BYTES,
+        SHARED_DIR,
     )
 
     extra = {}
@@ -95,6 +109,9 @@ def kvbm_config(tiers: KvbmTiers) -> dict:
         extra[DISK_DIR] = os.path.abspath(tiers.disk_dir)
     if tiers.disk_min_uses is not None:
         extra[DISK_MIN_USES] = tiers.disk_min_uses
+    if tiers.shared_gb is not None:
+        extra[SHARED_BYTES] = int(tiers.shared_gb * GIB)
+        extra[SHARED_DIR] = os.path.abspath(tiers.shared_dir)
     # A block that cannot be read back (evicted meanwhile, a corrupt file) is computed instead.
     return {"kv_connector": "TurbineKvbmConnector", "kv_connector_module_path": "turbine.vllm.kvbm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from turbine.kvbm import Block, DiskStore, HostStore, TieredStore
+from turbine.kvbm import Block, DiskStore, HostStore, SharedStore, TieredStore, shared_tier_id
+from turbine.kvbm.block import file_name
 from turbine.router.hashing import block_hashes
 from turbine.vllm.kvbm_stats import KvbmPromMetrics, KvbmStats, StatsSource
 
@@ -57,10 +59,16 @@ log = logging.getLogger("turbine.vllm.kvbm")
 
 # kv_connector_extra_config keys (set by turbine.vllm.connectors from the --kv-* flags)
 HOST_BYTES, DISK_BYTES, DISK_DIR, DISK_MIN_USES = "host_bytes", "disk_bytes", "disk_dir", "disk_min_uses"
+SHARED_BYTES, SHARED_DIR = "shared_bytes", "shared_dir"
 
-_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# vLLM has no source for a store other workers share: it counts as external_unspecified.
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
-TIER_ORDER = ("host", "disk")  # fastest first
+TIER_ORDER = ("host", "disk", "shared")  # fastest first
+PRIVATE_TIERS = ("host", "disk")  # this worker's own; the shared tier is everyone's who sees its directory
+# vLLM's KV events name where a block lives by `medium` ("GPU" for the engine's cache): ours are
+# "turbine.kvbm/<tier>", which turbine.vllm.kv_events_relay turns into the event's `tier`.
+MEDIUM_PREFIX = "turbine.kvbm/"
 
 
 def layout_key(vllm_config) -> str:
@@ -71,14 +79,30 @@ def layout_key(vllm_config) -> str:
     return f"{xxhash.xxh3_64_intdigest(repr(parts).encode()):016x}"
 
 
+def shared_dir(vllm_config) -> str | None:
+    """The shared tier's directory for this model's KV layout (None: no shared tier)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    return os.path.join(extra[SHARED_DIR], layout_key(vllm_config)) if extra.get(SHARED_BYTES) else None
+
+
+def kv_shared_tier(vllm_config) -> str | None:
+    """The shared tier's id for the worker's card (turbine.kvbm.shared_tier_id), None without one."""
+    kv = vllm_config.kv_transfer_config
+    extra = (kv.kv_connector_extra_config or {}) if kv is not None and kv.kv_connector == "TurbineKvbmConnector" else {}
+    return shared_tier_id(extra[SHARED_DIR]) if extra.get(SHARED_BYTES) else None
+
+
 def build_store(vllm_config) -> TieredStore:
-    """The worker half's tiers, from kv_connector_extra_config; the disk tier in a directory per layout."""
+    """The worker half's tiers, from kv_connector_extra_config; each file tier in a directory per layout."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     tiers = []
     if extra.get(HOST_BYTES):
         tiers.append(HostStore(int(extra[HOST_BYTES])))
     if extra.get(DISK_BYTES):
         tiers.append(DiskStore(os.path.join(extra[DISK_DIR], layout_key(vllm_config)), int(extra[DISK_BYTES])))
+    if (shared := shared_dir(vllm_config)) is not None:
+        # Not adopted: other workers' blocks there reach the scheduler half by its probe (see the module doc).
+        tiers.append(SharedStore(shared, int(extra[SHARED_BYTES])))
     store = TieredStore(tiers, min_uses={"disk": int(extra[DISK_MIN_USES])} if extra.get(DISK_MIN_USES) else None)
     adopted = store.adopt_held()
     log.info("kvbm tiers: %s; %d blocks found on disk", ", ".join(f"{t.name} {t.capacity_bytes} bytes"
@@ -134,6 +158,10 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         # req -> {engine block id: block index} of the loads planned for this step / in the step running
         self._loading: dict[str, dict[int, int]] = {}
         self._in_flight: dict[str, dict[int, int]] = {}
+        # The consolidated stream for the router, taken by vLLM's take_events: (stored?, tier, hash)
+        self._events: list[tuple[bool, str, int]] = []
+        # The shared tier's directory: blocks other workers wrote there are in no event of this worker's.
+        self._shared_dir = shared_dir(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         # worker side
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
         self._stats = StatsSource(self.store.metrics) if self.store is not None else None
@@ -169,7 +197,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         hashes = self._hashes(t, loadable)
         tiers = []
         for h in hashes[first:]:
-            if (tier := self._locate(h)) is None:
+            if (tier := self._locate(h) or self._probe_shared(h)) is None:
                 break
             tiers.append(tier)
         if not tiers:
@@ -177,6 +205,13 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             return 0, False
         self._lookups[request.request_id] = (first, hashes, tiers)
         return len(tiers) * self.block_size, False
+
+    def _probe_shared(self, block_hash: int) -> str | None:
+        """Whether the shared tier has the block's file (one stat): another worker may have written it.
+        A file gone or corrupt by the time the worker reads it is a failed load, hence recomputed."""
+        if self._shared_dir is not None and os.path.exists(os.path.join(self._shared_dir, file_name(block_hash))):
+            return "shared"
+        return None
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         lookup = self._lookups.pop(request.request_id, None)
@@ -217,8 +252,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
                 continue
             hashes = self._hashes(t, done)
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            loading = set(self._in_flight.get(req_id, {}).values())  # read from a tier this step: not saved
             for i in range(t.saved, done):
-                if self._locate(hashes[i]) is None and hashes[i] not in planned:
+                if i not in loading and self._locate(hashes[i]) is None and hashes[i] not in planned:
                     planned.add(hashes[i])
                     meta.saves.append((req_id, block_ids[i], hashes[i], hashes[i - 1] if i else None))
             t.saved = done
@@ -240,12 +276,48 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvbmWorkerMetadata):
             return
         for stored, tier, h in meta.events:
+            where = self._where.get(h) or set()
+            before = _fastest_private(where), "shared" in where
             if stored:
-                self._where.setdefault(h, set()).add(tier)
-            elif (where := self._where.get(h)) is not None:
+                where.add(tier)
+                self._where[h] = where
+            elif tier in where:
                 where.discard(tier)
                 if not where:
                     del self._where[h]
+            after = _fastest_private(where), "shared" in where
+            self._consolidate(h, before, after)
+
+    def _consolidate(self, h: int, before: tuple[str | None, bool], after: tuple[str | None, bool]) -> None:
+        """The router's stream: the worker's own tiers as one (stored when the block first appears in one
+        of them and when its fastest one changes, removed when gone from all), the shared tier apart
+        (every worker that sees it can load the block: the router counts it for them all)."""
+        (private_before, shared_before), (private_after, shared_after) = before, after
+        if private_after != private_before:
+            self._events.append((private_after is not None, private_after or private_before, h))
+        if shared_after != shared_before:
+            self._events.append((shared_after, "shared", h))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The consolidated stream, published by vLLM with the engine's own KV events (when they are on)
+        and relayed to the router by turbine.vllm.kv_events_relay. Runs of one kind and tier become one
+        event. Hashes are the router's own (the tiers name blocks by them); tokens are not sent."""
+        out: list[KVCacheEvent] = []
+        run: list[int] = []
+        for i, (stored, tier, h) in enumerate(self._events):
+            run.append(h)
+            nxt = self._events[i + 1] if i + 1 < len(self._events) else None
+            if nxt is not None and nxt[:2] == (stored, tier):
+                continue
+            medium = MEDIUM_PREFIX + tier
+            if stored:
+                out.append(BlockStored(block_hashes=run, parent_block_hash=None, token_ids=[],
+                                       block_size=self.block_size, lora_id=None, medium=medium, lora_name=None))
+            else:
+                out.append(BlockRemoved(block_hashes=run, medium=medium))
+            run = []
+        self._events = []
+        return out
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._tracked.pop(request.request_id, None)
@@ -304,7 +376,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
         events = self.store.take_tier_events()
-        self.store.take_events()  # the consolidated stream is not published yet (issue #18): kept from growing
+        # The scheduler half builds the router's stream (take_events) from its mirror of these tier
+        # events, so the store's own consolidated stream is only kept from growing here.
+        self.store.take_events()
         if not events:
             return None
         return KvbmWorkerMetadata([(e.kind == "stored", e.tier, e.block_hash) for e in events])
@@ -324,3 +398,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvbmPromMetrics:
         return KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _fastest_private(where: set[str]) -> str | None:
+    return next((t for t in PRIVATE_TIERS if t in where), None)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from turbine.kvbm import Block, DiskStore, KvbmMetrics, SharedStore
+from turbine.kvbm import Block, DiskStore, KvbmMetrics, SharedStore, shared_tier_id
 from turbine.kvbm.block import HEADER_SIZE
 
 H = 0xC0FFEE
@@ -131,3 +131,22 @@ def test_full_disk_turns_the_tier_off_with_a_warning(tmp_path):
     # but still serves what it holds; the refused block left no file, not even a temp one
     assert r == [True, False, False, False, True, False, 1.0, 1.0, ["0000000000000001.kvb"]]
     assert len(warnings) == 1 and "writes to it are off" in warnings[0]
+
+
+def _tier_id(directory: str, out) -> None:
+    out.put(shared_tier_id(directory))
+
+
+def test_every_worker_of_a_shared_directory_announces_the_same_tier_id(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tier_id, args=(str(tmp_path / "shared"), out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    ids = {out.get(timeout=60) for _ in procs}
+    for p in procs:
+        p.join(timeout=60)
+    assert len(ids) == 1 and len(ids.pop()) == 32
+    assert shared_tier_id(str(tmp_path / "shared")) == shared_tier_id(str(tmp_path / "shared"))
+    assert shared_tier_id(str(tmp_path / "other")) != shared_tier_id(str(tmp_path / "shared"))
+    assert not [n for n in os.listdir(tmp_path / "shared") if n.endswith(".tmp")]

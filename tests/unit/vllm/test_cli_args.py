@@ -92,6 +92,13 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
     (["--kv-disk-min-uses", "2"], "--kv-disk-min-uses: the KV tiers need --connector kvbm"),
     (["--connector", "offload"], "only supported on CUDA-alike and XPU GPUs"),
     (["--connector", "lmcache"], "--connector lmcache cannot run on the vLLM CPU build"),
+    (["--connector", "kvbm", "--kv-shared-cache-dir", "/tmp/x"],
+     "--kv-shared-cache-gb and --kv-shared-cache-dir go together"),
+    (["--connector", "kvbm", "--kv-shared-cache-gb", "-1", "--kv-shared-cache-dir", "/tmp/x"],
+     "--kv-shared-cache-gb must be > 0"),
+    (["--connector", "kvbm", "--kv-disk-cache-gb", "1", "--kv-disk-cache-dir", "/tmp/x", "--kv-shared-cache-gb", "1",
+      "--kv-shared-cache-dir", "/tmp/x/"], "--kv-disk-cache-dir and --kv-shared-cache-dir must differ"),
+    (["--kv-shared-cache-gb", "1"], "--kv-shared-cache-gb: the KV tiers need --connector kvbm"),
     (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm cannot be combined"),
     (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--tensor-parallel-size", "2"], "--connector kvbm: not with"),
     (["--is-decode-worker", "--connector", "kvbm", "--kv-host-cache-gb", "1"],
@@ -143,6 +150,9 @@ def test_kvbm_connector_and_its_tiers(tmp_path):
     filtered = parse_worker_args(["--connector", "kvbm", "--kv-disk-cache-gb", "2", "--kv-disk-cache-dir", str(tmp_path),
                                   "--kv-disk-min-uses", "2"]).engine_args.kv_transfer_config
     assert filtered.kv_connector_extra_config["disk_min_uses"] == 2
+    shared = parse_worker_args(["--connector", "kvbm", "--kv-shared-cache-gb", "4", "--kv-shared-cache-dir",
+                                str(tmp_path / "s")]).engine_args.kv_transfer_config
+    assert shared.kv_connector_extra_config == {"shared_bytes": 4 * 2**30, "shared_dir": str(tmp_path / "s")}
 
 
 def test_several_connectors_become_vllms_multi_connector():
