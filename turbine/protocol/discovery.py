@@ -79,6 +79,10 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # hold it (block hashes as in the worker's KV events) and checks max_tokens against the widened prompt.
     image_placeholder: list[int] | None = None
     image_placeholder_range: tuple[int, int] | None = None
+    # The id of the shared KV tier this instance reads and writes (--kv-shared-cache-dir; the id is kept in
+    # that directory, so every worker that sees it announces the same one); a KV router counts that tier's
+    # blocks for every instance announcing it. None: no shared tier.
+    kv_shared_tier: str | None = None
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the

@@ -9,6 +9,17 @@ as they are (turbine.router.hashing hashes a block as exactly these bytes).
 Wire version 2: BlockStored carries `tokens` (packed bytes) instead of v1's `token_ids` (a list
 of ints). A v2 decoder rejects a v1 BlockStored (its required `tokens` is missing) and a v1
 decoder a v2 one, so mixed versions fail loudly instead of routing on wrong hashes.
+
+Tiers (issue #18, still wire version 2): BlockStored and BlockRemoved have an optional `tier`.
+None (omitted on the wire, so engine events are byte-for-byte what they were) is the engine's own
+cache. A tier event is a worker's offload tiers (turbine.kvbm) speaking: `block_hashes` and
+`parent_hash` are then the router's own hashes (the tiers name blocks by them), `tokens` is empty.
+- "host", "disk": the worker's own tiers, consolidated: stored when a block first appears in one of
+  them (and again, with the new tier, when its fastest tier changes), removed when gone from all;
+- "shared": the shared tier the worker announces in its card (`kv_shared_tier`): stored when the
+  worker put a block there or found one there, removed when it saw the block gone.
+A router that predates tiers would take a tier event for an engine event; turbine's routers
+handle both.
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ def unpack_token_ids(data: bytes) -> list[int]:
     return packed.tolist()
 
 
+TIERS = ("host", "disk", "shared")  # fastest first; None: the engine's own cache
+
+
 class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True):
     """Consecutive full blocks of one sequence entered the prefix cache, in sequence order."""
 
@@ -53,6 +67,7 @@ class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True
     # One per block: the media key (turbine.router.hashing.media_key) of the images whose placeholder tokens the
     # block holds, 0 for none; omitted when no block has one. The router mixes it into the block's hash.
     media_keys: list[int] | None = None
+    tier: str | None = None  # None: the engine's cache; else one of TIERS (router hashes, no tokens: see above)
     v: int = WIRE_VERSION
 
     @classmethod
@@ -73,9 +88,10 @@ class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True, kw_only=True
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", omit_defaults=True, kw_only=True):
-    """Blocks were evicted from the prefix cache."""
+    """Blocks were evicted from the prefix cache (`tier` set: from a worker's tiers, see above)."""
 
     block_hashes: list[int]
+    tier: str | None = None
     v: int = WIRE_VERSION
 
 

@@ -22,6 +22,11 @@ sent there: the request also waits for one of those adapters to drain (vLLM batc
 max_loras adapters). Without that second level, the few requests of rare adapters landed on workers
 whose slots the popular adapters kept busy and waited there for seconds (the TTFT tail; benchmarks/
 RESULTS.md, "Adapter-aware routing").
+
+KV tiers (`--connector kvbm`): a prompt block that a worker's engine lacks but one of its offload
+tiers holds (or the shared tier it sees) is loaded, not computed: it costs TIER_WEIGHTS[tier] of a
+prefill block (0 would be an engine hit, 1 a recomputation). The weights are measured on the real
+CPU engine (benchmarks/kvbm_tier_weights.py, RESULTS.md "KV tier weights"), not guessed.
 """
 
 from __future__ import annotations
@@ -186,17 +191,32 @@ def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
     return math.ceil((prompt_tokens + 1) / block_size) - overlap_blocks
 
 
+# What loading one block from a tier costs, as a share of computing it (the engine's own cache: 0).
+# Measured on this 2-core CPU host with SmolLM2-135M float32, 128-token blocks: see RESULTS.md.
+TIER_WEIGHTS = {"host": 0.05, "disk": 0.1, "shared": 0.1}
+
+
+def tier_credit(tiers: list[str], weights: dict[str, float] | None = None) -> float:
+    """The prefill blocks a worker saves by loading these blocks from its tiers instead of computing them."""
+    weights = TIER_WEIGHTS if weights is None else weights
+    return sum(1.0 - weights.get(t, 1.0) for t in tiers)
+
+
 def worker_costs(overlaps: dict[WorkerKey, int], loads: dict[WorkerKey, WorkerLoad], prompt_tokens: int,
                  block_size: int, overlap_weight: float, lora_swaps: dict[WorkerKey, int] | None = None,
-                 lora_swap_weight: float = 0.0) -> dict[WorkerKey, float]:
+                 lora_swap_weight: float = 0.0, tier_credits: dict[WorkerKey, float] | None = None
+                 ) -> dict[WorkerKey, float]:
     """`lora_swaps`: per worker, what the request's adapter costs it in swaps (LoadTracker.lora_swaps);
-    each costs `lora_swap_weight` blocks."""
+    each costs `lora_swap_weight` blocks. `tier_credits`: per worker, the prefill blocks its tiers save
+    beyond its engine's overlap (tier_credit)."""
     lora_swaps = lora_swaps or {}
+    tier_credits = tier_credits or {}
     costs = {}
     context_blocks = new_blocks(prompt_tokens, 0, block_size)  # the size of another router's queued request
     for worker, load in loads.items():
         overlap = overlaps.get(worker, 0)
-        prefill_blocks = (load.prefill_tokens + prompt_tokens - overlap * block_size) / block_size
+        prefill_blocks = ((load.prefill_tokens + prompt_tokens - overlap * block_size) / block_size
+                          - tier_credits.get(worker, 0.0))
         decode_blocks = (load.active_blocks + load.other_waiting * context_blocks
                          + new_blocks(prompt_tokens, overlap, block_size))
         costs[worker] = overlap_weight * prefill_blocks + decode_blocks + lora_swap_weight * lora_swaps.get(worker, 0)

@@ -4,6 +4,13 @@ Blocks are indexed by the router's own chained hash (turbine.router.hashing), wh
 whole prefix, so "longest cached prefix on worker W" is a walk along the request's hashes
 while W still holds each one. Engines identify blocks by their own hashes; each worker's
 map from engine hash to router hash is kept for removals and for chaining children.
+
+Tiers (`--connector kvbm`, issue #18): a worker also publishes which blocks its offload tiers hold
+(events with a `tier`, named by router hashes). Its own tiers (host, disk) are kept per worker, as
+the fastest tier holding each block; a shared tier's blocks are kept per shared tier (the id the
+workers announce in their cards, `kv_shared_tier`) and count for every worker that sees it.
+`tier_matches` continues a worker's engine match through its tiers; the cost weighs those blocks.
+Clearing a worker's engine cache (AllBlocksCleared) leaves its tiers.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import logging
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from turbine.router.hashing import packed_block_hashes
 
 log = logging.getLogger("turbine.router")
@@ -41,15 +48,20 @@ class KvIndexer:
         # Events applied per worker instance, kept when its blocks go (AllBlocksCleared): what
         # the event watchdog reads to tell that a worker's events still arrive.
         self.events_of: dict[str, int] = {}
+        self._own_tiers: dict[WorkerKey, dict[int, str]] = {}  # worker -> router hash -> its fastest own tier
+        self._shared: dict[str, set[int]] = {}  # shared tier id -> the router hashes it holds
+        self._shared_tier_of: dict[str, str] = {}  # instance id -> the shared tier it sees (its card's)
 
     # -- events -----------------------------------------------------------------------
     def apply(self, worker: WorkerKey, event: KvEvent, lora_name: str | None = None) -> None:
-        if isinstance(event, BlockStored):
+        if getattr(event, "tier", None) is not None:
+            self.tier_event(worker, event)
+        elif isinstance(event, BlockStored):
             self.stored(worker, event, lora_name)
         elif isinstance(event, BlockRemoved):
             self.removed(worker, event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
-            self.remove_worker(worker)
+            self.remove_worker(worker, tiers=False)
         self.events_applied += 1
         self.events_of[worker.instance_id] = self.events_of.get(worker.instance_id, 0) + 1
 
@@ -127,8 +139,70 @@ class KvIndexer:
             else:
                 holders.pop(h, None)
 
-    def remove_worker(self, worker: WorkerKey) -> None:
-        """All of a worker's blocks go: it cleared its cache, or it left discovery."""
+    # -- tiers ------------------------------------------------------------------------
+    def set_shared_tiers(self, shared_tier_of: dict[str, str | None]) -> None:
+        """Instance id -> the shared tier id its card announces (None: none), for every live instance;
+        a shared tier no live instance sees any more is forgotten."""
+        self._shared_tier_of = {i: t for i, t in shared_tier_of.items() if t}
+        for gone in self._shared.keys() - set(self._shared_tier_of.values()):
+            del self._shared[gone]
+
+    def tier_event(self, worker: WorkerKey, event: BlockStored | BlockRemoved) -> None:
+        tier = event.tier
+        if tier not in TIERS:
+            log.debug("worker %s: event of unknown tier %r ignored", worker.instance_id, tier)
+            return
+        if isinstance(event, BlockStored) and event.block_size != self.block_size:
+            raise ValueError(f"worker {worker.instance_id} uses KV block size {event.block_size}, "
+                             f"the router {self.block_size}")
+        stored = isinstance(event, BlockStored)
+        if tier == "shared":
+            shared_id = self._shared_tier_of.get(worker.instance_id)
+            if shared_id is None:
+                return  # its card announces no shared tier (or not yet): nobody to count them for
+            blocks = self._shared.setdefault(shared_id, set())
+            if stored:
+                blocks.update(event.block_hashes)
+            else:
+                blocks.difference_update(event.block_hashes)  # the file is gone: for every worker
+            return
+        own = self._own_tiers.setdefault(worker, {})
+        for h in event.block_hashes:
+            if stored:
+                own[h] = tier
+            else:
+                own.pop(h, None)
+
+    def tier_matches(self, hashes: list[int], workers: Iterable[WorkerKey],
+                     engine: dict[WorkerKey, int]) -> dict[WorkerKey, list[str]]:
+        """Per worker, the tier of each block after its engine match (`engine`, find_matches) for as long
+        as one of its own tiers or the shared tier it sees holds the next block (workers with none omitted)."""
+        out: dict[WorkerKey, list[str]] = {}
+        for w in workers:
+            own = self._own_tiers.get(w)
+            shared = self._shared.get(self._shared_tier_of.get(w.instance_id, ""))
+            if not own and not shared:
+                continue
+            tiers = []
+            for h in hashes[engine.get(w, 0):]:
+                tier = own.get(h) if own else None
+                if tier is None and shared and h in shared:
+                    tier = "shared"
+                if tier is None:
+                    break
+                tiers.append(tier)
+            if tiers:
+                out[w] = tiers
+        return out
+
+    def tier_blocks_of(self, worker: WorkerKey) -> int:
+        return len(self._own_tiers.get(worker, ()))
+
+    def remove_worker(self, worker: WorkerKey, tiers: bool = True) -> None:
+        """All of a worker's blocks go: it cleared its cache (`tiers`=False: its engine's only), or it
+        left discovery, or a snapshot of it replaces them."""
+        if tiers:
+            self._own_tiers.pop(worker, None)
         self._engine_to_router.pop(worker, None)
         refs = self._refs.pop(worker, {})
         slot = self._slot.pop(worker, None)
@@ -147,7 +221,8 @@ class KvIndexer:
 
     def remove_instance(self, instance_id: str) -> None:
         """Every data-parallel rank of an instance goes (it left discovery)."""
-        for worker in [w for w in {*self._slot, *self._engine_to_router} if w.instance_id == instance_id]:
+        for worker in [w for w in {*self._slot, *self._engine_to_router, *self._own_tiers}
+                       if w.instance_id == instance_id]:
             self.remove_worker(worker)
         self.events_of.pop(instance_id, None)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from turbine.router.approx import ApproxKvIndexer
 from turbine.router.config import KvRouterConfig
-from turbine.router.cost import LoadTracker, choose_worker, new_blocks, worker_costs
+from turbine.router.cost import LoadTracker, choose_worker, new_blocks, tier_credit, worker_costs
 from turbine.router.hashing import block_hashes
 from turbine.router.indexer import KvIndexer, WorkerKey
 
@@ -48,14 +48,18 @@ class KvRouter:
         hashes = block_hashes(token_ids, bs, lora_name=lora_name, media_keys=media_keys)
         overlaps = self.index.find_matches(hashes)
         loads = {w: self.loads.load(w) for w in workers}
+        # Blocks past a worker's engine match that its offload tiers (or its shared tier) hold: loaded, not computed.
+        credits = ({w: tier_credit(t) for w, t in self.index.tier_matches(hashes, workers, overlaps).items()}
+                   if isinstance(self.index, KvIndexer) else {})
         # An adapter's request prefers a worker that has the adapter active: elsewhere it waits for a swap.
         swaps = {w: self.loads.lora_swaps(w, lora_name) for w in workers} if lora_name else {}
         costs = worker_costs(overlaps, loads, len(token_ids), bs, self.cfg.overlap_weight, swaps,
-                             self.cfg.lora_swap_weight)
+                             self.cfg.lora_swap_weight, credits)
         worker = choose_worker(costs, loads, self.cfg.temperature, self._rng)
         overlap = overlaps.get(worker, 0)
         if track:
-            self.loads.add(request_id, worker, prefill_tokens=len(token_ids) - overlap * bs,
+            saved = round(credits.get(worker, 0.0) * bs)
+            self.loads.add(request_id, worker, prefill_tokens=max(0, len(token_ids) - overlap * bs - saved),
                            blocks=new_blocks(len(token_ids), overlap, bs), lora_name=lora_name)
             if isinstance(self.index, ApproxKvIndexer):
                 self.index.record(worker, hashes)

@@ -96,6 +96,8 @@ class ModelKvRouter:
         for gone in self._ranks.keys() - cards.keys():
             self.kv.instance_left(gone)
         self._ranks = {i: max(1, c.data_parallel_size) for i, c in cards.items()}
+        if isinstance(self.kv.index, KvIndexer):
+            self.kv.index.set_shared_tiers({i: c.kv_shared_tier for i, c in cards.items()})
         self.loads.sync(cards)
         if self.events is not None:
             self.events.sync(cards, addresses)

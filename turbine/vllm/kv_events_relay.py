@@ -8,6 +8,10 @@ republished as a numbered Turbine KvEventBatch.
 With data parallelism each rank's engine publishes on the endpoint's port + its rank, so the
 relay binds a run of consecutive ports, one per rank, and republishes each rank's batches
 through that rank's own publisher (own event ids, own replay buffer and cache state).
+
+The `--connector kvbm` tiers' consolidated events come the same way (vLLM publishes a connector's
+`take_events` with the engine's): their `medium` is "turbine.kvbm/<tier>", and they are relayed as
+events with that `tier` whose hashes are already the router's (turbine.protocol.kv_events).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import zmq
 import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
-from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
+from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.router.hashing import media_key
 from turbine.worker.kv_publisher import KvEventPublisher
 
@@ -34,11 +38,27 @@ def engine_hash(h: bytes | int) -> int:
     return h if isinstance(h, int) else xxhash.xxh3_64_intdigest(h)
 
 
+KVBM_MEDIUM = "turbine.kvbm/"  # turbine.vllm.kvbm_connector.MEDIUM_PREFIX (that module imports torch)
+
+
+def _tier(event) -> str | None:
+    medium = getattr(event, "medium", None)
+    if medium and medium.startswith(KVBM_MEDIUM) and medium[len(KVBM_MEDIUM):] in TIERS:
+        return medium[len(KVBM_MEDIUM):]
+    return None
+
+
 def translate(event) -> KvEvent | None:
     """Ours for one of vLLM's events (None: a kind we do not relay). vLLM gives a stored block's
     token ids as a list; they are packed here, once (OverflowError / TypeError if they are not
     u32 token ids). A block holding image placeholder tokens gets its media key (the images'
     identifiers and offsets from vLLM's extra keys: the key the frontend computes for it)."""
+    if (tier := _tier(event)) is not None:
+        hashes = [h for h in event.block_hashes if isinstance(h, int)]  # router hashes, u64
+        if isinstance(event, vllm_events.BlockStored):
+            return BlockStored(block_hashes=hashes, parent_hash=None, tokens=b"", block_size=event.block_size,
+                               tier=tier)
+        return BlockRemoved(block_hashes=hashes, tier=tier)
     if isinstance(event, vllm_events.BlockStored):
         media_keys = None
         if event.extra_keys:

@@ -30,6 +30,7 @@ from turbine.vllm.images import measured_placeholder
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+from turbine.vllm.kvbm_connector import kv_shared_tier
 from turbine.vllm.lora import VllmLora
 from turbine.vllm.load_metrics import stat_logger_factory
 from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal
@@ -137,7 +138,8 @@ class VllmEngine:
             accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
             multimodal=cfg.enable_multimodal,
             image_token_id=image_token, image_placeholder=placeholder,
-            endpoint_types=[EMBEDDINGS] if self.pooling else None, **self.events.card_fields())
+            endpoint_types=[EMBEDDINGS] if self.pooling else None, kv_shared_tier=kv_shared_tier(vcfg),
+            **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
         sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))
         return [Instance(server, card, sleep=sleep, lora=None if self.pooling else loras, metrics=self.metrics)]

@@ -141,7 +141,8 @@ class ServingConfig:
                    load_metrics_address: str | None = None, data_parallel_size: int = 1,
                    model_input: str = "tokens", accepts_prompt_embeds: bool = False,
                    multimodal: bool = False, image_token_id: int | None = None, endpoint_types: list[str] | None = None,
-                   image_placeholder: tuple[list[int], tuple[int, int]] | None = None) -> ModelCard:
+                   image_placeholder: tuple[list[int], tuple[int, int]] | None = None,
+                   kv_shared_tier: str | None = None) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself
         (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
@@ -159,6 +160,7 @@ class ServingConfig:
             image_token_id=image_token_id,
             image_placeholder=image_placeholder[0] if image_placeholder else None,
             image_placeholder_range=image_placeholder[1] if image_placeholder else None,
+            kv_shared_tier=kv_shared_tier,
         )
 
 

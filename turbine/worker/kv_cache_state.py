@@ -5,6 +5,10 @@ The snapshot must rebuild exactly what a router fed every event would hold. A ro
 a stored block only under a parent it knows, and a block it placed keeps its (chained) identity
 after its parent is evicted. So a removed block that still has cached descendants is kept here
 as a "ghost": the snapshot stores it, then removes it, exactly as the events did.
+
+Tier events (`tier` set: a worker's offload tiers, named by router hashes) are kept apart, as
+hash -> tier for the worker's own tiers and a set for the shared one, and come after the engine's
+blocks in a snapshot. Clearing the engine's cache (AllBlocksCleared) leaves the tiers as they are.
 """
 
 from __future__ import annotations
@@ -34,19 +38,38 @@ class _Block(msgspec.Struct, gc=False):
 class KvCacheState:
     def __init__(self):
         self._blocks: dict[int, _Block] = {}  # engine block hash -> block
+        self._own_tier: dict[int, str] = {}  # router hash -> the fastest of the worker's own tiers holding it
+        self._shared: dict[int, None] = {}  # router hashes in the shared tier (ordered: snapshots are stable)
+        self._tier_block_size = 0
 
     def __len__(self) -> int:
         """Live blocks."""
         return sum(b.live for b in self._blocks.values())
 
     def apply(self, event: KvEvent, lora_name: str | None = None) -> None:
-        if isinstance(event, BlockStored):
+        if getattr(event, "tier", None) is not None:
+            self._tier_event(event)
+        elif isinstance(event, BlockStored):
             self._stored(event, lora_name)
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
                 self._removed(h)
         elif isinstance(event, AllBlocksCleared):
             self._blocks.clear()
+
+    def _tier_event(self, event: BlockStored | BlockRemoved) -> None:
+        shared = event.tier == "shared"
+        if isinstance(event, BlockStored):
+            self._tier_block_size = event.block_size
+            for h in event.block_hashes:
+                if shared:
+                    self._shared[h] = None
+                else:
+                    self._own_tier[h] = event.tier
+        else:
+            table = self._shared if shared else self._own_tier
+            for h in event.block_hashes:
+                table.pop(h, None)
 
     def _stored(self, event: BlockStored, lora_name: str | None) -> None:
         bs = event.block_size
@@ -139,6 +162,15 @@ class KvCacheState:
         if ghosts:
             out.append(KvEventBatch(instance_id=instance_id, event_id=event_id, dp_rank=dp_rank,
                                     events=[BlockRemoved(block_hashes=ghosts)]))
+        by_tier: dict[str, list[int]] = {}
+        for h, tier in self._own_tier.items():
+            by_tier.setdefault(tier, []).append(h)
+        if self._shared:
+            by_tier["shared"] = list(self._shared)
+        if by_tier:
+            out.append(KvEventBatch(instance_id=instance_id, event_id=event_id, dp_rank=dp_rank, events=[
+                BlockStored(block_hashes=hashes, parent_hash=None, tokens=b"", block_size=self._tier_block_size,
+                            tier=tier) for tier, hashes in by_tier.items()]))
         return out
 
 

@@ -104,3 +104,24 @@ async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher():
             engine.shutdown()
         task.cancel()
         relay.close()
+
+
+def test_the_kvbm_tiers_events_are_relayed_with_their_tier_and_router_hashes():
+    """--connector kvbm publishes its consolidated stream through vLLM (medium "turbine.kvbm/<tier>"):
+    the relay gives them their tier; the hashes are already the router's, so the index takes them as they are."""
+    from turbine.vllm.kvbm_connector import MEDIUM_PREFIX
+
+    hashes = block_hashes(TOKENS, BS)
+    stored = vllm_events.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=BS,
+                                     lora_id=None, medium=MEDIUM_PREFIX + "disk", lora_name=None)
+    ours = translate(stored)
+    assert isinstance(ours, BlockStored) and ours.tier == "disk" and ours.block_hashes == hashes
+    removed = translate(vllm_events.BlockRemoved(block_hashes=hashes[:1], medium=MEDIUM_PREFIX + "disk"))
+    assert isinstance(removed, BlockRemoved) and removed.tier == "disk" and removed.block_hashes == hashes[:1]
+    index = KvIndexer(BS)
+    index.apply(WorkerKey("w"), ours)
+    assert index.tier_matches(hashes, [WorkerKey("w")], {}) == {WorkerKey("w"): ["disk", "disk"]}
+    # The engine's own events keep no tier; an unknown medium of ours is not a tier either.
+    assert translate(vllm_stored([2], None, TOKENS[:BS])).tier is None
+    odd = vllm_events.BlockRemoved(block_hashes=[1], medium=MEDIUM_PREFIX + "tape")
+    assert translate(odd).tier is None
