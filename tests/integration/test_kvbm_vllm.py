@@ -14,9 +14,11 @@ head; the comments count blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
+import time
 
 import pytest
 from openai import OpenAI
@@ -26,6 +28,7 @@ from tests.integration.procs import (
     base_env,
     http_text,
     instances_of,
+    metric,
     start_frontend,
     start_worker,
     stop_all,
@@ -40,11 +43,15 @@ FULL = 3
 PROMPT_LEN = FULL * BLOCK + 16
 BLOCK_BYTES = 30 * 3 * BLOCK * 128 * 4  # SmolLM2-135M, float32: layers × KV heads × tokens × (K+V head dims) × 4
 HOST_GB = 6.5 * BLOCK_BYTES / 2**30
+# The file tiers hold 24 blocks each (what the tests before the last one write fits), so that five long
+# prompts push a prompt out of every tier.
+FILE_GB = 24 * (BLOCK_BYTES + HEADER_SIZE) / 2**30
+LONG_LEN = 5 * BLOCK + 16  # 5 full blocks: with its output, the engine's 6 usable blocks
 
 
-def prompt(seed: int) -> list[int]:
+def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(PROMPT_LEN)]
+    return [rng.randrange(100, 40000) for _ in range(length)]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +62,8 @@ def kvbm(tmp_path_factory, model_dir):
     disk, shared = root / "kv-disk", root / "kv-shared"
     small_engine = ("--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "192",  # the 6 usable blocks
                     "--num-gpu-blocks-override", "7", "--connector", "kvbm", "--kv-host-cache-gb", f"{HOST_GB:.9f}",
-                    "--kv-shared-cache-gb", "1", "--kv-shared-cache-dir", str(shared))
-    worker = start_worker("kvbm-worker", env, root, *small_engine, "--kv-disk-cache-gb", "1",
+                    "--kv-shared-cache-gb", f"{FILE_GB:.9f}", "--kv-shared-cache-dir", str(shared))
+    worker = start_worker("kvbm-worker", env, root, *small_engine, "--kv-disk-cache-gb", f"{FILE_GB:.9f}",
                           "--kv-disk-cache-dir", str(disk))
     worker_b = start_worker("kvbm-worker-b", env_b, root, *small_engine)
     frontend = start_frontend("kvbm-frontend", env, root)
@@ -68,7 +75,7 @@ def kvbm(tmp_path_factory, model_dir):
         for f in (frontend, frontend_b):
             wait_until(lambda: instances_of(f, MODEL) == 1, 30, f"{f.name} sees its worker", procs)
         yield {"worker": worker, "client": _client(frontend), "disk": disk, "shared": shared,
-               "b": {"worker": worker_b, "client": _client(frontend_b)}}
+               "b": {"worker": worker_b, "client": _client(frontend_b)}, "discovery": [env, env_b]}
     finally:
         stop_all(procs)
 
@@ -104,7 +111,7 @@ def run(kvbm, tokens: list[int]) -> tuple[str, dict[str, float]]:
 
 def block_files(kvbm, tokens: list[int], tier: str = "disk") -> list[str]:
     """The disk (or shared) tier's file of each full block, named by the router's block hash."""
-    (layout,) = os.listdir(kvbm[tier])  # one model, one KV layout
+    (layout,) = [d for d in os.listdir(kvbm[tier]) if os.path.isdir(os.path.join(kvbm[tier], d))]  # one layout
     return [os.path.join(kvbm[tier], layout, file_name(h)) for h in block_hashes(tokens[:FULL * BLOCK], BLOCK)]
 
 
@@ -178,3 +185,100 @@ def test_a_second_worker_onboards_from_the_shared_tier_what_the_first_computed(k
     assert counted.get("device", 0) == 0 and counted.get("host", 0) == 0, counted
     assert counted["hits/shared"] == FULL and counted["bytes_read/shared"] == FULL * BLOCK_BYTES, counted
     assert counted["blocks_stored/host"] == FULL  # promoted into B's host tier as they were read
+
+
+async def test_the_router_follows_the_tiers_consolidated_stream(kvbm):
+    """The router's index, fed by the real workers' KV events: a prompt the engine evicted but the tiers
+    hold still draws the request to worker A (and, through the shared tier, to B, which sees it too) rather
+    than to a worker holding nothing; gone from every tier, it is gone from the index."""
+    from turbine.config import DiscoveryConfig, make_registry
+    from turbine.router.config import KvRouterConfig
+    from turbine.router.cost import WorkerLoad
+    from turbine.router.indexer import WorkerKey
+    from turbine.router.model_router import ModelKvRouter
+
+    cards, addresses = {}, {}
+    for env in kvbm["discovery"]:
+        registry = make_registry(DiscoveryConfig(backend="file", file_dir=env["TURBINE_DISCOVERY_DIR"]))
+        await registry.backend.start()
+        try:
+            found = [c for c in await registry.list_models() if c.name == MODEL and c.lora_name is None]
+            addresses.update({r.instance_id: r.address for r in await registry.list_instances()})
+        finally:
+            await registry.backend.close()
+        assert len(found) == 1
+        cards[found[0].instance_id] = found[0]
+    a_id, b_id = (c.instance_id for c in cards.values())
+    assert cards[a_id].kv_shared_tier and cards[a_id].kv_shared_tier == cards[b_id].kv_shared_tier
+    router = ModelKvRouter(MODEL, KvRouterConfig(), BLOCK)
+    router.instances_changed(cards, addresses)
+    index = router.kv.index
+    a, cold = WorkerKey(a_id), "cold-worker"  # a worker that holds nothing, to compare with
+    h = prompt(8)
+    hashes = block_hashes(h[:FULL * BLOCK], BLOCK)
+
+    async def until(cond, what):
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def costs():
+        # Once both workers report no load (their reports come on change and every 5 s), only caches differ.
+        await until(lambda: all(router.kv.loads.load(w) == WorkerLoad() for w in (a, WorkerKey(b_id))), "idle")
+        return router.decide("probe", h, [a_id, b_id, cold], track=False).costs
+
+    try:
+        await asyncio.to_thread(run, kvbm, h)  # A computes it: in its engine and every tier
+        await until(lambda: index.find_matches(hashes).get(a) == FULL, "the engine's blocks in the index")
+        await until(lambda: index.tier_matches(hashes, [a], {}).get(a) == ["host"] * FULL, "the tiers' blocks")
+        c = await costs()
+        assert c[WorkerKey(a_id)] < c[WorkerKey(b_id)] < c[WorkerKey(cold)], c  # engine < shared tier < nothing
+
+        # A long prompt evicts it from A's engine; the disk (and shared) tier still hold it.
+        await asyncio.to_thread(run, kvbm, prompt(9, LONG_LEN))
+        await until(lambda: not index.find_matches(hashes), "the engine's removals")
+        assert all(os.path.exists(f) for f in block_files(kvbm, h))
+        tiers = index.tier_matches(hashes, [a], {})[a]
+        assert len(tiers) == FULL and "disk" in tiers, tiers  # the host tier made room for the long prompt's blocks
+        c = await costs()
+        assert min(c, key=c.get) in (WorkerKey(a_id), WorkerKey(b_id)) and c[WorkerKey(a_id)] < c[WorkerKey(cold)], c
+        assert c[WorkerKey(b_id)] < c[WorkerKey(cold)], c  # the shared tier: B can load it too
+
+        # Four more long prompts push it out of every tier: out of the index, for A and for B.
+        for seed in range(10, 14):
+            await asyncio.to_thread(run, kvbm, prompt(seed, LONG_LEN))
+        assert not any(os.path.exists(f) for f in block_files(kvbm, h) + block_files(kvbm, h, "shared"))
+        await until(lambda: not index.tier_matches(hashes, [a, WorkerKey(b_id)], {}), "the tiers' removals")
+        c = await costs()
+        assert c[WorkerKey(a_id)] == c[WorkerKey(b_id)] == c[WorkerKey(cold)], c
+    finally:
+        router.close()
+
+
+def active_blocks(worker) -> float:
+    return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_active_kv_blocks")
+
+
+def test_cancelling_a_stream_whose_prompt_is_being_onboarded_leaks_nothing(kvbm):
+    """Loads run inside the engine's step (synchronously), so a cancel lands before the load is planned,
+    between planning and the step, or after it: at each of several offsets the request is aborted, the
+    engine's blocks return to none in use, the tiers stay whole (the prompt still comes back with its
+    fresh text) and the worker keeps serving."""
+    worker = kvbm["worker"]
+    c = prompt(30)
+    fresh, _ = run(kvbm, c)
+    before = cached_by_source(worker)
+    for i, delay in enumerate((0.0, 0.05, 0.2, 0.6)):
+        run(kvbm, prompt(40 + i, LONG_LEN))  # pushes c out of the engine: its next request loads it from the tiers
+        stream = kvbm["client"].completions.create(model=MODEL, prompt=c, max_tokens=50, temperature=0, stream=True)
+        time.sleep(delay)
+        stream.close()
+        wait_until(lambda: active_blocks(worker) == 0, 60, "the engine frees the cancelled request's blocks", [worker])
+    after = cached_by_source(worker)
+    loaded = sum(after.get(k, 0) - before.get(k, 0) for k in ("hits/host", "hits/disk", "hits/shared"))
+    assert loaded > 0  # some cancelled request had its blocks loaded before it was aborted
+    text, _ = run(kvbm, c)
+    assert text == fresh
+    wait_until(lambda: active_blocks(worker) == 0, 60, "the engine idle again", [worker])

@@ -1,7 +1,8 @@
 """Turbine's multi-tier KV cache as a vLLM v1 KV connector (`--connector kvbm`, issue #18).
 
 The engine's own KV cache is the fastest tier; this connector keeps every full block it computes
-in turbine.kvbm's TieredStore (host memory, then a local disk directory) and, when a new request's
+in turbine.kvbm's TieredStore (host memory, a local disk directory, a directory several workers
+share) and, when a new request's
 prompt continues past what the engine still holds, loads the following blocks from the store into
 the engine's blocks before the forward pass instead of recomputing them.
 
@@ -19,6 +20,13 @@ the engine's blocks before the forward pass instead of recomputing them.
   scheduler half decides hits from a mirror of which tier holds which block, fed each step by the
   worker's tier events (KVConnectorWorkerMetadata → update_connector_output). The mirror is exact as
   of the last step; a block evicted since is a failed load, hence recomputed, never a wrong one.
+- The shared tier's blocks that other workers wrote are in no event of this worker's: past what its
+  mirror knows, the scheduler half probes the shared directory (one stat per block, stopping at the
+  first miss) and plans those blocks as loads too.
+- The router's view: the scheduler half turns its mirror's changes into one consolidated stream
+  (`take_events`, published by vLLM with the engine's own KV events; medium "turbine.kvbm/<tier>"):
+  the worker's own tiers as one (stored on first appearance and when the fastest tier changes, removed
+  when gone from all), the shared tier apart; turbine.vllm.kv_events_relay gives each event its tier.
   Tensor, pipeline and data parallelism are refused for now (one worker process per store).
 - The store's `turbine_kvbm_*` metrics reach the worker's /metrics by vLLM's connector-stats path
   (`get_kv_connector_stats` → SchedulerStats → `build_prom_metrics`): turbine.vllm.kvbm_stats.
