@@ -192,8 +192,12 @@ def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
 
 
 # What loading one block from a tier costs, as a share of computing it (the engine's own cache: 0).
-# Measured on this 2-core CPU host with SmolLM2-135M float32, 128-token blocks: see RESULTS.md.
-TIER_WEIGHTS = {"host": 0.05, "disk": 0.1, "shared": 0.1}
+# Measured on the real vLLM CPU engine (benchmarks/kvbm_tier_weights.py, RESULTS.md "KV tier weights",
+# 2026-11-27: SmolLM2-135M float32, 128-token blocks of 5.9 MB; a block computed in 253 ms, loaded from
+# host memory in 2.8 ms, from the disk tier in 3.6 ms, its files in the page cache): host 0.011, disk
+# 0.014. The shared tier is the disk tier's file code on a directory others write too: the disk weight
+# until measured on a network filesystem.
+TIER_WEIGHTS = {"host": 0.011, "disk": 0.014, "shared": 0.014}
 
 
 def tier_credit(tiers: list[str], weights: dict[str, float] | None = None) -> float:
