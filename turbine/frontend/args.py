@@ -14,6 +14,7 @@ from turbine.config import (
 from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
 from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
 from turbine.frontend.disagg import DisaggConfig
+from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.frontend.media import MediaConfig
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
@@ -94,6 +95,16 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     d.add_argument("--prefill-timeout", type=float,
                    default=env_float("TURBINE_PREFILL_TIMEOUT", DisaggConfig.prefill_timeout_s),
                    help="seconds a prefill worker may take before the request is tried elsewhere")
+    e = parser.add_argument_group("Turbine frontend: disaggregated encode (when encode workers exist: "
+                                  "--multimodal-encode-worker)")
+    e.add_argument("--image-embedding-transport", choices=EMBEDDING_TRANSPORTS,
+                   default=env_str("TURBINE_IMAGE_EMBEDDING_TRANSPORT", DisaggConfig.image_embedding_transport),
+                   help="how image embeddings travel from encode workers to the workers that take them: nixl "
+                        "(the encode worker's memory, read over NIXL) or file (a file on the same host)")
+    e.add_argument("--encode-timeout", type=float,
+                   default=env_float("TURBINE_ENCODE_TIMEOUT", DisaggConfig.encode_timeout_s),
+                   help="seconds an encode worker may take before the next is tried (none left: the workers "
+                        "encode the images themselves)")
     m = parser.add_argument_group("Turbine frontend: request migration (a request whose worker fails goes on "
                                   "on another)")
     m.add_argument("--migration-limit", type=int, default=env_int("TURBINE_MIGRATION_LIMIT", None),
@@ -126,7 +137,9 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
-                                                  prefill_timeout_s=args.prefill_timeout),
+                                                  prefill_timeout_s=args.prefill_timeout,
+                                                  image_embedding_transport=args.image_embedding_transport,
+                                                  encode_timeout_s=args.encode_timeout),
                               migration=MigrationConfig(limit=args.migration_limit,
                                                         max_seq_len=args.migration_max_seq_len))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from turbine.config import check, flag
 from turbine.frontend.models import ServedModel
+from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.protocol.generate import GenerateRequest
 
 # A prefill worker with this many scheduler steps' worth of prompt tokens queued from us is
@@ -30,10 +31,18 @@ class DisaggConfig:
     max_local_prefill_length: int = flag("--max-local-prefill-length", default=256)
     # A prefill worker that answers later is given up on.
     prefill_timeout_s: float = flag("--prefill-timeout", default=60.0)
+    # Disaggregated encode (encode.py): how image embeddings travel from encode workers to the workers that
+    # take them: "nixl" (the encode worker's host memory, read by NIXL) or "file" (a file on the same host).
+    image_embedding_transport: str = flag("--image-embedding-transport", default="nixl")
+    # An encode worker that answers later is given up on (the next is tried; none left: workers encode).
+    encode_timeout_s: float = flag("--encode-timeout", default=60.0)
 
     def __post_init__(self):
         check(self, self.max_local_prefill_length >= 0, "max_local_prefill_length", "must be >= 0")
         check(self, self.prefill_timeout_s > 0, "prefill_timeout_s", "must be > 0")
+        check(self, self.image_embedding_transport in EMBEDDING_TRANSPORTS, "image_embedding_transport",
+              f"{self.image_embedding_transport!r}: choose from {', '.join(EMBEDDING_TRANSPORTS)}")
+        check(self, self.encode_timeout_s > 0, "encode_timeout_s", "must be > 0")
 
 
 class PrefillFailed(Exception):
@@ -43,10 +52,11 @@ class PrefillFailed(Exception):
 def may_prefill_remotely(model: ServedModel, request: GenerateRequest) -> bool:
     # vLLM's connector hands one sequence's KV to one request; n > 1 choices each need the
     # prompt's KV, so they are prefilled where they are decoded (served, not refused). Prompt
-    # embeddings and images are computed where they are decoded too (prefill workers refuse them), and so is
-    # a prompt whose logprobs are asked for (echo with logprobs).
+    # embeddings are computed where they are decoded too (prefill workers refuse them), and so are images
+    # unless every prefill worker takes them (--enable-multimodal), and a prompt whose logprobs are asked for
+    # (echo with logprobs).
     return (bool(model.prefill_instances) and request.sampling.n == 1 and request.prompt_embeds is None
-            and not request.images  # prefill workers take no images (encoded where they are decoded)
+            and (not request.images or all(card.multimodal for card in model.prefill_cards.values()))
             and request.output.prompt_logprobs is None)
 
 

@@ -28,6 +28,7 @@ from turbine.frontend.disagg import (
     may_prefill_remotely,
     wants_remote_prefill,
 )
+from turbine.frontend.encode import remote_encode, wants_remote_encode
 from turbine.frontend.errors import RequestError, WorkerFailed, failure_of
 from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.migration import MigrationConfig, continuation, migration_reason, why_not_continued
@@ -129,6 +130,8 @@ class Dispatch:
             self.metrics.disagg_lora_fallback.inc()  # no prefill worker holds the adapter: aggregated
         first_span = tracing.start("first_token", self._span) if self._span is not None else None
         try:
+            if wants_remote_encode(self.model, self.request):  # images to embeddings on an encode worker first
+                self.request = await remote_encode(self.model, self.client, self.request, self.disagg)
             first = await self._open(self.request)
         except BaseException as exc:
             tracing.end(first_span, exc)

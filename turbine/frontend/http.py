@@ -138,6 +138,9 @@ class HttpApi:
         prefill = {name: len(m.prefill_instances) for name, m in served.items() if m.prefill_instances}
         if prefill:
             body["prefill_workers"] = prefill  # models served disaggregated
+        encode = {name: len(m.encode_instances) for name, m in served.items() if m.encode_instances}
+        if encode:
+            body["encode_workers"] = encode  # models whose images are encoded apart (encode.py)
         return JSONResponse(body)
 
     async def prometheus(self, request: Request):

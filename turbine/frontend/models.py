@@ -12,6 +12,7 @@ from turbine.router.policy import Router
 from turbine.frontend.text_mode import is_text_mode
 from turbine.frontend.tokenizer import TextTokenizer
 from turbine.protocol.discovery import InstanceRecord, ModelCard
+from turbine.protocol.encode import IMAGE_ENCODE
 
 log = logging.getLogger("turbine.frontend")
 
@@ -37,6 +38,9 @@ class ServedModel:
     parent: str | None = None
     # Its base model is disaggregated but no prefill worker holds the adapter: served aggregated.
     lora_fallback: bool = False
+    # Disaggregated encode: the model's encode workers (cards with endpoint type "image_encode"), which turn
+    # images into embeddings for the workers that take them (encode.py); none: the workers encode themselves.
+    encode_instances: list[InstanceRecord] = field(default_factory=list)
 
 
 class ModelTable:
@@ -63,6 +67,7 @@ class ModelTable:
         by_path = {rec.path: rec for rec in instances}
         models: dict[str, ServedModel] = {}
         prefill: list[tuple[ModelCard, InstanceRecord]] = []
+        encoders: list[tuple[ModelCard, InstanceRecord]] = []
         adapters = [c for c in cards if c.lora_name is not None]
         for card in sorted((c for c in cards if c.lora_name is None), key=lambda c: c.instance_id):
             if self.namespace and card.namespace != self.namespace:
@@ -72,6 +77,9 @@ class ModelTable:
                 continue  # the card outlived its instance record (or arrived first)
             if card.disaggregation_mode == "prefill":
                 prefill.append((card, rec))
+                continue
+            if IMAGE_ENCODE in card.endpoint_types:
+                encoders.append((card, rec))
                 continue
             model = models.get(card.name)
             if model is None:
@@ -94,6 +102,9 @@ class ModelTable:
             model.instances.append(rec)
             model.cards[card.instance_id] = card
         self._attach_prefill_workers(models, prefill)
+        for card, rec in encoders:
+            if card.name in models:  # (an encode worker alone serves nothing)
+                models[card.name].encode_instances.append(rec)
         for name, model in models.items():
             model.router.instances_changed(model.instances, model.cards)
             if name not in self.models or len(self.models[name].instances) != len(model.instances):

@@ -83,6 +83,9 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # that directory, so every worker that sees it announces the same one); a KV router counts that tier's
     # blocks for every instance announcing it. None: no shared tier.
     kv_shared_tier: str | None = None
+    # Whether its engine loads image embeddings that encode workers made (GenerateRequest.image_embeddings):
+    # the vLLM worker's --take-image-embeddings. An encode worker's own card has endpoint_types ["image_encode"].
+    takes_image_embeddings: bool = False
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the

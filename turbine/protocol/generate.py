@@ -95,6 +95,26 @@ class ImageInput(msgspec.Struct, omit_defaults=True, kw_only=True):
     pixels: ImagePixels | None = None
 
 
+class NixlSource(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A buffer in the encode worker's host memory, registered with its NIXL agent."""
+
+    agent: str  # the encode worker's agent name
+    metadata: bytes  # its agent metadata (nixl_agent.get_agent_metadata), for add_remote_agent
+    address: int
+    length: int  # bytes
+
+
+class ImageEmbedding(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Where one image's embeddings are: (shape[0] placeholder tokens) x (shape[1] = the language tower's
+    width) values of `dtype`, row-major. Exactly one of `path` and `nixl`."""
+
+    hash: str  # ImageInput.hash: the engine's identifier for the image
+    dtype: str
+    shape: list[int]
+    path: str | None = None  # file transport: a file on the encode worker's (= this) host
+    nixl: NixlSource | None = None
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
     model: str
@@ -123,6 +143,10 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The prompt's images, in the order of their placeholders in token_ids (the chat template's image
     # token, which the engine widens to the image's tokens). Only workers whose card says `multimodal`.
     images: list[ImageInput] | None = None
+    # Disaggregated encode (turbine/protocol/encode.py): where an encode worker put each image's embeddings,
+    # one per image in order; the worker's engine loads them instead of running its vision encoder (cards
+    # that say `takes_image_embeddings`). The images still come: the engine's processor sizes their placeholders.
+    image_embeddings: list[ImageEmbedding] | None = None
     v: int = WIRE_VERSION
 
 

@@ -4,12 +4,14 @@ turned into one typed WorkerConfig."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
 from dataclasses import dataclass
 
 from turbine.config import check, flag
 from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.logging_setup import add_logging_args
+from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
 from turbine.vllm.connectors import ConnectorError, KvbmTiers, check_kvbm_flags, kv_transfer_config, parse_connectors
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
@@ -20,15 +22,20 @@ KV_EVENTS_CONFIG_REFUSED = (
     "leave the routers blind; drop the flag")
 
 
-# vLLM's flags for what Turbine does not build yet (issue #19): accepted, they would be inert or break
-# requests (the frontend sends no embeddings and routes no encoder outputs), so they are refused by name.
+# vLLM's own flags for disaggregated encoding: Turbine builds it its own way (issue #19), and these would be
+# inert or break requests beside it, so they are refused by name.
 MULTIMODAL_REFUSED = {
-    "ec_transfer_config": "--ec-transfer-config is not supported: Turbine has no encode workers yet "
-                          "(disaggregated encode/prefill/decode is not built); drop the flag",
-    "mm_encoder_only": "--mm-encoder-only is not supported: Turbine has no encode workers yet; drop the flag",
+    "ec_transfer_config": "--ec-transfer-config is not supported: Turbine configures the engine's encoder-cache "
+                          "connector itself (--take-image-embeddings; encode workers: --multimodal-encode-worker); "
+                          "drop the flag",
+    "mm_encoder_only": "--mm-encoder-only is not supported: an encode worker is --multimodal-encode-worker, "
+                       "which runs the vision tower without an engine; drop the flag",
     "enable_mm_embeds": "--enable-mm-embeds is not supported: the frontend takes no image embeddings "
                         "(image_url parts only); drop the flag",
 }
+ENCODE_WORKER_ALONE = ("an encode worker (--multimodal-encode-worker) serves only the encode endpoint: drop "
+                       "--enable-multimodal, --take-image-embeddings, --disaggregation-mode, --connector, "
+                       "--use-vllm-tokenizer and --runner pooling (one role per process)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,18 +47,36 @@ class WorkerConfig(ServingConfig):
     # Images in chats (GenerateRequest.images, which the frontend fetched and checked): the engine encodes
     # them in-process. Off, a request with images is refused (the security gate of issue #19).
     enable_multimodal: bool = flag("--enable-multimodal", default=False)
+    # Disaggregated encode (issue #19). An encode worker runs only the vision tower and projector and serves
+    # the `encode` endpoint (turbine/vllm/encode_worker.py); one role per process.
+    multimodal_encode_worker: bool = flag("--multimodal-encode-worker", default=False)
+    # A (prefill/decode or aggregated) worker whose engine loads the image embeddings an encode worker made
+    # (GenerateRequest.image_embeddings) instead of running its own vision encoder for them.
+    take_image_embeddings: bool = flag("--take-image-embeddings", default=False)
+    # The encode worker's embedding cache (by image hash, LRU) and where its file transport writes.
+    embedding_cache_mb: float = flag("--embedding-cache-mb", default=256.0)
+    embedding_dir: str | None = flag("--embedding-dir", default=None)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.multimodal_encode_worker:
+            check(self, not (self.enable_multimodal or self.take_image_embeddings or self.use_vllm_tokenizer)
+                  and self.disaggregation_mode == "agg" and getattr(self.engine_args, "runner", None) != "pooling"
+                  and getattr(self.engine_args, "kv_transfer_config", None) is None,
+                  "multimodal_encode_worker", ENCODE_WORKER_ALONE)
+        check(self, self.embedding_cache_mb > 0, "embedding_cache_mb", "must be > 0")
+        check(self, self.embedding_dir is None or os.path.isdir(self.embedding_dir), "embedding_dir",
+              f"{self.embedding_dir!r}: no such directory")
+        check(self, not self.take_image_embeddings or self.enable_multimodal, "take_image_embeddings",
+              "needs --enable-multimodal (the worker takes images; their embeddings come from encode workers)")
         check(self, not self.use_vllm_tokenizer or self.disaggregation_mode == "agg", "use_vllm_tokenizer",
               "text mode (--use-vllm-tokenizer) serves whole requests only: drop --disaggregation-mode")
         check(self, getattr(self.engine_args, "kv_events_config", None) is None, "engine_args",
               KV_EVENTS_CONFIG_REFUSED)
-        check(self, not self.enable_multimodal or (self.disaggregation_mode == "agg" and not self.use_vllm_tokenizer
+        check(self, not self.enable_multimodal or (not self.use_vllm_tokenizer
                                                   and getattr(self.engine_args, "runner", None) != "pooling"),
-              "enable_multimodal", "images are served by aggregated workers in token mode only: drop "
-              "--disaggregation-mode, --use-vllm-tokenizer and --runner pooling (disaggregated "
-              "encode/prefill/decode is not built)")
+              "enable_multimodal", "images are served in token mode by generating workers only: drop "
+              "--use-vllm-tokenizer and --runner pooling")
         for name, why in MULTIMODAL_REFUSED.items():
             value = getattr(self.engine_args, name, None)
             check(self, value is None or value is False, "engine_args", why)
@@ -90,6 +115,19 @@ def _build_parser():
                         help="take images in chats (image_url parts, fetched and checked by the frontend) for a "
                              "vision-language model, which the engine encodes in-process; without it a request "
                              "with an image gets HTTP 400")
+    parser.add_argument("--multimodal-encode-worker", action="store_true",
+                        help="run as an encode worker: only the model's vision tower and projector, serving image "
+                             "embeddings to the workers that take them (--take-image-embeddings); no engine, no "
+                             "generate endpoint")
+    parser.add_argument("--take-image-embeddings", action="store_true",
+                        help="with --enable-multimodal: the engine loads image embeddings that encode workers made "
+                             "(over NIXL or a local file) instead of running its vision encoder for those images")
+    parser.add_argument("--embedding-cache-mb", type=float, default=256.0,
+                        help="--multimodal-encode-worker: embeddings kept by image hash (LRU), in MiB; a cached "
+                             "image skips the encoder")
+    parser.add_argument("--embedding-dir", default=None,
+                        help="--multimodal-encode-worker: where the file transport writes embeddings (default: a "
+                             "private temporary directory; it must be on the consumers' host)")
     parser.add_argument("--kv-host-cache-gb", type=float, default=None,
                         help="--connector kvbm: host-memory tier for KV blocks offloaded from the engine, in GiB")
     parser.add_argument("--kv-disk-cache-gb", type=float, default=None,
@@ -133,6 +171,9 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     fields = serving_fields_from_args(args, parser, served)
     if args.runner == "pooling":  # it serves /v1/embeddings (its card says so), not chat or completions
         fields["endpoint_types"] = (EMBEDDINGS,)
+    if args.multimodal_encode_worker:  # it serves the encode endpoint only
+        fields["endpoint_types"] = (IMAGE_ENCODE,)
+        fields["endpoint"] = ENCODE_ENDPOINT
     serving = checked(ServingConfig, parser, **fields)
     # --reasoning-parser is the frontend's reasoning parser only; the engine does not get it. With
     # one, vLLM enforces a structured-output constraint only after the reasoning ends (`</think>`),
@@ -165,7 +206,10 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     engine_args.disable_log_stats = False
 
     return checked(WorkerConfig, parser, **vars(serving), engine_args=engine_args,
-                   use_vllm_tokenizer=args.use_vllm_tokenizer, enable_multimodal=args.enable_multimodal)
+                   use_vllm_tokenizer=args.use_vllm_tokenizer, enable_multimodal=args.enable_multimodal,
+                   multimodal_encode_worker=args.multimodal_encode_worker,
+                   take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
+                   embedding_dir=args.embedding_dir)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:

@@ -29,6 +29,8 @@ from turbine.protocol.generate import (
 )
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.vllm.compat import CLIENT_ERRORS
+from turbine.vllm.ec_connector import ec_transfer_params
+from turbine.vllm.embedding_store import EmbeddingUnavailable, check_location
 from turbine.vllm.images import multimodal_prompt
 from turbine.vllm.lora import NO_LORA, VllmLora
 from turbine.vllm.text_mode import prompt_token_ids, text_request, text_sampling_kwargs
@@ -131,9 +133,12 @@ class Handlers:
     def __init__(self, engine, metrics: WorkerMetrics, on_cleared: Callable[[], None] | None = None,
                  *, kv_transfer_timeout: float = 30.0, on_success: Callable[[], None] | None = None,
                  data_parallel_size: int = 1, text_mode: bool = False, chat_template: str | None = None,
-                 admission: Admission | None = None, loras: VllmLora | None = None, multimodal: bool = False):
+                 admission: Admission | None = None, loras: VllmLora | None = None, multimodal: bool = False,
+                 take_image_embeddings: bool = False):
         self.engine = engine
         self.multimodal = multimodal  # --enable-multimodal: requests may carry images
+        # --take-image-embeddings: the engine's EC connector loads encode workers' embeddings (ec_connector.py)
+        self.take_image_embeddings = take_image_embeddings
         self.loras = loras  # the LoRA adapters loaded (None: the worker takes none)
         self.admission = admission or Admission(None, None)  # overload control (no bounds by default)
         self.text_mode = text_mode  # --use-vllm-tokenizer: requests carry text (GenerateRequest.text)
@@ -165,7 +170,28 @@ class Handlers:
         kwargs = sampling_kwargs(req, self.sampling_defaults, self.max_model_len, prompt_len)
         if req.text is not None:
             kwargs = text_sampling_kwargs(req.text, kwargs)
-        return sampling_params(self._role_kwargs(req, kwargs))
+        kwargs = self._role_kwargs(req, kwargs)
+        if req.image_embeddings is not None:
+            self._check_image_embeddings(req)
+            kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}),
+                                    "ec_transfer_params": ec_transfer_params(req.image_embeddings)}
+        return sampling_params(kwargs)
+
+    def _check_image_embeddings(self, req: GenerateRequest) -> None:
+        if not self.take_image_embeddings:
+            raise InvalidRequest("image_embeddings: this worker does not take image embeddings (start it with "
+                                 "--take-image-embeddings)")
+        if [e.hash for e in req.image_embeddings] != [i.hash for i in req.images or ()]:
+            raise InvalidRequest("image_embeddings: one per image, in the images' order, with their hashes")
+        hidden = self.model_config.get_hidden_size()
+        for e in req.image_embeddings:
+            try:
+                check_location(e)
+            except EmbeddingUnavailable as exc:
+                raise InvalidRequest(f"image_embeddings: {exc}") from None
+            if e.shape[1] != hidden:
+                raise InvalidRequest(f"image_embeddings: image {e.hash[:16]} has embeddings {e.shape[1]} wide; "
+                                     f"this model's are {hidden}")
 
     async def _prepared(self, req: GenerateRequest) -> tuple[GenerateRequest, dict, SamplingParams]:
         """The request, the engine's prompt and its sampling parameters. Text mode: the prompt is
@@ -321,6 +347,8 @@ class Handlers:
 
     async def clear_kv_blocks(self, req: ClearKvBlocksRequest, ctx) -> AsyncIterator[StatusReply]:
         try:
+            if self.multimodal:  # the images' encoder outputs are cached state too
+                await self.engine.reset_encoder_cache()
             ok = await self.engine.reset_prefix_cache()
         except Exception as exc:  # report, don't crash the endpoint
             yield StatusReply(status="error", message=f"{type(exc).__name__}: {exc}")
@@ -344,8 +372,6 @@ class PrefillHandlers(Handlers):
     def _role_kwargs(self, req: GenerateRequest, kwargs: dict) -> dict:
         if req.prompt_embeds is not None:  # the frontend prefills those where they are decoded
             raise InvalidRequest("prompt_embeds: a prefill worker does not take prompt embeddings")
-        if req.images:  # (--enable-multimodal is refused with a disaggregation mode too)
-            raise InvalidRequest("images: a prefill worker does not take images")
         if kwargs.get("n", 1) != 1:
             raise InvalidRequest("a prefill worker computes one sequence: n must be 1")
         kwargs["max_tokens"] = kwargs["min_tokens"] = 1
@@ -372,7 +398,7 @@ class DecodeHandlers(Handlers):
         KV does not arrive within --kv-transfer-timeout (prefill worker hung or gone), the
         request is aborted and computed here from scratch: slower, never stuck."""
         outputs = self._engine_generate(req, prompt, params, engine_id, lora)
-        if not params.extra_args:
+        if not (params.extra_args or {}).get("kv_transfer_params"):
             return outputs, engine_id
         try:
             first = await asyncio.wait_for(anext(outputs), self.kv_transfer_timeout)
@@ -382,7 +408,7 @@ class DecodeHandlers(Handlers):
             self.metrics.error("kv_transfer_timeout")
             await outputs.aclose()
             await self.engine.abort(engine_id)
-            params.extra_args = None
+            params.extra_args = {k: v for k, v in params.extra_args.items() if k != "kv_transfer_params"} or None
             engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
             return self._engine_generate(req, prompt, params, engine_id, lora), engine_id
         return _prepend(first, outputs), engine_id

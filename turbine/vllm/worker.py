@@ -97,6 +97,13 @@ class VllmEngine:
         # vLLM's stat-logger hook feeds the load reports and the worker's active-blocks gauge.
         stat_loggers = [stat_logger_factory(self.events.load, self.metrics.active_kv_blocks)]
 
+        if cfg.take_image_embeddings:
+            # The engine's encoder-cache connector loads the embeddings encode workers made (ec_connector.py).
+            from vllm.config import ECTransferConfig
+
+            from turbine.vllm.ec_connector import engine_config
+
+            cfg.engine_args.ec_transfer_config = ECTransferConfig(**engine_config())
         engine = self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
         vcfg = engine.vllm_config
         self.metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
@@ -106,7 +113,8 @@ class VllmEngine:
             kv_transfer_timeout=cfg.kv_transfer_timeout, on_success=health.succeeded,
             data_parallel_size=vcfg.parallel_config.data_parallel_size, text_mode=cfg.use_vllm_tokenizer,
             chat_template=_read(cfg.custom_jinja_template) if cfg.use_vllm_tokenizer else None,
-            admission=cfg.admission(self.metrics), loras=loras, multimodal=cfg.enable_multimodal)
+            admission=cfg.admission(self.metrics), loras=loras, multimodal=cfg.enable_multimodal,
+            take_image_embeddings=cfg.take_image_embeddings)
 
         if cfg.enable_multimodal and not vcfg.model_config.is_multimodal_model:
             raise RuntimeError(f"--enable-multimodal: the model {cfg.model_path!r} is not a vision-language model "
@@ -138,6 +146,7 @@ class VllmEngine:
             accepts_prompt_embeds=vcfg.model_config.enable_prompt_embeds and not self.pooling,
             multimodal=cfg.enable_multimodal,
             image_token_id=image_token, image_placeholder=placeholder,
+            takes_image_embeddings=cfg.take_image_embeddings,
             endpoint_types=[EMBEDDINGS] if self.pooling else None, kv_shared_tier=kv_shared_tier(vcfg),
             **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
@@ -184,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if setup_tracing(argv, "turbine-worker") and getattr(cfg.engine_args, "otlp_traces_endpoint", None) is None:
         # Set by the environment only: the engine traces too (its spans join the request's trace).
         cfg.engine_args.otlp_traces_endpoint = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    if cfg.multimodal_encode_worker:
+        from turbine.vllm.encode_worker import EncodeEngine
+
+        return run_host(WorkerHost(cfg, EncodeEngine(cfg)).run)
     return run_host(WorkerHost(cfg, VllmEngine(cfg)).run)
 
 

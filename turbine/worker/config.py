@@ -27,6 +27,7 @@ from turbine.config import (
 from turbine.flag_sources import env_float, env_int, env_str
 from turbine.model.prepare import DEFAULT_MODEL, resolve
 from turbine.protocol.lora import lora_name_problem
+from turbine.protocol.encode import IMAGE_ENCODE
 from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
@@ -88,10 +89,12 @@ class ServingConfig:
             value = getattr(self, name)
             check(self, bool(value) and "/" not in value and value.replace("-", "").replace("_", "").isalnum(),
                   name, f"{value!r}: use letters, digits, '-' and '_' only")
-        check(self, bool(self.endpoint_types) and set(self.endpoint_types) <= {*ENDPOINT_TYPES, EMBEDDINGS},
+        check(self, bool(self.endpoint_types) and set(self.endpoint_types) <= {*ENDPOINT_TYPES, EMBEDDINGS, IMAGE_ENCODE},
               "endpoint_types", f"{','.join(self.endpoint_types)!r}: choose from {', '.join(ENDPOINT_TYPES)}")
         check(self, EMBEDDINGS not in self.endpoint_types or tuple(self.endpoint_types) == (EMBEDDINGS,),
               "endpoint_types", f"{EMBEDDINGS!r} is served alone, by a pooling worker (--runner pooling)")
+        check(self, IMAGE_ENCODE not in self.endpoint_types or tuple(self.endpoint_types) == (IMAGE_ENCODE,),
+              "endpoint_types", f"{IMAGE_ENCODE!r} is served alone, by an encode worker (--multimodal-encode-worker)")
         check(self, self.custom_jinja_template is None or os.path.isfile(self.custom_jinja_template),
               "custom_jinja_template", f"{self.custom_jinja_template!r}: no such file")
         for name in ("port", "system_port"):
@@ -142,7 +145,8 @@ class ServingConfig:
                    model_input: str = "tokens", accepts_prompt_embeds: bool = False,
                    multimodal: bool = False, image_token_id: int | None = None, endpoint_types: list[str] | None = None,
                    image_placeholder: tuple[list[int], tuple[int, int]] | None = None,
-                   kv_shared_tier: str | None = None) -> ModelCard:
+                   kv_shared_tier: str | None = None,
+                   takes_image_embeddings: bool = False) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself
         (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
@@ -161,6 +165,7 @@ class ServingConfig:
             image_placeholder=image_placeholder[0] if image_placeholder else None,
             image_placeholder_range=image_placeholder[1] if image_placeholder else None,
             kv_shared_tier=kv_shared_tier,
+            takes_image_embeddings=takes_image_embeddings,
         )
 
 

@@ -1,6 +1,6 @@
 """The vLLM worker's side of images (GenerateRequest.images): --enable-multimodal and the flags for what is not
-built yet refused by name, the images decoded with Pillow into the engine's multi-modal data with their hashes as
-identifiers, refused without the flag or on a prefill worker (the real engine:
+built another way refused by name, the images decoded with Pillow into the engine's multi-modal data with their
+hashes as identifiers, refused without the flag (the real engine:
 tests/integration/test_multimodal_model.py)."""
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ def test_enable_multimodal_reaches_the_config():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--enable-multimodal", "--disaggregation-mode", "prefill", "--connector", "nixl"], "aggregated workers"),
-    (["--enable-multimodal", "--use-vllm-tokenizer"], "token mode only"),
+    (["--enable-multimodal", "--use-vllm-tokenizer"], "token mode"),
     (["--ec-transfer-config", '{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}'],
      "--ec-transfer-config is not supported"),
     (["--mm-encoder-only"], "--mm-encoder-only is not supported"),
@@ -97,7 +96,7 @@ async def test_the_engine_gets_the_images_and_usage_counts_its_widened_prompt():
 
 
 @pytest.mark.parametrize("role, multimodal, words", [("agg", False, "--enable-multimodal"),
-                                                     ("prefill", True, "prefill worker")])
+                                                     ("prefill", False, "--enable-multimodal")])
 async def test_workers_that_take_no_images_refuse_them(role, multimodal, words):
     h, engine = handlers(role, multimodal)
     with pytest.raises(InvalidRequest, match=words):

@@ -1,0 +1,175 @@
+"""Disaggregated encode, the worker side without an engine: the embedding file format and its checks, the
+encode worker's byte-bounded LRU cache, a NIXL read of a cached buffer, the flags (one role per process), the
+vision tower's output shape, and a worker that takes embeddings passing them to its engine's connector (the real
+engines: tests/integration/test_multimodal_disagg.py)."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
+from turbine.protocol.generate import GenerateRequest, ImageEmbedding, ImageInput
+from turbine.runtime.errors import InvalidRequest
+from turbine.vllm.args import parse_worker_args
+from turbine.vllm.embedding_store import (
+    HANDOUT_GRACE_S,
+    EmbeddingCache,
+    EmbeddingUnavailable,
+    NixlReader,
+    NixlServer,
+    read_file,
+    write_file,
+)
+from tests.unit.vllm.test_worker_images import Engine, png
+from turbine.vllm.handlers import HANDLERS_OF_ROLE
+from turbine.worker.worker_metrics import WorkerMetrics
+
+
+def emb(rows=4, width=6, seed=0) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_file_reads_back_only_as_what_it_was_said_to_be(tmp_path):
+    t = emb()
+    path = str(tmp_path / "x.temb")
+    write_file(path, "h1", t)
+    told = ImageEmbedding(hash="h1", dtype="float32", shape=[4, 6], path=path)
+    assert torch.equal(read_file(told), t)
+    for wrong, words in [({"hash": "h2"}, "expected"), ({"shape": [6, 4]}, "expected"),
+                         ({"dtype": "float16"}, "expected"), ({"dtype": "int8"}, "dtype"),
+                         ({"shape": [24]}, "shape"), ({"path": str(tmp_path / "none")}, "cannot read")]:
+        with pytest.raises(EmbeddingUnavailable, match=words):
+            read_file(ImageEmbedding(**{**{"hash": "h1", "dtype": "float32", "shape": [4, 6], "path": path}, **wrong}))
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-4])  # truncated values
+    with pytest.raises(EmbeddingUnavailable, match="bytes of values"):
+        read_file(told)
+    open(path, "wb").write(b"\x80\x04pickle" + data)  # not ours: never unpickled, refused by its magic
+    with pytest.raises(EmbeddingUnavailable, match="not an embedding file"):
+        read_file(told)
+
+
+def test_the_cache_keeps_the_most_recently_used_within_its_bytes(tmp_path):
+    one = emb().numel() * 4  # 96 bytes
+    cache = EmbeddingCache(capacity_bytes=2 * one, file_dir=str(tmp_path))
+    cache.put("a", emb(seed=1))
+    cache.put("b", emb(seed=2))
+    a_file = cache.location("a", "file").path
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("c", emb(seed=3))
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.bytes == 2 * one and len(cache) == 2
+    cache.put("d", emb(seed=4))  # evicts a, whose file was handed out: it stays for the grace period
+    assert cache.get("a") is None and os.path.exists(a_file)
+    cache.release_expired(now=time.monotonic() + HANDOUT_GRACE_S + 1)
+    assert not os.path.exists(a_file)
+
+
+def test_a_nixl_reader_gets_the_cached_buffer(tmp_path):
+    server = NixlServer("test-encode-unit")
+    cache = EmbeddingCache(1 << 20, str(tmp_path), server)
+    t = emb(16, 576)
+    cache.put("h", t)
+    stop = threading.Event()
+
+    def progress():  # the encode worker polls its agent while reads may be in flight
+        while not stop.is_set():
+            server.poll()
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=progress, daemon=True)
+    poller.start()
+    try:
+        where = cache.location("h", "nixl")
+        assert where.nixl.length == t.numel() * 4 and where.path is None
+        got = NixlReader("test-reader-unit", timeout_s=20).read(where)
+        assert torch.equal(got, t)
+    finally:
+        stop.set()
+        poller.join()
+        cache.close()
+
+
+def test_the_encode_worker_serves_the_encode_endpoint_alone():
+    cfg = parse_worker_args(["--multimodal-encode-worker", "--embedding-cache-mb", "8"])
+    assert cfg.multimodal_encode_worker and cfg.embedding_cache_mb == 8
+    assert cfg.endpoint == ENCODE_ENDPOINT and cfg.endpoint_types == (IMAGE_ENCODE,)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--multimodal-encode-worker", "--enable-multimodal"], "one role per process"),
+    (["--multimodal-encode-worker", "--disaggregation-mode", "decode", "--connector", "nixl"], "one role per process"),
+    (["--multimodal-encode-worker", "--embedding-cache-mb", "0"], "--embedding-cache-mb"),
+    (["--multimodal-encode-worker", "--embedding-dir", "/no/such/dir"], "no such directory"),
+    (["--take-image-embeddings"], "needs --enable-multimodal"),
+])
+def test_encode_flags_are_checked(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_worker_args(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_vision_tower_gives_one_row_per_placeholder(tmp_path, model_dir):
+    from tests.multimodal_model import IMAGE_SEQ_LEN, build_vlm
+    from turbine.vllm.image_encoder import ImageEncoder
+
+    folder = build_vlm(tmp_path / "vlm", text_model_dir=model_dir)
+    enc = ImageEncoder(str(folder), "float32")
+    red, blue = (enc.encode(Image.new("RGB", (30, 20), c)) for c in ((200, 0, 0), (0, 0, 200)))
+    assert red.shape == (IMAGE_SEQ_LEN, 576) and red.dtype == torch.float32
+    assert not torch.equal(red, blue)
+    assert torch.equal(red, enc.encode(Image.new("RGB", (30, 20), (200, 0, 0))))
+
+
+class EmbedEngine(Engine):
+    def __init__(self):
+        super().__init__()
+        self.vllm_config.model_config.get_hidden_size = lambda: 6
+        self.params = []
+
+    async def generate(self, prompt, params, request_id, **kwargs):
+        self.params.append(params)
+        async for out in super().generate(prompt, params, request_id, **kwargs):
+            yield out
+
+
+def embedding_request(shape=(4, 6), hash_="c" * 64) -> GenerateRequest:
+    return GenerateRequest(request_id="r", model="m", token_ids=[1, 2, 3],
+                           images=[ImageInput(data=png(), hash="c" * 64)],
+                           image_embeddings=[ImageEmbedding(hash=hash_, dtype="float32", shape=list(shape),
+                                                            path="/tmp/x.temb")])
+
+
+def take(take_image_embeddings: bool):
+    engine = EmbedEngine()
+    metrics = WorkerMetrics({"namespace": "t", "component": "c", "model": "m",
+                             "worker_id": f"emb-{take_image_embeddings}"})
+    return HANDLERS_OF_ROLE["agg"](engine, metrics, multimodal=True,
+                                   take_image_embeddings=take_image_embeddings), engine
+
+
+async def test_embeddings_reach_the_engines_connector_with_the_images():
+    h, engine = take(True)
+    [_] = [o async for o in h.generate(embedding_request(), None)]
+    params = engine.params[0].extra_args["ec_transfer_params"]["turbine"]
+    assert params == [{"hash": "c" * 64, "dtype": "float32", "shape": [4, 6], "path": "/tmp/x.temb"}]
+    assert engine.prompts[0]["multi_modal_uuids"] == {"image": ["c" * 64]}  # the images still come
+
+
+@pytest.mark.parametrize("take_flag, req, words", [
+    (False, embedding_request(), "--take-image-embeddings"),
+    (True, embedding_request(hash_="d" * 64), "one per image"),
+    (True, embedding_request(shape=(4, 7)), "7 wide"),
+])
+async def test_embeddings_a_worker_cannot_take_are_refused(take_flag, req, words):
+    h, engine = take(take_flag)
+    with pytest.raises(InvalidRequest, match=words):
+        [o async for o in h.generate(req, None)]
+    assert not engine.prompts
