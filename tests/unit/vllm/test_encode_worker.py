@@ -173,3 +173,43 @@ async def test_embeddings_a_worker_cannot_take_are_refused(take_flag, req, words
     with pytest.raises(InvalidRequest, match=words):
         [o async for o in h.generate(req, None)]
     assert not engine.prompts
+
+
+def test_the_connector_loads_what_requests_brought_and_refuses_a_shape_the_engine_does_not_place(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm.config import ECTransferConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from turbine.vllm.ec_connector import TurbineECConnector, ec_transfer_params, engine_config
+
+    config = SimpleNamespace(ec_transfer_config=ECTransferConfig(**engine_config()),
+                             model_config=SimpleNamespace(dtype=torch.float32))
+    t = emb(4, 6)
+    write_file(str(tmp_path / "h.temb"), "h", t)
+    where = ImageEmbedding(hash="h", dtype="float32", shape=[4, 6], path=str(tmp_path / "h.temb"))
+
+    def req(rid, rows, items):
+        return SimpleNamespace(request_id=rid, ec_transfer_params=ec_transfer_params(items),
+                               mm_features=[SimpleNamespace(identifier="h")], get_num_encoder_embeds=lambda i: rows)
+
+    sched = TurbineECConnector(config, ECConnectorRole.SCHEDULER)
+    assert sched.is_consumer and not sched.has_cache_item("h")
+    good = req("a", 4, [where])
+    sched.ensure_cache_available(good, 0)
+    assert sched.has_cache_item("h") and not sched.has_cache_item("other")  # others: the engine encodes
+    sched.update_state_after_alloc(good, 0)
+    meta = sched.build_connector_meta(None)
+    worker = TurbineECConnector(config, ECConnectorRole.WORKER)
+    worker.bind_connector_metadata(meta)
+    cache = {}
+    worker.start_load_caches(cache)
+    assert torch.equal(cache["h"], t)
+    bad = req("b", 5, [where])  # the engine places 5 rows for this image: the request fails, the engine lives
+    sched.ensure_cache_available(bad, 0)
+    sched.update_state_after_alloc(bad, 0)
+    assert sched.take_unavailable_requests() == {"b"}
+    sched.request_finished(good)
+    assert sched.has_cache_item("h")  # b still holds it
+    sched.request_finished(bad)
+    assert not sched.has_cache_item("h")
