@@ -39,9 +39,12 @@ _encoded = Counter("turbine_encoder_images", "images the vision encoder ran for"
 _cache_hits = Counter("turbine_embedding_cache_hits", "images answered from the embedding cache (no encoder run)",
                       LABELS)
 _cache_bytes = Gauge("turbine_embedding_cache_bytes", "bytes of embeddings in the encode worker's cache", LABELS)
-# After a NIXL hand-out, poll the agent (UCX completes a consumer's read only while this end progresses) this
-# often, for this long or until every consumer has said it is done.
+# After a NIXL hand-out, poll the agent (UCX completes a consumer's read only while this end progresses): this
+# often while reads are outstanding (a consumer notifies when its read is done), less often once none is, until
+# this long after the last hand-out (a consumer may read a buffer again, e.g. a decode worker that must compute
+# an image's positions itself).
 NIXL_POLL_S = 0.002
+NIXL_IDLE_POLL_S = 0.02
 NIXL_POLL_FOR_S = 30.0
 
 
@@ -164,9 +167,9 @@ class EncodeEngine:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def _poll(self) -> None:
-        while self._pending_reads > 0 and time.monotonic() < self._poll_until:
-            self._pending_reads -= self.nixl.poll()
-            await asyncio.sleep(NIXL_POLL_S)
+        while time.monotonic() < self._poll_until:
+            self._pending_reads = max(0, self._pending_reads - self.nixl.poll())
+            await asyncio.sleep(NIXL_POLL_S if self._pending_reads else NIXL_IDLE_POLL_S)
         self._pending_reads = 0
         self.cache.release_expired()
 
