@@ -12,6 +12,7 @@ from turbine.config import check, flag
 from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
+from turbine.vllm.compat import EC_CONSUMER_RELEASES, VLLM_VERSION, release_of
 from turbine.vllm.connectors import ConnectorError, KvbmTiers, check_kvbm_flags, kv_transfer_config, parse_connectors
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
@@ -189,6 +190,9 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
 
+    if args.take_image_embeddings and release_of(VLLM_VERSION) not in EC_CONSUMER_RELEASES:
+        parser.error(f"--take-image-embeddings: checked with vLLM {', '.join(EC_CONSUMER_RELEASES)} only (its "
+                     f"encoder-cache connector interface); this is vLLM {VLLM_VERSION}")
     if serving.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
     _configure_connector(args, parser, serving)

@@ -47,6 +47,12 @@ KNOWN_RELEASES = {
 VLLM_VERSION: str = vllm.__version__
 
 
+# --take-image-embeddings drives the engine's encoder-cache connector interface (ensure_cache_available,
+# take_unavailable_requests, ec_connector_module_path), checked on 0.32 only: refused elsewhere rather than
+# possibly inert (an engine that never asks the connector encodes the images itself).
+EC_CONSUMER_RELEASES = ("0.32",)
+
+
 def release_of(version: str) -> str:
     """'0.26.0+cu130' → '0.26'."""
     parts = version.split("+")[0].split(".")

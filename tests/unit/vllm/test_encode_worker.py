@@ -213,3 +213,13 @@ def test_the_connector_loads_what_requests_brought_and_refuses_a_shape_the_engin
     assert sched.has_cache_item("h")  # b still holds it
     sched.request_finished(bad)
     assert not sched.has_cache_item("h")
+
+
+def test_take_image_embeddings_is_refused_on_a_vllm_release_not_checked(monkeypatch, capsys):
+    import turbine.vllm.args as args
+
+    assert parse_worker_args(["--enable-multimodal", "--take-image-embeddings"]).take_image_embeddings
+    monkeypatch.setattr(args, "VLLM_VERSION", "0.26.0+cu130")
+    with pytest.raises(SystemExit):
+        parse_worker_args(["--enable-multimodal", "--take-image-embeddings"])
+    assert "checked with vLLM 0.32 only" in capsys.readouterr().err
