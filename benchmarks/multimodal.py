@@ -174,7 +174,8 @@ def main() -> None:
                     for kind in ("unique", "half"):
                         before = (metric(enc, "turbine_encoder_images_total"),
                                   metric(enc, "turbine_embedding_cache_hits_total")) if enc else (0, 0)
-                        seed = 1 + rep * 10 + c
+                        # Every point its own pictures: none was seen in an earlier point (by the cache or engine).
+                        seed = 1 + rep * 10 + c + (1000 if kind == "half" else 0)
                         point = asyncio.run(run_point(stack.base_url, workload(kind, a.requests, seed), c,
                                                       a.max_tokens))
                         if enc:
