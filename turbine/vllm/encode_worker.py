@@ -101,6 +101,9 @@ class EncodeEngine:
     async def start(self, plane, health: Health) -> list[Instance]:
         cfg = self.cfg
         dtype = encoder_dtype(cfg.engine_args, cfg.model_path)
+        import torch
+
+        torch.set_num_threads(cfg.encoder_threads)
         self.encoder = await asyncio.to_thread(ImageEncoder, cfg.model_path, dtype)
         directory = cfg.embedding_dir
         if directory is None:

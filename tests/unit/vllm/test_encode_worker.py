@@ -107,6 +107,7 @@ def test_the_encode_worker_serves_the_encode_endpoint_alone():
     (["--multimodal-encode-worker", "--enable-multimodal"], "one role per process"),
     (["--multimodal-encode-worker", "--disaggregation-mode", "decode", "--connector", "nixl"], "one role per process"),
     (["--multimodal-encode-worker", "--embedding-cache-mb", "0"], "--embedding-cache-mb"),
+    (["--multimodal-encode-worker", "--encoder-threads", "0"], "--encoder-threads"),
     (["--multimodal-encode-worker", "--embedding-dir", "/no/such/dir"], "no such directory"),
     (["--take-image-embeddings"], "needs --enable-multimodal"),
 ])
