@@ -69,6 +69,9 @@ class WorkerConfig(ServingConfig):
                   and self.disaggregation_mode == "agg" and getattr(self.engine_args, "runner", None) != "pooling"
                   and getattr(self.engine_args, "kv_transfer_config", None) is None,
                   "multimodal_encode_worker", ENCODE_WORKER_ALONE)
+        for name, default in (("embedding_cache_mb", 256.0), ("embedding_dir", None), ("encoder_threads", 1)):
+            check(self, self.multimodal_encode_worker or getattr(self, name) == default, name,
+                  "is an encode worker's setting: add --multimodal-encode-worker or drop it")
         check(self, self.embedding_cache_mb > 0, "embedding_cache_mb", "must be > 0")
         check(self, self.encoder_threads >= 1, "encoder_threads", "must be >= 1")
         check(self, self.embedding_dir is None or os.path.isdir(self.embedding_dir), "embedding_dir",

@@ -110,6 +110,8 @@ def test_the_encode_worker_serves_the_encode_endpoint_alone():
     (["--multimodal-encode-worker", "--encoder-threads", "0"], "--encoder-threads"),
     (["--multimodal-encode-worker", "--embedding-dir", "/no/such/dir"], "no such directory"),
     (["--take-image-embeddings"], "needs --enable-multimodal"),
+    (["--embedding-cache-mb", "8"], "an encode worker's setting"),  # would be inert on another worker
+    (["--encoder-threads", "2"], "an encode worker's setting"),
 ])
 def test_encode_flags_are_checked(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
