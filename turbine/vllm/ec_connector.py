@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase, ECConnectorMetadata, ECConnectorRole, ECConnectorWorkerMetadata)
 
 from turbine.protocol.generate import ImageEmbedding
-from turbine.vllm.embedding_store import EmbeddingUnavailable, NixlReader, check_location, read_file
+from turbine.vllm.embedding_store import NixlReader, check_location, read_file
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("turbine.vllm")
@@ -46,6 +50,14 @@ class TurbineECMetadata(ECConnectorMetadata):
     loads: list[dict] = field(default_factory=list)  # ImageEmbedding builtins to load this step
 
 
+@dataclass
+class TurbineECWorkerMeta(ECConnectorWorkerMetadata):
+    failed: set[str] = field(default_factory=set)  # image hashes the model runner could not load this step
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        return TurbineECWorkerMeta(self.failed | getattr(other, "failed", set()))
+
+
 class TurbineECConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
@@ -57,6 +69,7 @@ class TurbineECConnector(ECConnectorBase):
         self._unavailable: set[str] = set()
         # Model-runner half.
         self._reader: NixlReader | None = None
+        self._failed: set[str] = set()
 
     # ---- scheduler half
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
@@ -79,6 +92,20 @@ class TurbineECConnector(ECConnectorBase):
                       request.request_id, image_hash[:16], item["shape"], rows)
             self._unavailable.add(request.request_id)
             return
+        if image_hash in self._to_load:
+            return  # another request of this step brought it: one load serves both
+        if item.get("path") is not None:
+            # Pin the file for this load: a hard link keeps its data however soon the encode worker's cache
+            # evicts it, and a file already gone fails this request here, cleanly, before any step uses it.
+            pinned = f"{item['path']}.pin-{uuid.uuid4().hex}"
+            try:
+                os.link(item["path"], pinned)
+            except OSError as exc:
+                log.error("request %s: image %s: its embeddings are gone (%s); the request fails (retryable)",
+                          request.request_id, image_hash[:16], exc)
+                self._unavailable.add(request.request_id)
+                return
+            item = dict(item, path=pinned)
         self._to_load[image_hash] = item
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
@@ -100,21 +127,38 @@ class TurbineECConnector(ECConnectorBase):
                     self._sources.pop(item["hash"], None)
         return False, None
 
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        for image_hash in getattr(meta, "failed", ()):  # the model runner could not load them
+            self._unavailable |= self._holders.get(image_hash, set())
+
     # ---- model-runner half
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
         meta = self._get_connector_metadata()
         for item in meta.loads:
             if item["hash"] in encoder_cache:
+                _unpin(item)
                 continue
             e = msgspec.convert(item, ImageEmbedding)
             try:
                 check_location(e)
                 tensor = read_file(e) if e.path is not None else self._nixl().read(e)
-            except EmbeddingUnavailable:
-                # The scheduler has promised these rows to the forward pass: nothing sensible is left to do.
-                log.exception("image embeddings could not be loaded")
-                raise
+            except Exception as exc:  # EmbeddingUnavailable, a NIXL error: anything but the engine's death
+                # The scheduler has promised these rows to this step's forward pass, and raising here would
+                # kill the engine with every request in it. Zeros keep it running; the requests that brought
+                # the image are failed (retryable) by the scheduler half once it hears (the next step).
+                log.error("%s: the requests that brought it fail", exc)
+                tensor = torch.zeros(e.shape, dtype=self._dtype)
+                self._failed.add(e.hash)
+            finally:
+                _unpin(item)
             encoder_cache[e.hash] = tensor.to(self._dtype)
+
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        if not self._failed:
+            return None
+        meta, self._failed = TurbineECWorkerMeta(self._failed), set()
+        return meta
 
     def save_caches(self, encoder_cache, mm_hash: str, **kwargs) -> None:
         return  # a consumer saves nothing
@@ -123,3 +167,13 @@ class TurbineECConnector(ECConnectorBase):
         if self._reader is None:
             self._reader = NixlReader(f"turbine-ec-{os.getpid()}")
         return self._reader
+
+
+def _unpin(item: dict) -> None:
+    """Drop the scheduler half's hard link once the model runner is done with it."""
+    path = item.get("path")
+    if path is not None and ".pin-" in os.path.basename(path):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -226,3 +226,66 @@ def test_take_image_embeddings_is_refused_on_a_vllm_release_not_checked(monkeypa
     with pytest.raises(SystemExit):
         parse_worker_args(["--enable-multimodal", "--take-image-embeddings"])
     assert "checked with vLLM 0.32 only" in capsys.readouterr().err
+
+
+def test_embeddings_gone_before_the_engine_loads_them_fail_their_requests_not_the_engine(tmp_path):
+    """The encode worker's cache may evict (and, after a grace, delete) what it handed out while a request
+    still waits in the engine. A file still there when the step is planned is pinned (a hard link) so the
+    load cannot miss it; one already gone fails its request cleanly; a load that fails anyway (here: the pin
+    removed under it) gives zeros and fails the requests that brought it, and never raises (raising in the
+    model runner would kill the engine and every request in it)."""
+    from types import SimpleNamespace
+
+    from vllm.config import ECTransferConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.v1.outputs import ECConnectorOutput
+
+    from turbine.vllm.ec_connector import TurbineECConnector, ec_transfer_params, engine_config
+
+    config = SimpleNamespace(ec_transfer_config=ECTransferConfig(**engine_config()),
+                             model_config=SimpleNamespace(dtype=torch.float32))
+
+    def where(name):
+        t = emb(4, 6)
+        write_file(str(tmp_path / f"{name}.temb"), name, t)
+        return t, ImageEmbedding(hash=name, dtype="float32", shape=[4, 6], path=str(tmp_path / f"{name}.temb"))
+
+    def req(rid, item):
+        return SimpleNamespace(request_id=rid, ec_transfer_params=ec_transfer_params([item]),
+                               mm_features=[SimpleNamespace(identifier=item.hash)], get_num_encoder_embeds=lambda i: 4)
+
+    sched = TurbineECConnector(config, ECConnectorRole.SCHEDULER)
+    worker = TurbineECConnector(config, ECConnectorRole.WORKER)
+    # 1. evicted after the step was planned: the pin keeps it
+    t_a, a = where("a")
+    ra = req("ra", a)
+    sched.ensure_cache_available(ra, 0)
+    sched.update_state_after_alloc(ra, 0)
+    os.unlink(a.path)  # the encode worker's cache let it go
+    worker.bind_connector_metadata(sched.build_connector_meta(None))
+    cache = {}
+    worker.start_load_caches(cache)
+    assert torch.equal(cache["a"], t_a)
+    assert list(tmp_path.glob("*.pin-*")) == []  # the pin went with the load
+    assert worker.build_connector_worker_meta() is None
+    # 2. gone before the step was planned: that request fails, nothing is loaded
+    _, b = where("b")
+    rb = req("rb", b)
+    sched.ensure_cache_available(rb, 0)
+    os.unlink(b.path)
+    sched.update_state_after_alloc(rb, 0)
+    assert sched.take_unavailable_requests() == {"rb"}
+    assert sched.build_connector_meta(None).loads == []
+    # 3. the load itself fails: zeros, no exception, and the request is failed from the next step on
+    _, c = where("c")
+    rc = req("rc", c)
+    sched.ensure_cache_available(rc, 0)
+    sched.update_state_after_alloc(rc, 0)
+    meta = sched.build_connector_meta(None)
+    for p in tmp_path.glob("c.temb.pin-*"):
+        p.unlink()
+    worker.bind_connector_metadata(meta)
+    worker.start_load_caches(cache)
+    assert torch.count_nonzero(cache["c"]) == 0
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta()))
+    assert sched.take_unavailable_requests() == {"rc"}
