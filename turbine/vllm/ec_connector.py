@@ -146,7 +146,7 @@ class TurbineECConnector(ECConnectorBase):
             except Exception as exc:  # EmbeddingUnavailable, a NIXL error: anything but the engine's death
                 # The scheduler has promised these rows to this step's forward pass, and raising here would
                 # kill the engine with every request in it. Zeros keep it running; the requests that brought
-                # the image are failed (retryable) by the scheduler half once it hears (the next step).
+                # the image are failed by the scheduler half once it hears (the next step): engine_failure to the client.
                 log.error("%s: the requests that brought it fail", exc)
                 tensor = torch.zeros(e.shape, dtype=self._dtype)
                 self._failed.add(e.hash)
