@@ -101,7 +101,7 @@ class TurbineECConnector(ECConnectorBase):
             try:
                 os.link(item["path"], pinned)
             except OSError as exc:
-                log.error("request %s: image %s: its embeddings are gone (%s); the request fails (retryable)",
+                log.error("request %s: image %s: its embeddings are gone (%s); the request fails",
                           request.request_id, image_hash[:16], exc)
                 self._unavailable.add(request.request_id)
                 return
