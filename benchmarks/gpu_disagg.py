@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_serving import Procs, _ms, free_port, log, machine, pct  # noqa: E402
+from gpu_serving import Procs, _ms, free_port, log, machine, pct, stream_completion  # noqa: E402
 
 SERVED = "model"
 
@@ -273,37 +273,9 @@ async def _drive(base: str, plan: list[dict]) -> list[dict]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800), connector=conn) as session:
         async def one(item):
-            body = {"model": SERVED, "prompt": item["prompt"], "max_tokens": item["osl"], "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            t0 = time.perf_counter()
-            times, usage, err = [], None, None
-            try:
-                async with session.post(f"{base}/v1/completions", json=body) as resp:
-                    if resp.status != 200:
-                        err = f"HTTP {resp.status}"
-                    else:
-                        buf = b""
-                        async for data in resp.content.iter_any():
-                            buf += data
-                            while b"\n\n" in buf:
-                                event, buf = buf.split(b"\n\n", 1)
-                                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                                    continue
-                                chunk = json.loads(event[6:])
-                                if chunk.get("error"):
-                                    err = str(chunk["error"])[:200]
-                                if chunk.get("usage"):
-                                    usage = chunk["usage"]
-                                if chunk.get("choices"):
-                                    times.append(time.perf_counter())
-            except Exception as exc:
-                err = f"{type(exc).__name__}: {exc}"[:200]
-            rec = {"kind": item["kind"], "t0": t0, "end": time.perf_counter()}
-            if err or usage is None or not times:
-                rec["error"] = err or "no usage"
-            else:
-                rec.update(ttft=times[0] - t0, itl=[y - x for x, y in zip(times, times[1:])],
-                           out=usage["completion_tokens"])
+            rec = await stream_completion(session, f"{base}/v1/completions", SERVED, item["prompt"], item["osl"])
+            rec["kind"] = item["kind"]
+            rec.setdefault("end", time.perf_counter())
             recs.append(rec)
 
         t_start = time.perf_counter()

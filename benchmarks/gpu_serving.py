@@ -104,6 +104,39 @@ def prompts(n: int, isl: int, seed: int, vocab: int = 49152) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------- load generator
+async def stream_completion(session, url: str, model: str, prompt: list[int], osl: int) -> dict:
+    """One streaming /v1/completions (token-id prompt, ignore_eos, usage in the last chunk): {t0, end,
+    ttft, itl, out} or {error}. TTFT: sent -> first chunk with text; ITL: gaps between later chunks."""
+    body = {"model": model, "prompt": prompt, "max_tokens": osl, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    times, usage, err = [], None, None
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}", "t0": t0}
+            buf = b""
+            async for data in resp.content.iter_any():
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(event[6:])
+                    if chunk.get("error"):
+                        err = str(chunk["error"])[:200]
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if chunk.get("choices"):
+                        times.append(time.perf_counter())
+    except Exception as exc:  # a broken stream is a result, recorded
+        return {"error": f"{type(exc).__name__}: {exc}"[:200], "t0": t0}
+    if err or usage is None or not times:
+        return {"error": err or "no usage", "t0": t0}
+    return {"t0": t0, "end": time.perf_counter(), "ttft": times[0] - t0,
+            "itl": [b - a for a, b in zip(times, times[1:])], "out": usage["completion_tokens"]}
+
+
 async def _client_main(url: str, model: str, work: list[list[int]], osl: int, concurrency: int) -> dict:
     import aiohttp
 
@@ -113,34 +146,7 @@ async def _client_main(url: str, model: str, work: list[list[int]], osl: int, co
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         async def one(prompt):
-            body = {"model": model, "prompt": prompt, "max_tokens": osl, "temperature": 0.0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            t0 = time.perf_counter()
-            times, usage, err = [], None, None
-            try:
-                async with session.post(url, json=body) as resp:
-                    if resp.status != 200:
-                        return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
-                    buf = b""
-                    async for data in resp.content.iter_any():
-                        buf += data
-                        while b"\n\n" in buf:
-                            event, buf = buf.split(b"\n\n", 1)
-                            if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                                continue
-                            chunk = json.loads(event[6:])
-                            if chunk.get("error"):
-                                err = str(chunk["error"])[:200]
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            if chunk.get("choices"):
-                                times.append(time.perf_counter())
-            except Exception as exc:  # a broken stream is a result, recorded
-                return {"error": f"{type(exc).__name__}: {exc}"[:200]}
-            if err or usage is None:
-                return {"error": err or "no usage"}
-            return {"t0": t0, "end": time.perf_counter(), "ttft": times[0] - t0 if times else None,
-                    "itl": [b - a for a, b in zip(times, times[1:])], "out": usage["completion_tokens"]}
+            return await stream_completion(session, url, model, prompt, osl)
 
         async def worker():
             while queue:
