@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
+from turbine.runtime.ports import free_port  # noqa: F401  (the tests import it from here)
+
 ETCD_HINT = "install Debian's etcd-server (apt-get install -y etcd-server) or set TURBINE_TEST_ETCD=host:port"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

@@ -9,13 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from turbine.runtime.ports import free_port  # noqa: F401  (the tests import it from here)
+
 NATS_HINT = "install Debian's nats-server (apt-get install -y nats-server)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NatsServer:

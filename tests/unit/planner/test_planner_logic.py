@@ -5,6 +5,7 @@ the engines' load reports, bounded below by the throughput path), and its config
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -27,6 +28,12 @@ def profile_path(tmp_path):
     path = tmp_path / "profile.json"
     write_engine_profile(PROFILE, path)
     return str(path)
+
+
+def later() -> float:
+    """A whole second after now: "t + 15" minus t is then exactly 15 (a monotonic clock at, say,
+    508.678078343 s gives 14.999999999999943, and a step due at 15 s did not come: a flaky test)."""
+    return float(math.floor(time.monotonic()) + 2)
 
 
 def planner(profile_path, **kw) -> Planner:
@@ -255,14 +262,14 @@ def test_the_load_path_scales_down_only_after_a_whole_start_up_under_target(prof
     # Under target, one request each (one engine holds 0.4/s x 200 x 30 ms = 2.4 at the targets: the 3
     # need 2, no surplus to halve), reported after the change.
     idle = [engine("agg", running=1, name=f"a{i}") for i in (1, 2, 3)]
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(idle, {"agg": 3}, now=t0) is None  # under target: the clock starts
     assert p.load_step(idle, {"agg": 3}, now=t0 + 14) is None  # a dip shorter than a start-up: kept
     assert p.load_step(idle, {"agg": 3}, now=t0 + 15) == {"agg": 2}
     p.decided({"agg": 2}, "load")
     time.sleep(0.01)
     idle = [engine("agg", running=1, name=f"a{i}") for i in (1, 2)]
-    t1 = time.monotonic() + 1
+    t1 = later()
     assert p.load_step(idle, {"agg": 2}, now=t1) is None  # after a step down the clock starts again
     busy = [engine("agg", waiting=1, name=n) for n in ("a1", "a2")]
     assert p.load_step(busy, {"agg": 2}, now=t1 + 10) == {"agg": 3}  # over target: up at once, clock reset
@@ -340,7 +347,7 @@ def test_a_surplus_of_the_role_as_a_whole_counts_as_under_target(profile_path):
     time.sleep(0.01)
     mixed = [engine("agg", waiting=1, name="a0")] + [engine("agg", running=1 if i < 3 else 0, name=f"a{i}")
                                                      for i in range(1, 6)]
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(mixed, {"agg": 6}, now=t0) is None
     assert p.load_step(mixed, {"agg": 6}, now=t0 + 15) == {"agg": 4}
     # Mixed engines whose backlog needs all but one of them (10 requests: 5 engines): no step down.
@@ -351,7 +358,7 @@ def test_a_surplus_of_the_role_as_a_whole_counts_as_under_target(profile_path):
     time.sleep(0.01)
     held = [engine("agg", waiting=1, name="a0")] + [engine("agg", running=2 if i < 5 else 1, name=f"a{i}")
                                                     for i in range(1, 6)]
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(held, {"agg": 6}, now=t0) is None
     assert p.load_step(held, {"agg": 6}, now=t0 + 15) is None
 
@@ -377,7 +384,7 @@ def test_the_load_path_removes_half_the_surplus_at_a_time(profile_path):
     time.sleep(0.01)
     # 8 engines, 2 requests in all (one engine holds 2.4 at the targets: 1 needed): surplus 7, -4 -> 4.
     idle = [engine("agg", running=1 if i < 2 else 0, name=f"a{i}") for i in range(8)]
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(idle, {"agg": 8}, now=t0) is None
     assert p.load_step(idle, {"agg": 8}, now=t0 + 15) == {"agg": 4}
 
@@ -394,19 +401,19 @@ def test_the_load_path_keeps_what_the_last_start_ups_highest_rate_needs(profile_
     p.decided({"agg": 8}, "load")
     time.sleep(0.01)
     idle = [engine("agg", name=f"a{i}") for i in range(8)]
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(idle, {"agg": 8}, now=t0) is None
     assert p.load_step(idle, {"agg": 8}, now=t0 + 15) == {"agg": 4}  # half the surplus
     p.decided({"agg": 4}, "load")
     time.sleep(0.01)
     idle = [engine("agg", name=f"a{i}") for i in range(4)]  # reports after the change
-    t1 = time.monotonic() + 1
+    t1 = later()
     assert p.load_step(idle, {"agg": 4}, now=t1) is None
     assert p.load_step(idle, {"agg": 4}, now=t1 + 15) == {"agg": 3}  # not 2: `keep`
     p.decided({"agg": 3}, "load")
     time.sleep(0.01)
     idle = [engine("agg", name=f"a{i}") for i in range(3)]
-    t2 = time.monotonic() + 1
+    t2 = later()
     assert p.load_step(idle[:3], {"agg": 3}, now=t2) is None
     assert p.load_step(idle[:3], {"agg": 3}, now=t2 + 15) is None
     # Once 1/s is older than a start-up: down to the bound.

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.unit.planner.test_planner_logic import engine, planner, profile_path  # noqa: F401 (fixture)
+from tests.unit.planner.test_planner_logic import engine, later, planner, profile_path  # noqa: F401 (fixture)
 from turbine.config import ConfigError
 from turbine.planner.config import PlannerConfig
 from turbine.planner.observe import Observation
@@ -167,7 +167,7 @@ def test_the_time_under_target_counts_from_when_the_started_workers_serve(profil
     p.decided({"agg": 3}, "load")
     time.sleep(0.01)
     idle = [engine("agg", name=f"a{i}") for i in (1, 2)]
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(idle, {"agg": 2}, starting={"agg": 1}, now=t0) is None
     assert p.load_step(idle, {"agg": 2}, starting={"agg": 1}, now=t0 + 20) is None
     idle = [engine("agg", name=f"a{i}") for i in (1, 2, 3)]

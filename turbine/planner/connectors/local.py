@@ -27,6 +27,7 @@ import psutil
 
 from turbine.config import DEFAULT_NAMESPACE, ConfigError, DiscoveryConfig, check, make_registry
 from turbine.planner.connector import ROLES, register_connector
+from turbine.runtime.ports import free_port
 
 log = logging.getLogger("turbine.planner.local")
 
@@ -95,12 +96,6 @@ class LocalConnectorConfig:
         check(self, not bad, "roles", f"unknown role(s) {', '.join(bad)}; choose from {', '.join(ROLES)}")
         check(self, self.drain_timeout >= 0, "drain_timeout", "must be >= 0")
         check(self, self.kill_after > 0, "kill_after", "must be > 0")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -263,7 +258,7 @@ class LocalConnector:
         spec, cfg = self.cfg.roles[role], self.cfg
         self._seq += 1
         name = f"{role}-{self._seq}"
-        port = _free_port()
+        port = free_port()
         disc = cfg.discovery
         env = dict(os.environ)
         env.update(TURBINE_DISCOVERY_BACKEND=disc.backend, TURBINE_DISCOVERY_DIR=disc.file_dir,
