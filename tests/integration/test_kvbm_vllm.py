@@ -5,9 +5,13 @@ tokens as external-cache hits by tier; a corrupted block file is recomputed, not
 worker that shares the first's shared tier (its own discovery and frontend, so each request goes
 where the test sends it) onboards a prompt the first computed.
 
-Two engines for the module (the second only for what needs a second worker), with 32-token blocks (the CPU build's default is 128; smaller prompts keep
-the test short). Each prompt is 112 token ids: 3 full blocks (what is offloaded) and a partial one,
-so 4 engine blocks with its output. The
+The second worker is a prefill worker with `--connector kvbm nixl` (vLLM's MultiConnector) in front of
+a decode worker (`--connector nixl`): its frontend sends every prompt through it, so what it onboards
+from its tiers reaches the decode worker over NIXL with the rest of the prompt's KV.
+
+Three engines for the module (the second and third only for what needs a second worker), with 32-token
+blocks (the CPU build's default is 128; smaller prompts keep the test short). Each prompt is 112 token
+ids: 3 full blocks (what is offloaded) and a partial one, so 4 engine blocks with its output. The
 engine holds 7 blocks (6 usable: vLLM keeps one as its null block), the host tier 6.5 blocks' bytes
 (two prompts). vLLM evicts the least recently freed blocks first, the tail of a request before its
 head; the comments count blocks."""
@@ -35,6 +39,7 @@ from tests.integration.procs import (
     wait_until,
     worker_ready,
 )
+from tests.integration.test_disagg_vllm import clear_cache, prefill_workers, worker_metric
 from turbine.kvbm.block import HEADER_SIZE, decode, file_name
 from turbine.router.hashing import block_hashes
 
@@ -61,21 +66,28 @@ def kvbm(tmp_path_factory, model_dir):
     env_b = base_env(str(root / "discovery-b"))
     disk, shared = root / "kv-disk", root / "kv-shared"
     small_engine = ("--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "192",  # the 6 usable blocks
-                    "--num-gpu-blocks-override", "7", "--connector", "kvbm", "--kv-host-cache-gb", f"{HOST_GB:.9f}",
-                    "--kv-shared-cache-gb", f"{FILE_GB:.9f}", "--kv-shared-cache-dir", str(shared))
-    worker = start_worker("kvbm-worker", env, root, *small_engine, "--kv-disk-cache-gb", f"{FILE_GB:.9f}",
-                          "--kv-disk-cache-dir", str(disk))
-    worker_b = start_worker("kvbm-worker-b", env_b, root, *small_engine)
+                    "--num-gpu-blocks-override", "7")
+    tiers = ("--kv-host-cache-gb", f"{HOST_GB:.9f}", "--kv-shared-cache-gb", f"{FILE_GB:.9f}",
+             "--kv-shared-cache-dir", str(shared))
+    worker = start_worker("kvbm-worker", env, root, *small_engine, "--connector", "kvbm", *tiers,
+                          "--kv-disk-cache-gb", f"{FILE_GB:.9f}", "--kv-disk-cache-dir", str(disk))
+    worker_b = start_worker("kvbm-prefill-b", env_b, root, *small_engine, "--is-prefill-worker",
+                            "--connector", "kvbm", "nixl", *tiers)
+    decode_b = start_worker("kvbm-decode-b", env_b, root, *small_engine, "--disaggregation-mode", "decode",
+                            "--connector", "nixl")
     frontend = start_frontend("kvbm-frontend", env, root)
-    frontend_b = start_frontend("kvbm-frontend-b", env_b, root)
-    procs = [worker, worker_b, frontend, frontend_b]
+    # Every prompt through the prefill worker.
+    frontend_b = start_frontend("kvbm-frontend-b", env_b, root, "--max-local-prefill-length", "0")
+    procs = [worker, worker_b, decode_b, frontend, frontend_b]
     try:
-        for w in (worker, worker_b):
+        for w in (worker, worker_b, decode_b):
             wait_until(lambda: worker_ready(w), ENGINE_START_TIMEOUT, f"{w.name} ready", procs)
-        for f in (frontend, frontend_b):
-            wait_until(lambda: instances_of(f, MODEL) == 1, 30, f"{f.name} sees its worker", procs)
+        wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, "kvbm-frontend sees its worker", procs)
+        wait_until(lambda: instances_of(frontend_b, MODEL) == 1 and prefill_workers(frontend_b) == 1, 30,
+                   "kvbm-frontend-b sees its decode and prefill workers", procs)
         yield {"worker": worker, "client": _client(frontend), "disk": disk, "shared": shared,
-               "b": {"worker": worker_b, "client": _client(frontend_b)}, "discovery": [env, env_b]}
+               "b": {"worker": worker_b, "decode": decode_b, "client": _client(frontend_b)},
+               "discovery": [env, env_b]}
     finally:
         stop_all(procs)
 
@@ -187,6 +199,43 @@ def test_a_second_worker_onboards_from_the_shared_tier_what_the_first_computed(k
     assert counted["blocks_stored/host"] == FULL  # promoted into B's host tier as they were read
 
 
+def test_a_prefill_worker_onboards_from_its_host_tier_and_hands_the_kv_to_decode_over_nixl(kvbm):
+    """`--connector kvbm nixl` on the prefill worker: a long prompt evicted from its engine comes back from
+    its host tier, and the decode worker still takes the whole prompt's KV over NIXL (computing at most
+    the last token): the same greedy text as an aggregated worker's fresh computation, every time."""
+    b, decode = kvbm["b"]["worker"], kvbm["b"]["decode"]
+    kv_source = "vllm:prompt_tokens_by_source_total"
+
+    def pulled_and_computed() -> tuple[float, float]:
+        return (worker_metric(decode, kv_source, source="external_kv_transfer"),
+                worker_metric(decode, kv_source, source="local_compute"))
+
+    p = prompt(50, LONG_LEN)
+    aggregated, counted = run(kvbm, p)  # worker A computes it, aggregated (and writes it to the shared tier)
+    assert counted["external"] == 0
+    # Through the prefill worker: its tiers onboard the prompt (from the shared tier: it never saw it).
+    pulled_before, computed_before = pulled_and_computed()
+    text, counted = run(kvbm["b"], p)
+    assert text == aggregated
+    assert counted["hits/shared"] == LONG_LEN // BLOCK, counted
+    assert pulled_and_computed()[0] - pulled_before == LONG_LEN  # the decode worker took it over NIXL
+
+    # A second prompt through the pair pushes p's tail out of the prefill engine; the host tier still has p
+    # (promoted there as it was read). The decode engine forgets p too, so that it must pull all of it.
+    run(kvbm["b"], prompt(51))
+    clear_cache(decode)
+    pulled_before, computed_before = pulled_and_computed()
+    text, counted = run(kvbm["b"], p)
+    assert text == aggregated
+    onboarded = counted["hits/host"]
+    assert onboarded >= 1 and counted["bytes_read/host"] == onboarded * BLOCK_BYTES, counted  # kvbm's onboard
+    assert counted["host"] == onboarded * BLOCK and counted["external"] == onboarded * BLOCK, counted
+    assert counted["device"] + counted["host"] == LONG_LEN // BLOCK * BLOCK, counted  # engine + host: every block
+    pulled, computed = (after - before for after, before in zip(pulled_and_computed(),
+                                                                (pulled_before, computed_before)))
+    assert pulled == LONG_LEN and computed <= 1, (pulled, computed)  # over NIXL, onboarded blocks included
+
+
 async def test_the_router_follows_the_tiers_consolidated_stream(kvbm):
     """The router's index, fed by the real workers' KV events: a prompt the engine evicted but the tiers
     hold still draws the request to worker A (and, through the shared tier, to B, which sees it too) rather
@@ -202,7 +251,8 @@ async def test_the_router_follows_the_tiers_consolidated_stream(kvbm):
         registry = make_registry(DiscoveryConfig(backend="file", file_dir=env["TURBINE_DISCOVERY_DIR"]))
         await registry.backend.start()
         try:
-            found = [c for c in await registry.list_models() if c.name == MODEL and c.lora_name is None]
+            found = [c for c in await registry.list_models()
+                     if c.name == MODEL and c.lora_name is None and c.disaggregation_mode != "decode"]
             addresses.update({r.instance_id: r.address for r in await registry.list_instances()})
         finally:
             await registry.backend.close()

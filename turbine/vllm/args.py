@@ -116,10 +116,11 @@ def _build_parser():
     add_config_arg(parser)
     # vLLM's own parser defines --reasoning-parser (read as Turbine's --dyn-reasoning-parser).
     add_serving_args(parser, reasoning_parser_alias=False)
-    parser.add_argument("--connector", default=None,
-                        help="KV connector(s) for disaggregated serving: nixl, lmcache, kvbm or none; several "
-                             "(comma-separated) become vLLM's MultiConnector in that order. Required with "
-                             "--disaggregation-mode prefill|decode unless --kv-transfer-config is given")
+    parser.add_argument("--connector", nargs="+", default=None,
+                        help="KV connector(s): nixl, lmcache, kvbm (KV tiers, see --kv-*-cache-*) or none; several "
+                             "(space- or comma-separated) become vLLM's MultiConnector in that order. Required with "
+                             "--disaggregation-mode prefill|decode unless --kv-transfer-config is given; kvbm "
+                             "goes on aggregated workers alone and on prefill workers with nixl (kvbm nixl)")
     parser.add_argument("--enable-multimodal", action="store_true",
                         help="take images in chats (image_url parts, fetched and checked by the frontend) for a "
                              "vision-language model, which the engine encodes in-process; without it a request "
@@ -267,16 +268,24 @@ def _configure_connector(args, parser, serving: ServingConfig) -> None:
             parser.error(str(exc))
     if not explicit:
         try:
-            names = parse_connectors(args.connector)
+            names = parse_connectors(" ".join(args.connector) if isinstance(args.connector, list) else args.connector)
             fields = kv_transfer_config(names, buffer_device=current_platform.device_type,
                                         decode=serving.is_decode, tiers=tiers)
         except ConnectorError as exc:
             parser.error(str(exc))
         args.kv_transfer_config = KVTransferConfig(**fields) if fields else None
-        if "kvbm" in names and serving.disaggregation_mode != "agg":
-            # The tiers are this worker's own; moving KV between workers is nixl's job (not combined yet).
-            parser.error(f"--connector kvbm does not move KV between prefill and decode workers (and is not combined "
-                         f"with nixl yet): a {serving.disaggregation_mode} worker needs --connector nixl")
+        mode = serving.disaggregation_mode
+        if "kvbm" in names and mode == "decode":
+            # vLLM's MultiConnector gives a request to one connector: a tier hit would replace NIXL's pull
+            # of the rest of the prompt by computing it here (see turbine.vllm.connectors).
+            parser.error("--connector kvbm is not for decode workers: a decode worker takes its prompt's KV over "
+                         "nixl (--connector nixl); put the tiers on the prefill worker (--connector kvbm nixl)")
+        if "kvbm" in names and mode == "prefill" and "nixl" not in names:
+            parser.error("--connector kvbm does not move KV to the decode worker: a prefill worker needs nixl too "
+                         "(--connector kvbm nixl)")
+        if "kvbm" in names and "nixl" in names and mode == "agg":
+            parser.error("--connector kvbm with nixl is for prefill workers (--disaggregation-mode prefill); an "
+                         "aggregated worker takes --connector kvbm alone")
         if "kvbm" in names and any((getattr(args, a, None) or 1) > 1 for a in (
                 "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")):
             # Its scheduler and model-runner halves share one store: one engine process per worker.

@@ -3,6 +3,15 @@
 A disaggregated worker moves KV through one of vLLM's own KV connectors; Turbine only
 chooses and configures it. Several connectors become vLLM's MultiConnector, tried in the
 order given (the first that holds a block serves it).
+
+`kvbm` (Turbine's KV tiers) combines with `nixl` on a prefill worker, in either order, as
+Dynamo's PdConnector combines KVBM with NIXL there: vLLM's MultiConnector asks every connector
+for a prompt's external blocks and gives the request to the first that has some, and on a
+prefill worker NIXL never has any (it only sends, after the prefill), so the tiers onboard what
+the engine lost and NIXL hands the whole prompt's KV (onboarded blocks included) to the decode
+worker. Not on a decode worker: there, first in order, a tier hit would win the request over
+NIXL's pull and the rest of the prompt would be computed on the decode side; second, it would
+never serve a request (NIXL claims every remote-prefilled prompt) and only copy blocks out.
 """
 
 from __future__ import annotations
@@ -63,9 +72,9 @@ def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
         raise ConnectorError(f"{', '.join(given)}: the KV tiers need --connector kvbm")
     if "kvbm" not in names:
         return
-    if len(names) > 1:
-        # MultiConnector with kvbm and nixl has not been run here: refused until it is.
-        raise ConnectorError("--connector kvbm cannot be combined with other connectors yet")
+    if others := [n for n in names if n not in ("kvbm", "nixl")]:
+        raise ConnectorError(f"--connector kvbm combines with nixl only (on a prefill worker), not with "
+                             f"{', '.join(others)}")
     for flag_name, value in (("--kv-host-cache-gb", tiers.host_gb), ("--kv-disk-cache-gb", tiers.disk_gb),
                              ("--kv-shared-cache-gb", tiers.shared_gb)):
         if value is not None and not value > 0:
@@ -91,7 +100,7 @@ def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
                              "--kv-disk-cache-dir and/or --kv-shared-cache-gb with --kv-shared-cache-dir")
 
 
-def kvbm_config(tiers: KvbmTiers) -> dict:
+def kvbm_config(tiers: KvbmTiers, with_nixl: bool = False) -> dict:
     from turbine.vllm.kvbm_connector import (  # vLLM imports it in the engine
         DISK_BYTES,
         DISK_DIR,
@@ -113,11 +122,14 @@ def kvbm_config(tiers: KvbmTiers) -> dict:
         extra[SHARED_BYTES] = int(tiers.shared_gb * GIB)
         extra[SHARED_DIR] = os.path.abspath(tiers.shared_dir)
     # A block that cannot be read back (evicted meanwhile, a corrupt file) is computed instead.
-    return {"kv_connector": "TurbineKvbmConnector", "kv_connector_module_path": "turbine.vllm.kvbm_connector",
+    # Beside nixl: the variant that keeps vLLM's hybrid KV cache manager on, as on the decode worker
+    # (NIXL's handshake needs both sides alike; see TurbineKvbmPdConnector).
+    name = "TurbineKvbmPdConnector" if with_nixl else "TurbineKvbmConnector"
+    return {"kv_connector": name, "kv_connector_module_path": "turbine.vllm.kvbm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
-def _single(name: str, buffer_device: str, tiers: KvbmTiers | None = None) -> dict:
+def _single(name: str, buffer_device: str, tiers: KvbmTiers | None = None, with_nixl: bool = False) -> dict:
     if name == "nixl":
         # The KV buffer lives where the engine's cache does: host memory on the CPU platform.
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": buffer_device}
@@ -134,7 +146,7 @@ def _single(name: str, buffer_device: str, tiers: KvbmTiers | None = None) -> di
                                  "(pip install lmcache)") from None
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if name == "kvbm":
-        return kvbm_config(tiers or KvbmTiers())
+        return kvbm_config(tiers or KvbmTiers(), with_nixl)
     if name == "offload":
         raise ConnectorError(OFFLOAD_REFUSED)
     raise ConnectorError(f"--connector {name!r}: choose from {', '.join(CONNECTORS)}")
@@ -163,13 +175,14 @@ def kv_transfer_config(names: list[str], *, buffer_device: str, decode: bool,
     check_kvbm_flags(names, tiers or KvbmTiers())
     if not names:
         return None
-    parts = [_single(n, buffer_device, tiers) for n in names]
+    parts = [_single(n, buffer_device, tiers, with_nixl="nixl" in names) for n in names]
     cfg = parts[0] if len(parts) == 1 else {
         "kv_connector": "MultiConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"connectors": parts}}
-    if decode:
+    if decode or "kvbm" in names:
         # KV that cannot be pulled (prefill worker gone) is computed here instead of failing
-        # the request: the decode worker always holds the whole prompt.
+        # the request: the decode worker always holds the whole prompt. Likewise a tier's block
+        # that cannot be read back (vLLM reads the policy from the top-level config only).
         cfg["kv_load_failure_policy"] = "recompute"
     return cfg
 

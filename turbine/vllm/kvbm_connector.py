@@ -28,6 +28,8 @@ the engine's blocks before the forward pass instead of recomputing them.
   the worker's own tiers as one (stored on first appearance and when the fastest tier changes, removed
   when gone from all), the shared tier apart; turbine.vllm.kv_events_relay gives each event its tier.
   Tensor, pipeline and data parallelism are refused for now (one worker process per store).
+- On a prefill worker it runs inside vLLM's MultiConnector beside NIXL (`--connector kvbm nixl`,
+  turbine.vllm.connectors): the tiers onboard what the engine lost, NIXL sends the whole prompt's KV.
 - The store's `turbine_kvbm_*` metrics reach the worker's /metrics by vLLM's connector-stats path
   (`get_kv_connector_stats` → SchedulerStats → `build_prom_metrics`): turbine.vllm.kvbm_stats.
 
@@ -38,6 +40,7 @@ those slices of every layer, in the engine's layer order, as raw bytes of the ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -46,11 +49,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -96,8 +101,16 @@ def shared_dir(vllm_config) -> str | None:
 def kv_shared_tier(vllm_config) -> str | None:
     """The shared tier's id for the worker's card (turbine.kvbm.shared_tier_id), None without one."""
     kv = vllm_config.kv_transfer_config
-    extra = (kv.kv_connector_extra_config or {}) if kv is not None and kv.kv_connector == "TurbineKvbmConnector" else {}
-    return shared_tier_id(extra[SHARED_DIR]) if extra.get(SHARED_BYTES) else None
+    if kv is None:
+        return None
+    # Alone, or inside vLLM's MultiConnector (a prefill worker's `--connector kvbm nixl`).
+    configs = kv.kv_connector_extra_config.get("connectors", []) if kv.kv_connector == "MultiConnector" else [
+        {"kv_connector": kv.kv_connector, "kv_connector_extra_config": kv.kv_connector_extra_config}]
+    for c in configs:
+        extra = c.get("kv_connector_extra_config") or {}
+        if c.get("kv_connector") in CONNECTOR_NAMES and extra.get(SHARED_BYTES):
+            return shared_tier_id(extra[SHARED_DIR])
+    return None
 
 
 def build_store(vllm_config) -> TieredStore:
@@ -406,6 +419,28 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvbmPromMetrics:
         return KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class TurbineKvbmPdConnector(TurbineKvbmConnector, SupportsHMA):
+    """The same connector for a prefill worker's `--connector kvbm nixl`, declared fit for vLLM's hybrid KV
+    cache manager (HMA). NIXL's handshake refuses a peer whose HMA setting differs (it is in NIXL's
+    compatibility hash), a decode worker (NIXL alone) runs with HMA on, and MultiConnector turns HMA off
+    when a child lacks it: every hand-off failed that way. With one KV cache group, the only kind this
+    connector takes, HMA changes nothing here. Alone (aggregated) the connector keeps HMA off, so that a
+    sliding-window model stays one group for it."""
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+
+CONNECTOR_NAMES = ("TurbineKvbmConnector", "TurbineKvbmPdConnector")
+
+# Inside vLLM's MultiConnector (`--connector kvbm nixl`) the stats of each step reach the worker process
+# keyed by class name, and vLLM's periodic log line rebuilds them with the class it finds under that
+# name in its registry: registered here, which that process imports (turbine.vllm.worker).
+for _name in CONNECTOR_NAMES:
+    with contextlib.suppress(ValueError):  # "already registered"
+        KVConnectorFactory.register_connector(_name, __name__, _name)
 
 
 def _fastest_private(where: set[str]) -> str | None:

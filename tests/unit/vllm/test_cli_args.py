@@ -99,10 +99,16 @@ def test_turbine_cli_serve_rejects_bad_port(capsys):
     (["--connector", "kvbm", "--kv-disk-cache-gb", "1", "--kv-disk-cache-dir", "/tmp/x", "--kv-shared-cache-gb", "1",
       "--kv-shared-cache-dir", "/tmp/x/"], "--kv-disk-cache-dir and --kv-shared-cache-dir must differ"),
     (["--kv-shared-cache-gb", "1"], "--kv-shared-cache-gb: the KV tiers need --connector kvbm"),
-    (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm cannot be combined"),
+    (["--connector", "kvbm,nixl", "--kv-host-cache-gb", "1"], "--connector kvbm with nixl is for prefill workers"),
+    (["--is-prefill-worker", "--connector", "kvbm", "lmcache", "--kv-host-cache-gb", "1"],
+     "--connector kvbm combines with nixl only (on a prefill worker), not with lmcache"),
     (["--connector", "kvbm", "--kv-host-cache-gb", "1", "--tensor-parallel-size", "2"], "--connector kvbm: not with"),
     (["--is-decode-worker", "--connector", "kvbm", "--kv-host-cache-gb", "1"],
-     "a decode worker needs --connector nixl"),
+     "--connector kvbm is not for decode workers"),
+    (["--is-decode-worker", "--connector", "nixl", "kvbm", "--kv-host-cache-gb", "1"],
+     "--connector kvbm is not for decode workers"),
+    (["--is-prefill-worker", "--connector", "kvbm", "--kv-host-cache-gb", "1"],
+     "a prefill worker needs nixl too (--connector kvbm nixl)"),
     (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}', "--kv-host-cache-gb", "1"],
      "--kv-host-cache-gb: the KV tiers need --connector kvbm"),
     (["--connector", "rdma"], "--connector"),
@@ -153,6 +159,54 @@ def test_kvbm_connector_and_its_tiers(tmp_path):
     shared = parse_worker_args(["--connector", "kvbm", "--kv-shared-cache-gb", "4", "--kv-shared-cache-dir",
                                 str(tmp_path / "s")]).engine_args.kv_transfer_config
     assert shared.kv_connector_extra_config == {"shared_bytes": 4 * 2**30, "shared_dir": str(tmp_path / "s")}
+
+
+NIXL_DECODE = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+               "kv_connector_module_path": "turbine.vllm.nixl_cpu"}
+
+
+@pytest.mark.parametrize("given", [["kvbm", "nixl"], ["nixl", "kvbm"], ["kvbm,nixl"]])
+def test_a_prefill_worker_combines_kvbm_with_nixl_in_either_order(given, tmp_path):
+    from vllm.config import KVTransferConfig
+
+    from turbine.vllm.connectors import uses_nixl
+    from turbine.vllm.kvbm_connector import kv_shared_tier
+
+    cfg = parse_worker_args(["--is-prefill-worker", "--connector", *given, "--kv-host-cache-gb", "0.5",
+                             "--kv-shared-cache-gb", "1", "--kv-shared-cache-dir", str(tmp_path)])
+    kv = cfg.engine_args.kv_transfer_config
+    assert kv.kv_connector == "MultiConnector" and uses_nixl(kv)
+    order = [n for g in given for n in g.split(",")]
+    parts = kv.kv_connector_extra_config["connectors"]
+    assert [c["kv_connector"] for c in parts] == [
+        {"kvbm": "TurbineKvbmPdConnector", "nixl": "NixlConnector"}[n] for n in order]
+    kvbm = next(c for c in parts if c["kv_connector"] == "TurbineKvbmPdConnector")
+    assert kvbm["kv_connector_extra_config"] == {"host_bytes": 2**29, "shared_bytes": 2**30, "shared_dir": str(tmp_path)}
+    # vLLM reads the load-failure policy from the top-level config: a tier's unreadable block is recomputed.
+    assert kv.kv_load_failure_policy == "recompute"
+
+    class Vllm:  # what kv_shared_tier reads of a VllmConfig
+        kv_transfer_config = kv
+    assert kv_shared_tier(Vllm()) is not None  # the prefill worker's card announces its shared tier
+    # Its kvbm half keeps vLLM's hybrid KV cache manager on, as a decode worker's NIXL has it: NIXL's
+    # handshake refuses a peer whose setting differs. Alone (aggregated) it stays off.
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    assert KVConnectorFactory.supports_hma_config(kv)
+    assert KVConnectorFactory.supports_hma_config(KVTransferConfig(**NIXL_DECODE))
+    alone = parse_worker_args(["--connector", "kvbm", "--kv-host-cache-gb", "1"]).engine_args.kv_transfer_config
+    assert not KVConnectorFactory.supports_hma_config(alone)
+
+
+def test_kvbm_stats_rebuild_by_name_inside_multi_connector():
+    """vLLM's periodic log line rebuilds a MultiConnector's stats from their class names (its registry)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    import turbine.vllm.worker  # noqa: F401  (the worker process: where the stats are rebuilt)
+    from turbine.vllm.kvbm_stats import KvbmStats
+
+    stats = MultiConnector.build_kv_connector_stats({"TurbineKvbmPdConnector": {"counters": {"hits": {"host": 2.0}}}})
+    assert isinstance(stats["TurbineKvbmPdConnector"], KvbmStats)
+    assert stats.reduce() == {"TurbineKvbmPdConnector": {"hits[host]": 2.0}}
 
 
 def test_several_connectors_become_vllms_multi_connector():
