@@ -18,6 +18,16 @@ Modes (--modes, each a worker configuration):
                   --kv-disk-cache-dir RUN/disk-TAG (the host tier holds a fraction of the working set)
   host+disk-minN  host+disk with --kv-disk-min-uses N (the disk tier's frequency filter)
   small-host      --kv-host-cache-gb --small-host-gb alone (what host+disk adds its disk to)
+Two-worker modes (what the shared tier is for: a conversation that returns to another worker). Two
+workers, each pinned to a core of its own (--omp-bind-2w, default core 0 and core 1), one frontend
+routing round-robin; with an odd --conversations count and the turn-major order, every returning turn
+lands on the other worker than the conversation's previous turn (turn 3 is back on turn 1's worker):
+  none2           no connector on either worker
+  host2           each worker its own --kv-host-cache-gb --host-gb (private: turn 2 finds nothing)
+  shared2         each worker only --kv-shared-cache-gb --shared-gb on one directory (RUN/shared-TAG)
+The two-worker rows compare with each other (same run, same cores, same routing); against the
+one-worker rows only roughly: requests are still one at a time, each computed on one core, but two
+engines (their schedulers) and the frontend share the host's 2 cores.
 
 Workload (synthetic multi-turn chat as token ids through /v1/completions, so prompts are exact):
 --conversations conversations, each with its own --context-tokens tokens of history (random ids,
@@ -63,11 +73,21 @@ from kv_routing_fleet import pct, scrape, stream_request  # noqa: E402
 SERVED = "smollm2-135m-instruct"
 VOCAB = 49152  # SmolLM2's
 BASE_MODES = ("none", "host", "host+disk", "small-host")
+TWO_WORKER_MODES = ("none2", "host2", "shared2")
 
 
-def mode_flags(a, mode: str, disk_dir: Path) -> list[str]:
-    if mode == "none":
+def mode_workers(mode: str) -> int:
+    return 2 if mode in TWO_WORKER_MODES else 1
+
+
+def mode_flags(a, mode: str, disk_dir: Path, shared_dir: Path | None = None) -> list[str]:
+    if mode in ("none", "none2"):
         return []
+    if mode == "host2":
+        return ["--connector", "kvbm", "--kv-host-cache-gb", str(a.host_gb)]
+    if mode == "shared2":
+        return ["--connector", "kvbm", "--kv-shared-cache-gb", str(a.shared_gb), "--kv-shared-cache-dir",
+                str(shared_dir or disk_dir)]
     if mode == "host":
         return ["--connector", "kvbm", "--kv-host-cache-gb", str(a.host_gb)]
     if mode == "small-host":
@@ -78,7 +98,8 @@ def mode_flags(a, mode: str, disk_dir: Path) -> list[str]:
         if mode != "host+disk":
             flags += ["--kv-disk-min-uses", mode.removeprefix("host+disk-min")]
         return flags
-    raise SystemExit(f"--modes: unknown mode {mode!r} (none, host, small-host, host+disk, host+disk-minN)")
+    raise SystemExit(f"--modes: unknown mode {mode!r} (none, host, small-host, host+disk, host+disk-minN, "
+                     f"none2, host2, shared2)")
 
 
 # --------------------------------------------------------------------------- workload
@@ -183,49 +204,69 @@ def engine_lock(path: str):
 def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
     tag = f"r{rep}_{mode}"
     wait_quiet()
-    disk_dir = run_dir / f"disk-{tag}"
+    disk_dir, shared_dir = run_dir / f"disk-{tag}", run_dir / f"shared-{tag}"
     st = Stack(mode, run_dir, tag)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
-    metrics_port = free_port()
-    argv = worker_argv(a, metrics_port, mode_flags(a, mode, disk_dir))
-    worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    if a.omp_bind != "auto":
-        # The same compute cores in every mode: left to itself, vLLM's CPU build reserves one more core when a
-        # KV connector is configured, which on a 2-core host means 2 OpenMP threads with kvbm and 1 without.
-        worker_env["VLLM_CPU_OMP_THREADS_BIND"] = a.omp_bind
-    st.spawn("worker", [a.python, *argv], turbine_env(disc, **worker_env))
-    st.spawn("frontend", [a.python, "-m", "turbine.frontend", "--http-port", str(st.port)], turbine_env(disc))
+    n = mode_workers(mode)
+    binds = [a.omp_bind] if n == 1 else a.omp_bind_2w.split("|")
+    metrics_ports, argvs = [], []
+    for i in range(n):
+        metrics_ports.append(free_port())
+        argv = worker_argv(a, metrics_ports[i], mode_flags(a, mode, disk_dir, shared_dir))
+        argvs.append(argv)
+        worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        if binds[i] != "auto":
+            # The same compute cores in every mode: left to itself, vLLM's CPU build reserves one more core when a
+            # KV connector is configured, which on a 2-core host means 2 OpenMP threads with kvbm and 1 without.
+            # Two workers: a core each.
+            worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
+        st.spawn("worker" if n == 1 else f"worker{i}", [a.python, *argv], turbine_env(disc, **worker_env))
+    # Round-robin (the frontend's default, named here): with two workers a returning turn changes worker.
+    st.spawn("frontend", [a.python, "-m", "turbine.frontend", "--http-port", str(st.port), "--router-mode",
+                          "round-robin"], turbine_env(disc))
 
     def ready():
         status, body = http_get_json(f"{st.base_url}/health")
-        return status == 200 and isinstance(body, dict) and (body.get("models") or {}).get(SERVED) == 1
+        return status == 200 and isinstance(body, dict) and (body.get("models") or {}).get(SERVED) == n
+
+    def counters() -> list[dict]:
+        return [kv_counters(scrape(f"http://127.0.0.1:{port}/metrics")) for port in metrics_ports]
     try:
         st.wait_ready(ready, a.startup_timeout)
         st.sanity_check(SERVED)
-        before = kv_counters(scrape(f"http://127.0.0.1:{metrics_port}/metrics"))
+        before = counters()
         t0 = time.monotonic()
         records = asyncio.run(drive(a, st.base_url))
         wall = time.monotonic() - t0
         time.sleep(1.5)  # the connector's stats reach /metrics with the engine's next stats interval
-        after = kv_counters(scrape(f"http://127.0.0.1:{metrics_port}/metrics"))
+        after = counters()
         died = [p.name for p in st.procs if not p.alive()]
     except BaseException:
         log(st.logs_tail(20))
         raise
     finally:
         st.stop()
+    per_worker = [{k: v - b.get(k, 0.0) for k, v in af.items()} for af, b in zip(after, before)]
+    summed: dict[str, float] = {}
+    for c in per_worker:
+        for k, v in c.items():
+            summed[k] = summed.get(k, 0.0) + v
+    shared_bytes = sum(f.stat().st_size for f in shared_dir.rglob("*.kvb")) if shared_dir.exists() else 0
+    shutil.rmtree(shared_dir, ignore_errors=True)
     disk_bytes = sum(f.stat().st_size for f in disk_dir.rglob("*.kvb")) if disk_dir.exists() else 0
     shutil.rmtree(disk_dir, ignore_errors=True)
     m = analyze(records, wall)
-    m.update({"repeat": rep, "mode": mode, "died": died, "worker_argv": argv, "disk_dir_bytes_at_end": disk_bytes,
-              "counters": {k: v - before.get(k, 0.0) for k, v in after.items()},
+    m.update({"repeat": rep, "mode": mode, "workers": n, "died": died, "worker_argv": argvs[0] if n == 1 else argvs,
+              "omp_bind": binds, "disk_dir_bytes_at_end": disk_bytes, "shared_dir_bytes_at_end": shared_bytes,
+              "counters": summed, "per_worker_counters": per_worker if n > 1 else None,
               "logs": [str(p.log_path) for p in st.procs]})
     c = m["counters"]
     log(f"{tag}: {m['ok']}/{m['requests']} ok, returning TTFT p50 {fmt(m['returning_ttft_p50_ms'])} "
         f"p99 {fmt(m['returning_ttft_p99_ms'])} ms, first-turn p50 {fmt(m['first_ttft_p50_ms'])} ms, "
         f"returning hit {fmt((m['returning_hit_rate'] or 0) * 100)} %, {m['request_per_s']:.3f} req/s, "
         f"disk written {c.get('turbine_kvbm_bytes_written_total{disk}', 0) / 2**20:.0f} MiB, "
-        f"hits host/disk {c.get('turbine_kvbm_hits_total{host}', 0):.0f}/{c.get('turbine_kvbm_hits_total{disk}', 0):.0f}, "
+        f"hits host/disk/shared {c.get('turbine_kvbm_hits_total{host}', 0):.0f}/"
+        f"{c.get('turbine_kvbm_hits_total{disk}', 0):.0f}/{c.get('turbine_kvbm_hits_total{shared}', 0):.0f}, "
         f"{wall:.0f}s")
     if died or m["errors"]:
         log(f"{tag}: errors {m['error_samples']} died {died}")
@@ -236,6 +277,8 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
 KEYS = ("returning_ttft_p50_ms", "returning_ttft_p99_ms", "first_ttft_p50_ms", "first_ttft_p99_ms",
         "returning_hit_rate", "request_per_s", "prompt_tok_s", "wall_s")
 COUNTERS = ("turbine_kvbm_bytes_written_total{disk}", "turbine_kvbm_bytes_written_total{host}",
+            "turbine_kvbm_bytes_written_total{shared}", "turbine_kvbm_hits_total{shared}",
+            "turbine_kvbm_read_seconds_total{shared}", "turbine_kvbm_write_seconds_total{shared}",
             "turbine_kvbm_hits_total{host}", "turbine_kvbm_hits_total{disk}", "turbine_kvbm_misses_total",
             "turbine_kvbm_read_seconds_total{disk}", "turbine_kvbm_read_seconds_total{host}",
             "turbine_kvbm_write_seconds_total{disk}", "turbine_kvbm_write_seconds_total{host}")
@@ -249,10 +292,13 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
         s.update({k: median([r["counters"].get(k, 0.0) for r in rs]) for k in COUNTERS})
         s["repeats"] = len(rs)
         s["per_repeat_returning_ttft_p50_ms"] = [r["returning_ttft_p50_ms"] for r in rs]
+        s["per_turn_ttft_p50_ms"] = {t: median([r["per_turn_ttft_p50_ms"][t] for r in rs])
+                                     for t in rs[0]["per_turn_ttft_p50_ms"]} if rs else {}
         out[mode] = s
-    base = out.get("none")
-    if base:
-        for mode, s in out.items():
+    # Ratios against the no-tier row with as many workers.
+    for mode, s in out.items():
+        base = out.get("none2" if mode_workers(mode) == 2 else "none")
+        if base:
             s["returning_ttft_p50_speedup_vs_none"] = ratio(base["returning_ttft_p50_ms"], s["returning_ttft_p50_ms"])
             s["returning_ttft_p99_speedup_vs_none"] = ratio(base["returning_ttft_p99_ms"], s["returning_ttft_p99_ms"])
             s["request_per_s_vs_none"] = ratio(s["request_per_s"], base["request_per_s"])
@@ -261,14 +307,16 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
 
 def markdown(summary: dict) -> str:
     lines = ["| mode | returning TTFT p50 ms | p99 ms | p50 speedup vs none | first-turn TTFT p50 ms | returning hit rate "
-             "| req/s (x none) | disk MiB written | host / disk hits (blocks) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| req/s (x none) | disk MiB written | host / disk / shared hits (blocks) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, s in summary.items():
         lines.append(
             f"| {mode} | {fmt(s['returning_ttft_p50_ms'])} | {fmt(s['returning_ttft_p99_ms'])} | "
             f"{fmt(s.get('returning_ttft_p50_speedup_vs_none'))}x | {fmt(s['first_ttft_p50_ms'])} | "
             f"{fmt((s['returning_hit_rate'] or 0) * 100)} % | {fmt(s['request_per_s'])} "
             f"({fmt(s.get('request_per_s_vs_none'))}x) | {s['turbine_kvbm_bytes_written_total{disk}'] / 2**20:.0f} | "
-            f"{s['turbine_kvbm_hits_total{host}']:.0f} / {s['turbine_kvbm_hits_total{disk}']:.0f} |")
+            f"{s['turbine_kvbm_hits_total{host}']:.0f} / {s['turbine_kvbm_hits_total{disk}']:.0f} / "
+            f"{s['turbine_kvbm_hits_total{shared}']:.0f} |")
     return "\n".join(lines)
 
 
@@ -289,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-gb", type=float, default=1.0, help="host tier of the `host` mode")
     p.add_argument("--small-host-gb", type=float, default=0.125, help="host tier of host+disk and small-host")
     p.add_argument("--disk-gb", type=float, default=2.0)
+    p.add_argument("--shared-gb", type=float, default=1.0, help="shared tier of the `shared2` mode (both workers)")
+    p.add_argument("--omp-bind-2w", default="0|1", help="the two-worker modes: VLLM_CPU_OMP_THREADS_BIND of "
+                   "worker 0 and worker 1, '|'-separated (default: a core each)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--omp-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for the worker in every mode "
                    "('auto': vLLM's choice, which differs with and without a connector)")
@@ -306,6 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     for m in modes:
         mode_flags(a, m, run_dir)  # refuse an unknown mode before starting anything
+    if any(mode_workers(m) == 2 for m in modes):
+        if len(a.omp_bind_2w.split("|")) != 2:
+            raise SystemExit(f"--omp-bind-2w {a.omp_bind_2w!r}: give two bindings, '|'-separated")
+        if a.conversations % 2 == 0:
+            # Round-robin over 2 workers, turn-major: an even count sends every turn of a conversation to one worker.
+            raise SystemExit(f"--conversations {a.conversations}: the two-worker modes need an odd count, so that "
+                             f"round-robin sends a returning turn to the other worker")
     lens = [len(i["prompt_ids"]) for t in conversations(a) for i in t]
     block_bytes = 30 * 3 * 128 * 128 * 4  # SmolLM2-135M float32, 128-token blocks (the CPU build's default)
     working_blocks = sum((len(t[-1]["prompt_ids"]) + a.output_tokens) // 128 for t in zip(*conversations(a)))
@@ -315,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_usable_tokens": (a.engine_blocks - 1) * 128, "working_set_blocks": working_blocks,
                 "working_set_over_engine": working_blocks / (a.engine_blocks - 1),
                 "block_bytes": block_bytes, "host_gb": a.host_gb, "small_host_gb": a.small_host_gb,
-                "small_host_blocks": int(a.small_host_gb * 2**30 // block_bytes), "disk_gb": a.disk_gb}
+                "small_host_blocks": int(a.small_host_gb * 2**30 // block_bytes), "disk_gb": a.disk_gb,
+                "shared_gb": a.shared_gb, "omp_bind_2w": a.omp_bind_2w}
     log(f"workload: {json.dumps(describe)}")
     runs = []
     with engine_lock(a.lock) if a.lock and a.lock_scope == "all" else contextlib.nullcontext():
