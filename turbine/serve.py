@@ -190,6 +190,12 @@ def plan(argv: list[str], workdir: str) -> ServePlan:
     name = _served_name(worker_tokens) or from_file or (model if model in EMBEDDED_MODELS else model_path)
     worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", model, *child_config("worker"), *worker_tokens]
     if args.disagg:
+        if "kvbm" in _connector_words(worker_tokens, by_owner["worker"]):
+            # Both workers get the same flags here, and a decode worker takes its prompt's KV over nixl only.
+            parser.error("--connector kvbm with --disagg: turbine serve gives the prefill and the decode worker the "
+                         "same flags, and a decode worker cannot take kvbm; start the prefill worker yourself with "
+                         "`python -m turbine.vllm --disaggregation-mode prefill --connector kvbm nixl ...` "
+                         "(docs/kv_tiers.md)")
         if not any(a.split("=")[0] in ("--connector", "--kv-transfer-config") for a in worker_tokens) and not \
                 {"connector", "kv-transfer-config", "kv_transfer_config"} & set(by_owner["worker"]):
             worker_cmd += ["--connector", "nixl"]
@@ -321,6 +327,23 @@ def _interrupt(signum, frame) -> None:
 
 def _served_name(worker_args: list[str]) -> str | None:
     return _flag_value(worker_args, "--served-model-name")
+
+
+def _connector_words(tokens: list[str], file_settings: dict) -> list[str]:
+    """The connectors the worker flags (`--connector kvbm nixl`, `--connector=kvbm,nixl`) or its config file name."""
+    words: list[str] = []
+    for i, tok in enumerate(tokens):
+        if tok == "--connector":
+            for nxt in tokens[i + 1:]:
+                if nxt.startswith("-"):
+                    break
+                words.append(nxt)
+        elif tok.startswith("--connector="):
+            words.append(tok.split("=", 1)[1])
+    value = file_settings.get("connector")
+    if value is not None:
+        words += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return [w for word in words for w in word.replace(",", " ").split()]
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

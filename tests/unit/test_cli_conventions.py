@@ -338,6 +338,17 @@ def test_serve_checks_frontend_flags_before_starting_anything(model_dir, tmp_pat
     assert "--http-port 0" in err
 
 
+def test_serve_refuses_kvbm_with_disagg_before_starting_anything(model_dir, tmp_path, capsys):
+    # Both workers would get kvbm and the decode worker refuses it only after the prefill engine loaded.
+    for flags in (["--connector", "kvbm", "nixl"], ["--connector=nixl,kvbm"]):
+        err = exits(lambda: plan([model_dir, "--disagg", *flags, "--kv-host-cache-gb", "1"], str(tmp_path)), capsys)
+        assert "--connector kvbm with --disagg" in err and "--disaggregation-mode prefill" in err
+    config = write(tmp_path, "connector: [kvbm, nixl]\n", "w.yaml")
+    err = exits(lambda: plan([model_dir, "--disagg", "--config", config], str(tmp_path)), capsys)
+    assert "--connector kvbm with --disagg" in err
+    assert plan([model_dir, "--connector", "kvbm", "--kv-host-cache-gb", "1"], str(tmp_path)).worker_cmds  # aggregated
+
+
 def test_serve_gives_each_worker_a_status_port_after_the_http_port(model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("TURBINE_SYSTEM_PORT", raising=False)
     import socket
