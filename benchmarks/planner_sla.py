@@ -76,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--adjustment-interval", type=float, default=10.0, help="planner modes: the throughput path's "
                    "interval, s (the day is compressed: 240 s for 24 h makes 10 s an hour's worth)")
     p.add_argument("--fast-interval", type=float, default=2.0, help="planner modes: the load path's interval, s")
+    p.add_argument("--frontend-args", default="", help="more flags for the frontend of every mode (static ones "
+                   "too, so the comparison stays fair), e.g. '--busy-threshold-prompt-tokens 2500'")
     p.add_argument("--planner-config", default=None, help="planner modes: a planner YAML to start from (its "
                    "connector section is filled in here); the predictor comes from the mode's name")
     p.add_argument("--seed", type=int, default=1)
@@ -175,7 +177,7 @@ class Fleet:
         with open(self.run_dir / "frontend.log", "wb") as out:
             self.frontend = subprocess.Popen(
                 [sys.executable, "-m", "turbine.frontend", "--http-port", str(self.port), "--router-mode", "kv",
-                 "--migration-limit", "3"], env=env, stdout=out, stderr=subprocess.STDOUT)
+                 "--migration-limit", "3", *self.a.frontend_args.split()], env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def stop_frontend(self) -> None:
         if self.frontend is not None and self.frontend.poll() is None:

@@ -9,6 +9,7 @@ import contextlib
 from dataclasses import dataclass
 
 from turbine.config import ClusterSecurityConfig, DiscoveryConfig, check, flag, make_registry
+from turbine.frontend.busy_queue import BusyConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
 from turbine.frontend.media import MediaConfig
@@ -51,6 +52,8 @@ class FrontendConfig:
     # (seconds) of every 503 'overloaded' answer.
     max_inflight_requests: int = flag("--max-inflight-requests", default=DEFAULT_MAX_INFLIGHT_REQUESTS)
     overload_retry_after: int = flag("--overload-retry-after", default=1)
+    # Busy thresholds per worker and the queue of requests waiting while every worker is over them.
+    busy: BusyConfig = BusyConfig()
     # Processes serving the one HTTP port (SO_REUSEPORT: the kernel spreads connections over them).
     # Each is a whole frontend (its own discovery watch, router, counters, in-flight limit).
     processes: int = flag("--frontend-processes", default=1)
@@ -79,7 +82,7 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
         self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
-                                 cfg.namespace)
+                                 cfg.namespace, cfg.busy)
         self.client = RequestPlaneClient(auth=auth)
         self._watch_task = None
 

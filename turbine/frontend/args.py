@@ -13,6 +13,7 @@ from turbine.config import (
 )
 from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
 from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
+from turbine.frontend.busy_queue import BusyConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.frontend.media import MediaConfig
@@ -55,6 +56,18 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--overload-retry-after", type=int, default=env_int("TURBINE_OVERLOAD_RETRY_AFTER", 1),
                    help="seconds in the Retry-After header of a 503 'overloaded' (every worker refused the "
                         "request, or --max-inflight-requests was reached)")
+    g.add_argument("--busy-threshold-requests", type=int, default=env_int("TURBINE_BUSY_THRESHOLD_REQUESTS", None),
+                   help="a worker with this many requests of this frontend in flight is busy: new requests go "
+                        "to workers that are not, and wait in a FIFO queue while every worker is (their wait "
+                        "counts in TTFT; default: off)")
+    g.add_argument("--busy-threshold-prompt-tokens", type=int,
+                   default=env_int("TURBINE_BUSY_THRESHOLD_PROMPT_TOKENS", None),
+                   help="a worker whose requests in flight from this frontend hold this many prompt tokens is "
+                        "busy (as --busy-threshold-requests; bounds the prefill an aggregated engine takes while "
+                        "it decodes; default: off)")
+    g.add_argument("--busy-queue-size", type=int, default=env_int("TURBINE_BUSY_QUEUE_SIZE", None),
+                   help="requests that may wait for a worker below the busy thresholds; more get 503 "
+                        "'overloaded' (default 1024; needs a --busy-threshold-* flag)")
     g.add_argument("--frontend-processes", type=int, default=env_int("TURBINE_FRONTEND_PROCESSES", 1),
                    help="processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend with its own "
                         "router, metrics and --max-inflight-requests (env TURBINE_FRONTEND_PROCESSES)")
@@ -126,6 +139,9 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               ignore_unknown_fields=args.ignore_unknown_fields,
                               max_inflight_requests=args.max_inflight_requests,
                               overload_retry_after=args.overload_retry_after,
+                              busy=BusyConfig(requests=args.busy_threshold_requests,
+                                              prompt_tokens=args.busy_threshold_prompt_tokens,
+                                              queue_size=args.busy_queue_size),
                               processes=args.frontend_processes, access_log=args.access_log,
                               media=MediaConfig(max_image_bytes=args.max_image_bytes,
                                                 max_image_pixels=args.max_image_pixels,

@@ -21,6 +21,7 @@ from typing import TypeVar
 import msgspec
 
 from turbine import tracing
+from turbine.frontend.busy_queue import QueueFull
 from turbine.frontend.disagg import (
     DisaggConfig,
     PrefillFailed,
@@ -29,7 +30,7 @@ from turbine.frontend.disagg import (
     wants_remote_prefill,
 )
 from turbine.frontend.encode import remote_encode, wants_remote_encode
-from turbine.frontend.errors import RequestError, WorkerFailed, failure_of
+from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed, failure_of
 from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.migration import MigrationConfig, continuation, migration_reason, why_not_continued
 from turbine.frontend.models import ServedModel
@@ -107,6 +108,7 @@ class Dispatch:
         self._stream = None
         self._attempt = request  # the request as sent to the worker now streaming it
         self._instance_id: str | None = None  # that worker
+        self._counted: tuple[str, int] | None = None  # (worker, prompt tokens) counted in the busy queue
         self._failed: set[str] = set()  # workers this request failed on: never tried again
         self._generated: list[int] = []  # n == 1: the tokens so far (a continuation's prompt tail)
         self._generated_count = 0  # every choice's
@@ -179,6 +181,7 @@ class Dispatch:
         finally:
             tracing.end(first_span, "ended before the first token")
             router.finished(self._attempt.request_id)
+            self._uncount()
             if self._stream is not None:
                 await self._stream.aclose()
             observe = self.metrics.itl.observe
@@ -220,6 +223,7 @@ class Dispatch:
         output. Raises the client's error when the request may not migrate."""
         self._failed.add(self._instance_id)
         self.model.router.finished(self._attempt.request_id)
+        self._uncount()
         stream, self._stream = self._stream, None
         await stream.aclose()
         if not self._may_migrate(exc):
@@ -239,6 +243,10 @@ class Dispatch:
         With prefill workers, the prompt's KV is computed on one of them first."""
         model = self.model
         pool = [i for i in model.instances if i.instance_id not in self._failed] if self._failed else model.instances
+        if model.busy_queue is not None and not self._failed:
+            # Busy thresholds (busy_queue.py): only workers below them, after waiting while none is. A
+            # continuation after a failure (self._failed) does not queue again.
+            pool = await self._admitted(model)
         chosen = None  # with prefill workers: the decode instance, chosen first
         if may_prefill_remotely(model, request) and pool:
             chosen = routed(model.router, pool, request, self._span)
@@ -265,8 +273,31 @@ class Dispatch:
                                or overload.adapter_not_loaded(exc) or self._may_migrate(exc.__cause__)),
             none_left=overload.none_left)
 
+    async def _admitted(self, model) -> list[InstanceRecord]:
+        queue, start = model.busy_queue, time.monotonic()
+        self.metrics.queued.inc()
+        try:
+            pool = await queue.admit(model.name)
+        except QueueFull as exc:
+            self.metrics.queue_full.inc()
+            raise Overloaded(f"every worker of model {model.name!r} is busy and the queue is full ({exc}; "
+                             f"--busy-queue-size); retry later") from None
+        finally:
+            self.metrics.queued.dec()
+        self.metrics.queue_wait.observe(time.monotonic() - start)
+        return pool
+
+    def _uncount(self) -> None:
+        if self._counted is not None:
+            self.model.busy_queue.remove(*self._counted)
+            self._counted = None
+
     async def _first_output(self, target: Target, request: GenerateRequest) -> GenerateOutput:
         inst = target.instance
+        if self.model.busy_queue is not None:
+            # Counted from here (before any await: the next waiter woken sees it) to the attempt's end.
+            self._counted = (inst.instance_id, len(request.token_ids))
+            self.model.busy_queue.add(*self._counted)
         stream = self.client.stream(inst.address, inst.endpoint, request, GenerateOutput,
                                     trace=tracing.carrier(self._span))
         handoff = request.kv_transfer_params is not None
@@ -275,6 +306,7 @@ class Dispatch:
         except BaseException as exc:
             # The request never got going on this instance: the router stops counting it.
             self.model.router.finished(request.request_id)
+            self._uncount()
             if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) and not handoff:
                 # (a hand-off cancels its own stream once the KV has moved)
                 await stream.aclose()  # the client left before the first token: cancel on the worker

@@ -63,6 +63,17 @@ class FrontendMetrics:
                                   "requests answered 503 'overloaded': every worker refused them", ["model"], registry=r)
         self.inflight_limit = Counter("turbine_frontend_inflight_limit_rejections",
                                       "requests answered 503 'overloaded' at --max-inflight-requests", registry=r)
+        # Busy thresholds (busy_queue.py): requests waiting for a worker below them, their waits
+        # (0 for a request that did not wait), and those refused because the queue was full.
+        self.queued = Gauge("turbine_frontend_queued_requests",
+                            "requests waiting at the frontend for a worker below the busy thresholds",
+                            ["model"], registry=r)
+        self.queue_wait = Histogram("turbine_frontend_queue_wait_seconds",
+                                    "time a request waited for a worker below the busy thresholds",
+                                    ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_full = Counter("turbine_frontend_queue_full_rejections",
+                                  "requests answered 503 'overloaded' because --busy-queue-size requests waited",
+                                  ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def of(self, model: str) -> ModelMetrics:
@@ -96,6 +107,9 @@ class ModelMetrics:
         self._model = model
         self.worker_overloaded = m.worker_overloaded.labels(model)
         self.overloaded = m.overloaded.labels(model)
+        self.queued = m.queued.labels(model)
+        self.queue_wait = m.queue_wait.labels(model)
+        self.queue_full = m.queue_full.labels(model)
 
     def migrations(self, reason: str):
         """The migrations counter of one reason (rare: looked up when it happens)."""

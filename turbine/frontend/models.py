@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from turbine.frontend.busy_queue import BusyConfig, BusyQueue
 from turbine.frontend.decode_cache import DecodeCaches
 from turbine.router.policy import Router
 from turbine.frontend.text_mode import is_text_mode
@@ -41,13 +42,17 @@ class ServedModel:
     # Disaggregated encode: the model's encode workers (cards with endpoint type "image_encode"), which turn
     # images into embeddings for the workers that take them (encode.py); none: the workers encode themselves.
     encode_instances: list[InstanceRecord] = field(default_factory=list)
+    # Busy thresholds and the request queue (busy_queue.py; None: off), the base model's for its adapters.
+    busy_queue: BusyQueue | None = None
 
 
 class ModelTable:
     """Rebuilt from every discovery snapshot; lookups are plain dict reads on the hot path."""
 
-    def __init__(self, registry, make_router, namespace: str | None = None):
+    def __init__(self, registry, make_router, namespace: str | None = None, busy: BusyConfig = BusyConfig()):
         self.registry = registry
+        self.busy = busy
+        self._busy_queues: dict[str, BusyQueue] = {}  # model -> its queue (kept across snapshots, as routers)
         self.make_router = make_router
         self.namespace = namespace
         self.models: dict[str, ServedModel] = {}
@@ -64,6 +69,7 @@ class ModelTable:
                 log.exception("could not apply discovery snapshot")
 
     async def _apply(self, instances: list[InstanceRecord], cards: list[ModelCard]) -> None:
+        busy = self.busy
         by_path = {rec.path: rec for rec in instances}
         models: dict[str, ServedModel] = {}
         prefill: list[tuple[ModelCard, InstanceRecord]] = []
@@ -90,6 +96,8 @@ class ModelTable:
                 if router is None:
                     router = self._routers[card.name] = self.make_router(card)
                 model = models[card.name] = ServedModel(card.name, card, tokenizer, router)
+                if busy.enabled:
+                    model.busy_queue = self._busy_queues.setdefault(card.name, BusyQueue(busy))
                 self.first_seen.setdefault(card.name, int(time.time()))
             elif is_text_mode(card) != is_text_mode(model.card):
                 log.warning("worker %s of model %r is in %s mode, its peers in %s mode: skipped",
@@ -118,6 +126,12 @@ class ModelTable:
         for name in self.models.keys() - models.keys():
             log.info("model %r has no live worker any more", name)
         self.models = models
+        if busy.enabled:  # each queue's waiters see the workers now live (a worker that joined is free)
+            live: dict[str, dict[str, list[InstanceRecord]]] = {name: {} for name in self._busy_queues}
+            for name, model in models.items():
+                live[model.parent or name][name] = model.instances
+            for name, queue in self._busy_queues.items():
+                queue.set_instances(live[name])
 
     def _adapters(self, models: dict[str, ServedModel], cards: list[ModelCard],
                   by_path: dict[str, InstanceRecord]) -> dict[str, ServedModel]:
@@ -145,7 +159,7 @@ class ModelTable:
             model = adapters.get(name)
             if model is None:
                 model = adapters[name] = ServedModel(name, card, base.tokenizer, base.router, lora_name=name,
-                                                     parent=base.name)
+                                                     parent=base.name, busy_queue=base.busy_queue)
             elif model.parent != base.name:
                 log.warning("adapter %r on worker %s adapts model %r, on other workers %r: skipped", name,
                             card.instance_id, base.name, model.parent)

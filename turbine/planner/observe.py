@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+# Requests waiting at the frontend for a worker below its busy thresholds (a gauge, read as it is now).
+QUEUED = "turbine_frontend_queued_requests"
+
 # What an interval needs: each is a counter or a histogram's _sum / _count.
 SERIES = (
     "turbine_frontend_input_sequence_tokens_count",
@@ -84,6 +87,17 @@ def parse_totals(text: str, model: str | None) -> dict[str, float]:
     return totals
 
 
+def parse_queued(text: str, model: str | None) -> int:
+    """The frontend's queued requests (QUEUED) in a /metrics text, summed over models (or of `model`)."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == QUEUED and (model is None or sample.labels.get("model") == model):
+                if math.isfinite(sample.value):
+                    total += sample.value
+    return int(total)
+
+
 def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """after - before per series; a series that went down (a restart) counts from zero."""
     return {k: (after[k] - before.get(k, 0.0)) if after[k] >= before.get(k, 0.0) else after[k] for k in after}
@@ -100,6 +114,12 @@ class FrontendScraper:
         resp = await self.http.get(self.url)
         resp.raise_for_status()
         return parse_totals(resp.text, self.model)
+
+    async def queued(self) -> int:
+        """Requests waiting at the frontend now for a worker below its busy thresholds."""
+        resp = await self.http.get(self.url)
+        resp.raise_for_status()
+        return parse_queued(resp.text, self.model)
 
     async def start(self) -> None:
         """The first read: the next `observe` covers the time from now."""
@@ -145,6 +165,11 @@ class PrometheusSource:
 
     def promql(self, series: str) -> str:
         return f'sum({series}{{model="{self.model}"}})' if self.model else f"sum({series})"
+
+    async def queued(self) -> int:
+        """Requests waiting at the frontend (its latest scrape) for a worker below its busy thresholds."""
+        value = await self.query(self.promql(QUEUED))
+        return int(value) if math.isfinite(value) else 0
 
     async def totals(self, at: float) -> dict[str, float]:
         """Every series at one evaluation time (Prometheus's latest sample at or before it)."""

@@ -258,27 +258,34 @@ class Planner:
             return None
         return max(1.0, self.predicted.isl * (1.0 - self.predicted.kv_hit_rate))
 
-    def _backlog_need(self, role: str, engines: list[EngineLoad]) -> int | None:
+    def _backlog_need(self, role: str, engines: list[EngineLoad], queued: int = 0) -> int | None:
         """Engines of `role` that the requests in it now need at the targets (None: not sized yet):
         decode and agg: running + waiting over one engine's concurrency at the targets; prefill:
-        the queued prompts' prefill time over the TTFT target."""
+        the queued prompts' prefill time over the TTFT target. `queued`: requests the frontend holds
+        for a worker below its busy thresholds (turbine/frontend/busy_queue.py): each still needs
+        its prefill and its decode, so they count in every role."""
         sizing, isl_eff = self.last_sizing, self.isl_eff()
         if sizing is None or self.predicted is None or isl_eff is None:
             return None
         if role == "prefill":
-            work_ms = sum(e.report.num_waiting + e.report.num_running for e in engines) * self.model.prefill_ms(isl_eff)
+            work_ms = (sum(e.report.num_waiting + e.report.num_running for e in engines) + queued) \
+                * self.model.prefill_ms(isl_eff)
             return math.ceil(work_ms / (self.cfg.target_share * self.cfg.ttft_ms) - 1e-9)
         rate = sizing.agg if role == "agg" else sizing.decode
         if rate is None:
             return None
         # Little's law: an engine at `requests_per_s` keeps that times a request's stay in it.
         holds = max(1.0, rate.requests_per_s * max(self.predicted.osl, 1.0) * rate.step_ms / 1000.0)
-        return math.ceil(sum(e.report.num_running + e.report.num_waiting for e in engines) / holds - 1e-9)
+        return math.ceil((sum(e.report.num_running + e.report.num_waiting for e in engines) + queued) / holds - 1e-9)
 
     def load_step(self, engines: list[EngineLoad], current: dict[str, int],
-                  starting: dict[str, int] | None = None, now: float | None = None) -> dict[str, int] | None:
+                  starting: dict[str, int] | None = None, now: float | None = None,
+                  queued: int = 0) -> dict[str, int] | None:
         """The load path's decision from the engines' latest reports (None: no change); `starting`:
-        workers per role asked for and not ready yet (none is added to a role while one starts)."""
+        workers per role asked for and not ready yet (none is added to a role while one starts);
+        `queued`: requests waiting at the frontend for a worker below its busy thresholds (they
+        count in the backlog, and while any wait no role steps down: every engine is as full as
+        the thresholds let it be, however far under target its estimates are)."""
         starting = starting or {}
         now = time.monotonic() if now is None else now
         base = self._base(current, starting)
@@ -299,18 +306,20 @@ class Planner:
                     self.metrics.estimated.labels(role, "ttft").set(sum(known) / len(known))
                 self.metrics.estimated.labels(role, "itl").set(sum(e.itl_ms for e in estimates) / len(estimates))
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
-            if step == 0 and (backlog := self._backlog_need(role, mine)) is not None:
+            if step < 0 and queued > 0:
+                step = 0  # requests wait for a worker: not a surplus (the docstring)
+            if step == 0 and (backlog := self._backlog_need(role, mine, queued)) is not None:
                 # Neither every engine over nor every one under: the role as a whole (the module's docstring).
                 if backlog > base.get(role, 0):
                     step = 1
-                elif backlog < base.get(role, 0) - 1:
+                elif backlog < base.get(role, 0) - 1 and not queued:
                     step = -1
             if step < 0:
                 # Hysteresis: down only once under target for a whole start-up (the module's docstring).
                 since_under = self._under_since.setdefault(role, now)
                 if now - since_under < self.startup_s():
                     step = 0
-                elif (need := self._backlog_need(role, mine)) is not None and need < base.get(role, 0) - 1:
+                elif (need := self._backlog_need(role, mine, queued)) is not None and need < base.get(role, 0) - 1:
                     # Half the surplus over what the backlog needs at a time: a fleet sized for a peak comes
                     # down in a few start-ups, not one worker each, and keeps room if the load returns.
                     step = -math.ceil((base.get(role, 0) - need) / 2)
@@ -318,7 +327,7 @@ class Planner:
                 self._under_since.pop(role, None)
             need = None
             if step > 0:
-                need = self._backlog_need(role, mine)
+                need = self._backlog_need(role, mine, queued)
                 if need is not None:
                     step = max(1, need - base.get(role, 0))  # sized from the backlog (the module's docstring)
                     step = min(step, max(1, base.get(role, 0)))  # at most doubling (the module's docstring)

@@ -193,12 +193,24 @@ class PlannerService:
                 # Requests in the engines now: with the finished ones, the interval's arrivals (planner.py).
                 reports = self.loads.engines(max_age_s=max(3 * (cfg.fast_interval_s or 0), 10.0))
                 in_system = sum(e.report.num_running + e.report.num_waiting for e in reports) if reports else None
+                if in_system is not None:
+                    in_system += await self.queued()  # those the frontend holds arrived too
                 targets = await asyncio.to_thread(self.planner.throughput_step, obs, current, starting,
                                                   in_system)  # ARIMA fits
                 await self.decide(targets, have, "throughput")
             elif cfg.fast_interval_s > 0:
                 engines = self.loads.engines(max_age_s=max(3 * cfg.fast_interval_s, 10.0))
-                await self.decide(self.planner.load_step(engines, current, starting), have, "load")
+                await self.decide(self.planner.load_step(engines, current, starting, queued=await self.queued()),
+                                  have, "load")
+
+    async def queued(self) -> int:
+        """Requests the frontend holds for a worker below its busy thresholds (0 when unreadable)."""
+        try:
+            return await self.source.queued()
+        except Exception as exc:
+            self.metrics.errors.labels("scrape").inc()
+            log.warning("could not read the frontend's queued requests: %s", exc)
+            return 0
 
     # -- process ----------------------------------------------------------------------
     def status_app(self):

@@ -420,3 +420,29 @@ def test_the_load_path_keeps_what_the_last_start_ups_highest_rate_needs(profile_
     p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
                                   kv_hit_rate=0.5), {"agg": 3})
     assert p.keep == {"agg": 1}
+
+
+def test_requests_queued_at_the_frontend_count_in_the_backlog_and_hold_off_a_step_down(profile_path):
+    # The frontend's busy thresholds (turbine/frontend/busy_queue.py) keep requests from the engines: the
+    # engines look under target while requests wait for them.
+    p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 9}, startup_s=15)
+    p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
+                                  kv_hit_rate=0.5), {"agg": 1})  # one engine holds ~2.2 at the targets
+    p.decided({"agg": 3}, "load")
+    time.sleep(0.01)
+    idle = [engine("agg", running=1, name=f"a{i}") for i in (1, 2, 3)]
+    assert p._backlog_need("agg", idle) == 2 and p._backlog_need("agg", idle, queued=9) == 6
+    t0 = time.monotonic() + 1
+    assert p.load_step(idle, {"agg": 3}, now=t0, queued=4) is None
+    assert p.load_step(idle, {"agg": 3}, now=t0 + 20, queued=4) is None  # requests wait: no step down
+    assert p.load_step(idle, {"agg": 3}, now=t0 + 21, queued=9) == {"agg": 6}  # sized from engines + queue
+    text = generate_latest(metrics_with_queue()).decode()
+    from turbine.planner.observe import parse_queued
+    assert parse_queued(text, None) == 5 and parse_queued(text, "m") == 3 and parse_queued(text, "x") == 0
+
+
+def metrics_with_queue():
+    m = FrontendMetrics()
+    m.of("m").queued.set(3)
+    m.of("n").queued.set(2)
+    return m.registry
