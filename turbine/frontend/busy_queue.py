@@ -2,8 +2,8 @@
 `--busy-threshold-prompt-tokens`, `--busy-queue-size`).
 
 A worker is busy while the requests this frontend has in flight on it (from routing to their last
-token) reach `--busy-threshold-requests`, or their prompt tokens reach
-`--busy-threshold-prompt-tokens`. A new request goes only to a worker that is not busy; when every
+token) reach `--busy-threshold-requests`; and busy for a request whose prompt would take their prompt
+tokens past `--busy-threshold-prompt-tokens` (a worker with nothing in flight takes any prompt). A new request goes only to a worker that is not busy; when every
 worker of its model is busy it waits here, first come first served, and goes to the first worker
 that drops below the thresholds (a request there finished, or a worker joined: a planner's scale-up
 drains the queue). The wait counts in its TTFT, like any other. More than `--busy-queue-size`
@@ -75,13 +75,15 @@ class BusyQueue:
         # kept current by the frontend's model table: a waiter sees workers that joined after it came.
         self.instances: dict[str, list[InstanceRecord]] = {}
 
-    def busy(self, instance_id: str) -> bool:
-        c = self.cfg
+    def busy(self, instance_id: str, prompt_tokens: int = 0) -> bool:
+        """Whether the worker may not take a request of `prompt_tokens` now (a worker with nothing
+        in flight takes any: a prompt over the threshold is not refused for good)."""
+        c, held = self.cfg, self._tokens.get(instance_id, 0)
         return ((c.requests is not None and self._requests.get(instance_id, 0) >= c.requests)
-                or (c.prompt_tokens is not None and self._tokens.get(instance_id, 0) >= c.prompt_tokens))
+                or (c.prompt_tokens is not None and held > 0 and held + prompt_tokens > c.prompt_tokens))
 
-    def free(self, model: str) -> list[InstanceRecord]:
-        return [i for i in self.instances.get(model, ()) if not self.busy(i.instance_id)]
+    def free(self, model: str, prompt_tokens: int = 0) -> list[InstanceRecord]:
+        return [i for i in self.instances.get(model, ()) if not self.busy(i.instance_id, prompt_tokens)]
 
     def set_instances(self, instances: dict[str, list[InstanceRecord]]) -> None:
         self.instances = instances
@@ -91,11 +93,11 @@ class BusyQueue:
     def queued(self) -> int:
         return len(self._waiting)
 
-    async def admit(self, model: str) -> list[InstanceRecord]:
-        """The live workers of `model` that a request may go to (those not busy), after waiting its
-        turn while none is free; [] when the model has no live worker (nothing to wait for).
-        Raises QueueFull when the queue is at its bound."""
-        free = self.free(model)
+    async def admit(self, model: str, prompt_tokens: int = 0) -> list[InstanceRecord]:
+        """The live workers of `model` that a request of `prompt_tokens` may go to (those not busy for
+        it), after waiting its turn while none is free; [] when the model has no live worker (nothing
+        to wait for). Raises QueueFull when the queue is at its bound."""
+        free = self.free(model, prompt_tokens)
         if not self.instances.get(model) or (free and not self._waiting and not self._woken):
             return free
         if len(self._waiting) >= self.cfg.max_waiting:
@@ -110,7 +112,7 @@ class BusyQueue:
                 raise
             self._woken -= 1
             # At the head (woken in order): go if a worker is free, else wait at the head again.
-            free = self.free(model)
+            free = self.free(model, prompt_tokens)
             if free or not self.instances.get(model):
                 self.wake()  # the next in line may find a worker free too
                 return free

@@ -277,7 +277,7 @@ class Dispatch:
         queue, start = model.busy_queue, time.monotonic()
         self.metrics.queued.inc()
         try:
-            pool = await queue.admit(model.name)
+            pool = await queue.admit(model.name, len(self.request.token_ids))
         except QueueFull as exc:
             self.metrics.queue_full.inc()
             raise Overloaded(f"every worker of model {model.name!r} is busy and the queue is full ({exc}; "

@@ -106,16 +106,16 @@ async def test_prompt_token_threshold_and_a_joining_worker_drains_the_queue():
     q = BusyQueue(BusyConfig(prompt_tokens=100))
     a, b = instance("a", "127.0.0.1:1"), instance("b", "127.0.0.1:2")
     q.set_instances({"m": [a]})
+    assert [i.instance_id for i in await q.admit("m", 500)] == ["a"]  # an idle worker takes any prompt
     q.add("a", 60)
-    assert [i.instance_id for i in await q.admit("m")] == ["a"]  # 60 < 100 tokens
-    q.add("a", 60)
-    waiter = asyncio.create_task(q.admit("m"))
+    assert [i.instance_id for i in await q.admit("m", 40)] == ["a"]  # 60 + 40 within 100 tokens
+    waiter = asyncio.create_task(q.admit("m", 41))  # 60 + 41 would pass it
     await asyncio.sleep(0.01)
     assert q.queued == 1 and not waiter.done()
     q.set_instances({"m": [a, b]})  # a worker joined (the planner's scale-up)
     assert [i.instance_id for i in await waiter] == ["b"]
     q.remove("a", 60)
-    assert not q.busy("a")
+    assert not q.busy("a", 1000)
 
 
 async def test_fifo_a_newcomer_does_not_pass_the_waiters_and_a_leaver_passes_its_turn():
