@@ -262,6 +262,7 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
         t_end = time.monotonic() - t0
         stop.set()
         await sampler
+        queue = await frontend_queue_stats(fleet.url)
     finally:
         if planner is not None:
             planner.terminate()
@@ -271,7 +272,30 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
                 planner.kill()
         await conn.close()
         fleet.stop_frontend()
-    return summarize(a, mode, records, series, t_end, static)
+    res = summarize(a, mode, records, series, t_end, static)
+    res["frontend_queue"] = queue
+    return res
+
+
+async def frontend_queue_stats(url: str) -> dict:
+    """The frontend's busy-queue counters at the end (turbine/frontend/busy_queue.py; zeros when off)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"waits": 0.0, "wait_s_sum": 0.0, "waited_over_0_1s": 0.0, "full_rejections": 0.0}
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(f"{url}/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "turbine_frontend_queue_wait_seconds_count":
+                out["waits"] += s.value
+            elif s.name == "turbine_frontend_queue_wait_seconds_sum":
+                out["wait_s_sum"] += s.value
+            elif s.name == "turbine_frontend_queue_wait_seconds_bucket" and s.labels.get("le") == "0.1":
+                out["waited_over_0_1s"] -= s.value
+            elif s.name == "turbine_frontend_queue_full_rejections_total":
+                out["full_rejections"] += s.value
+    out["waited_over_0_1s"] += out["waits"]
+    return out
 
 
 def planner_base_config(a) -> dict:
@@ -347,6 +371,9 @@ def summarize(a, mode, records, series, t_end, static) -> dict:
     return {"mode": mode, "static_workers": static, "requests": len(records), "failed": len(records) - len(ok),
             "errors": sorted({r["error"] for r in records if r["error"]})[:5],
             "sla_met": len(met), "attainment": len(met) / len(records) if records else None,
+            # Misses by cause: TTFT over target (whatever the ITL), else the mean ITL over target.
+            "ttft_misses": sum(r["ttft"] * 1000 > a.ttft_ms for r in ok),
+            "itl_only_misses": sum(r["ttft"] * 1000 <= a.ttft_ms and r["itl"] * 1000 > a.itl_ms for r in ok),
             "attainment_by_tenth": tenths, "worker_seconds": ws, "run_s": t_end,
             "ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99),
             "itl_p50_ms": pct(itls, 50), "itl_p99_ms": pct(itls, 99),

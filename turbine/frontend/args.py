@@ -62,9 +62,10 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                         "counts in TTFT; default: off)")
     g.add_argument("--busy-threshold-prompt-tokens", type=int,
                    default=env_int("TURBINE_BUSY_THRESHOLD_PROMPT_TOKENS", None),
-                   help="a worker whose requests in flight from this frontend hold this many prompt tokens is "
-                        "busy (as --busy-threshold-requests; bounds the prefill an aggregated engine takes while "
-                        "it decodes; default: off)")
+                   help="a worker is busy for a request whose prompt would take the prompt tokens of this "
+                        "frontend's requests in flight there past this (an idle worker takes any prompt; as "
+                        "--busy-threshold-requests; bounds the prefill an aggregated engine takes while it "
+                        "decodes; default: off)")
     g.add_argument("--busy-queue-size", type=int, default=env_int("TURBINE_BUSY_QUEUE_SIZE", None),
                    help="requests that may wait for a worker below the busy thresholds; more get 503 "
                         "'overloaded' (default 1024; needs a --busy-threshold-* flag)")
