@@ -432,7 +432,7 @@ def test_requests_queued_at_the_frontend_count_in_the_backlog_and_hold_off_a_ste
     time.sleep(0.01)
     idle = [engine("agg", running=1, name=f"a{i}") for i in (1, 2, 3)]
     assert p._backlog_need("agg", idle) == 2 and p._backlog_need("agg", idle, queued=9) == 6
-    t0 = time.monotonic() + 1
+    t0 = later()
     assert p.load_step(idle, {"agg": 3}, now=t0, queued=4) is None
     assert p.load_step(idle, {"agg": 3}, now=t0 + 20, queued=4) is None  # requests wait: no step down
     assert p.load_step(idle, {"agg": 3}, now=t0 + 21, queued=9) == {"agg": 6}  # sized from engines + queue
