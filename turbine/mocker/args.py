@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from turbine.config import check, flag
 from turbine.flag_sources import add_config_arg, env_errors, with_config_file
 from turbine.logging_setup import add_logging_args
+from turbine.mocker.kv_tiers import DEFAULT_DISK_BANDWIDTH_GB_S, DEFAULT_HOST_BANDWIDTH_GB_S, TierSpec
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
 from turbine.mocker.model_info import ModelInfo, read_model_info
 from turbine.mocker.timing import DEFAULT_LORA_LOAD_TIME_MS, TimingProfile, load_profile
@@ -16,6 +17,9 @@ from turbine.model.prepare import tokenizer_folder
 from turbine.runtime.gc_pacing import DEFAULT_INTERVAL_S
 from turbine.tracing import add_tracing_args
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
+
+
+GIB = 1 << 30  # the real worker's --kv-*-cache-gb are GiB too (turbine/vllm/connectors.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +55,12 @@ class MockerConfig(ServingConfig):
     # (an LRU); bringing one into a slot costs lora_load_time_ms (timing.py).
     max_loras: int | None = flag("--max-loras", default=None)  # None: vLLM's default, 1
     lora_load_time_ms: float | None = flag("--lora-load-time-ms", default=None)  # None: DEFAULT_LORA_LOAD_TIME_MS
+    # KV tiers (the real worker's --connector kvbm, simulated: kv_tiers.py), in GiB as the real worker's flags;
+    # the bandwidths in GB/s, None: the defaults measured on the real tiers.
+    kv_host_cache_gb: float | None = flag("--kv-host-cache-gb", default=None)
+    kv_disk_cache_gb: float | None = flag("--kv-disk-cache-gb", default=None)
+    kv_host_bandwidth: float | None = flag("--kv-host-bandwidth", default=None)
+    kv_disk_bandwidth: float | None = flag("--kv-disk-bandwidth", default=None)
 
     def __post_init__(self):
         super().__post_init__()
@@ -86,6 +96,29 @@ class MockerConfig(ServingConfig):
               "the model's config.json does not give its KV size; give it")
         check(self, self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         check(self, self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for tier in ("host", "disk"):
+            gb, bandwidth = getattr(self, f"kv_{tier}_cache_gb"), getattr(self, f"kv_{tier}_bandwidth")
+            check(self, gb is None or gb > 0, f"kv_{tier}_cache_gb", "must be > 0 (GiB)")
+            check(self, bandwidth is None or gb is not None, f"kv_{tier}_bandwidth", f"needs --kv-{tier}-cache-gb")
+            check(self, bandwidth is None or bandwidth > 0, f"kv_{tier}_bandwidth", "must be > 0 (GB/s)")
+        if self.kv_host_cache_gb is None and self.kv_disk_cache_gb is None:
+            return
+        name = "kv_host_cache_gb" if self.kv_host_cache_gb is not None else "kv_disk_cache_gb"
+        # As the real worker: the tiers serve an aggregated worker only (kvbm is not combined with nixl).
+        check(self, not self.is_prefill and not self.is_decode, name,
+              f"the KV tiers serve aggregated workers only, not --disaggregation-mode {self.disaggregation_mode}")
+        # Without prefix caching no block is named, offloaded or found again.
+        check(self, self.enable_prefix_caching, name, "the KV tiers need --enable-prefix-caching")
+        check(self, self.kv_block_bytes >= 1, "kv_bytes_per_token",
+              "the model's config.json does not give its KV size, which the tiers' capacity and load time need; "
+              "give it")
+        for spec_gb, tier in ((self.kv_host_cache_gb, "host"), (self.kv_disk_cache_gb, "disk")):
+            if spec_gb is not None:
+                check(self, spec_gb * GIB // self.kv_block_bytes >= 1, f"kv_{tier}_cache_gb",
+                      f"{spec_gb:g} GiB holds no block of {self.kv_block_bytes} bytes")
 
     @property
     def lora_slots(self) -> int:
@@ -95,6 +128,22 @@ class MockerConfig(ServingConfig):
     @property
     def lora_load_ms(self) -> float:
         return DEFAULT_LORA_LOAD_TIME_MS if self.lora_load_time_ms is None else self.lora_load_time_ms
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """KV bytes of one block (0: unknown)."""
+        return (self.kv_bytes_per_token or self.model_info.kv_bytes_per_token or 0) * self.block_size
+
+    @property
+    def kv_tiers(self) -> list[TierSpec]:
+        """The simulated KV tiers of each engine, fastest first (none: no tiers)."""
+        out = []
+        for tier, gb, bandwidth, default in (
+                ("host", self.kv_host_cache_gb, self.kv_host_bandwidth, DEFAULT_HOST_BANDWIDTH_GB_S),
+                ("disk", self.kv_disk_cache_gb, self.kv_disk_bandwidth, DEFAULT_DISK_BANDWIDTH_GB_S)):
+            if gb is not None:
+                out.append(TierSpec(tier, int(gb * GIB // self.kv_block_bytes), (bandwidth or default) * 1e9))
+        return out
 
     @property
     def kv_transfer(self) -> KvTransferModel:
@@ -155,8 +204,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "stall every simulated worker several times a second; 0 = leave it automatic")
     disagg = p.add_argument_group("simulated KV transfer (with --disaggregation-mode decode)")
     disagg.add_argument("--kv-bytes-per-token", type=int, default=None,
-                        help="KV cache bytes per token pulled from a prefill worker (default: from the model's "
-                             "config.json, 2 (K, V) x layers x KV heads x head dim x 2 bytes; SmolLM2-135M: 23040)")
+                        help="KV cache bytes per token, pulled from a prefill worker or loaded from the KV tiers "
+                             "(default: from the model's config.json, 2 (K, V) x layers x KV heads x head dim x 2 "
+                             "bytes; SmolLM2-135M: 23040; the real CPU worker's float32: 46080)")
     disagg.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, metavar="GB_PER_S",
                         help="KV transfer bandwidth between prefill and decode workers, in GB/s (default "
                              f"{DEFAULT_BANDWIDTH_GB_S:g}: a 200 Gb/s RDMA link); scaled by --speedup-ratio")
@@ -171,6 +221,21 @@ def _build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-load-time-ms", type=float, default=None, metavar="MS",
                       help="simulated time to bring an adapter into a slot, added to the step that first needs it "
                            f"(default {DEFAULT_LORA_LOAD_TIME_MS:g}: see docs/mocker.md; scaled by --speedup-ratio)")
+    tiers = p.add_argument_group(
+        "simulated KV tiers (the vLLM worker's --connector kvbm: blocks the engine computes are kept in these "
+        "tiers too, and a prompt continuing past the engine's prefix cache loads them instead of recomputing)")
+    tiers.add_argument("--kv-host-cache-gb", type=float, default=None,
+                       help="host-memory tier per engine, in GiB of KV (blocks of --kv-bytes-per-token x "
+                            "--block-size bytes), LRU")
+    tiers.add_argument("--kv-disk-cache-gb", type=float, default=None,
+                       help="local-disk tier per engine, in GiB (simulated: no directory), LRU; a block loaded "
+                            "from it is copied into the host tier")
+    tiers.add_argument("--kv-host-bandwidth", type=float, default=None, metavar="GB_PER_S",
+                       help=f"loading from the host tier, in GB/s (default {DEFAULT_HOST_BANDWIDTH_GB_S:g}, measured "
+                            "on the real tiers: docs/mocker.md); scaled by --speedup-ratio")
+    tiers.add_argument("--kv-disk-bandwidth", type=float, default=None, metavar="GB_PER_S",
+                       help=f"loading from the disk tier, in GB/s (default {DEFAULT_DISK_BANDWIDTH_GB_S:g}, measured "
+                            "from the page cache)")
     add_logging_args(p)
     add_tracing_args(p)
     hooks = p.add_argument_group("test hooks")
@@ -210,6 +275,8 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
         kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
         enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-        lora_load_time_ms=args.lora_load_time_ms,
+        lora_load_time_ms=args.lora_load_time_ms, kv_host_cache_gb=args.kv_host_cache_gb,
+        kv_disk_cache_gb=args.kv_disk_cache_gb, kv_host_bandwidth=args.kv_host_bandwidth,
+        kv_disk_bandwidth=args.kv_disk_bandwidth,
     )
 

@@ -108,6 +108,7 @@ class MockEngine:
             if self.speedup_ratio > 0:
                 ms = self.timing.step_ms(step.prefill_tokens, step.prefill_pairs, step.decode_seqs,
                                          step.decode_kv_tokens) + step.lora_swaps * self.lora_load_ms
+                ms += step.onboard_s * 1000  # blocks loaded from the KV tiers (kv_tiers.py)
                 next_start = max(next_start + ms / 1000 / self.speedup_ratio, loop.time() - MAX_CATCH_UP_S)
                 await asyncio.sleep(next_start - loop.time())
             else:

@@ -8,6 +8,11 @@ preemption, up to max_num_seqs, after a prefix-cache lookup; a prompt larger tha
 left of the budget is prefilled in chunks over several steps. A sequence samples a token
 in the step that computes the last of its known tokens.
 
+KV tiers (`tiers`, kv_tiers.py; aggregated workers only): a waiting sequence's prompt continues past
+its prefix-cache hit onto the blocks the tiers hold; those are loaded, not computed: they count as
+cached (as vLLM counts a connector's tokens) and their load time is the step's `onboard_s`. Every full
+block entered into the prefix cache is offered to the tiers (write-through).
+
 Disaggregated decode (vLLM's WAITING_FOR_REMOTE_KVS): a sequence whose prompt KV comes from a
 prefill worker gets its blocks at admission but computes nothing; it waits in `pulling` until
 the caller lands its KV (`land`), then rejoins the head of the waiting queue with all of its
@@ -29,8 +34,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from turbine.mocker.kv_cache import BlockPool, block_hash
+from turbine.mocker.kv_tiers import KvTiers
 from turbine.mocker.timing import attention_pairs
 from turbine.mocker.tokens import Choice, TokenSampler
+from turbine.router.hashing import block_hashes as router_block_hashes
 from turbine.worker.lora_slots import LoraSlots
 
 WAITING, PULLING, RUNNING, FINISHED = "waiting", "pulling", "running", "finished"
@@ -56,6 +63,7 @@ class Sequence:
     kv_to_pull: bool = False  # decode side: the prompt's KV is to be pulled from a prefill worker
     num_pull_tokens: int = 0  # tokens pulled: the prompt less what the local prefix cache had
     lora_name: str | None = None  # the LoRA adapter it runs under: its blocks are another cache
+    router_hashes: list[int] = field(default_factory=list)  # with KV tiers: the router's hashes of those blocks
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,6 +81,7 @@ class Step:
     decode_kv_tokens: int  # context length summed over those sequences
     pulls: list[Sequence] = field(default_factory=list)  # sequences that started pulling KV in this step
     lora_swaps: int = 0  # adapters this step brings into an active slot
+    onboard_s: float = 0.0  # unscaled seconds of loading KV blocks from the tiers (kv_tiers.py)
 
 
 @dataclass
@@ -86,8 +95,10 @@ class SeqOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, sampler: TokenSampler, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, lora_slots: LoraSlots | None = None):
+                 max_num_batched_tokens: int, max_model_len: int, lora_slots: LoraSlots | None = None,
+                 tiers: KvTiers | None = None):
         self.pool = pool
+        self.tiers = tiers  # None: no KV tiers
         self.lora_slots = lora_slots  # None: LoRA off
         self.sampler = sampler
         self.max_num_seqs = max_num_seqs
@@ -159,6 +170,7 @@ class Scheduler:
 
         # Like vLLM: no admissions in a step that had to preempt.
         pulls = []
+        onboard_s = 0.0
         slots = self.lora_slots
         batch_loras = {s.lora_name for s in self.running if s.lora_name} if slots is not None else set()
         skipped: list[Sequence] = []  # waiting sequences of an adapter for which no slot is free
@@ -168,12 +180,16 @@ class Scheduler:
                     and len(batch_loras) >= slots.capacity):
                 skipped.append(self.waiting.popleft())
                 continue
+            loads: list[str] = []  # the tier of each block loaded after the hits
             if seq.blocks:  # its pulled KV landed: it holds its blocks already
                 hits, num_hit_tokens = [], seq.num_computed
             else:
                 # A full hit still recomputes the last token: the step must produce its logits.
-                hits = self.pool.lookup(seq.hashes[:(len(seq.tokens) - 1) // self.pool.block_size])
-                num_hit_tokens = len(hits) * self.pool.block_size
+                loadable = (len(seq.tokens) - 1) // self.pool.block_size
+                hits = self.pool.lookup(seq.hashes[:loadable])
+                if self.tiers is not None and not seq.kv_to_pull:
+                    loads = self.tiers.match(seq.router_hashes[len(hits):loadable])
+                num_hit_tokens = (len(hits) + len(loads)) * self.pool.block_size
             if seq.kv_to_pull:
                 # Blocks for the whole prompt now; the local prefix-cache hits are not pulled.
                 seq.num_pull_tokens = len(seq.tokens) - num_hit_tokens
@@ -188,8 +204,10 @@ class Scheduler:
                 pulls.append(seq)
                 continue
             n = min(len(seq.tokens) - num_hit_tokens, budget)
-            if not self._allocate(seq, n, hits):
+            if not self._allocate(seq, n, hits, loaded=len(loads)):
                 break
+            if loads:
+                onboard_s += self.tiers.load(seq.router_hashes[len(hits):len(hits) + len(loads)], loads)
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
@@ -215,7 +233,8 @@ class Scheduler:
             else:
                 prefill_tokens += n
                 prefill_pairs += attention_pairs(n, seq.num_computed)
-        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens, pulls, lora_swaps)
+        return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens, pulls, lora_swaps,
+                    onboard_s)
 
     def complete(self, step: Step) -> list[SeqOutput]:
         """Apply a planned step: advance each sequence, sample, and finish those that stop.
@@ -257,18 +276,20 @@ class Scheduler:
             out.finish_reason, out.stop_reason = "stop", token
         return out
 
-    def _allocate(self, seq: Sequence, num_new: int, hits: list[int] | tuple[()] = (), cache: bool = True) -> bool:
-        """Give `seq` the blocks for `num_new` more tokens (after taking the prefix-cache `hits`,
-        for a sequence being admitted); False, changing nothing, if the pool is short. With
-        `cache` False the new full blocks are not entered into the prefix cache (yet)."""
+    def _allocate(self, seq: Sequence, num_new: int, hits: list[int] | tuple[()] = (), cache: bool = True,
+                  loaded: int = 0) -> bool:
+        """Give `seq` the blocks for `num_new` more tokens (after taking the prefix-cache `hits`
+        and `loaded` blocks from the tiers, for a sequence being admitted); False, changing nothing,
+        if the pool is short. With `cache` False the new full blocks are not entered into the prefix
+        cache (yet)."""
         pool, bs = self.pool, self.pool.block_size
-        num_computed = seq.num_computed + len(hits) * bs
+        num_computed = seq.num_computed + (len(hits) + loaded) * bs
         needed = max(0, -(-(num_computed + num_new) // bs) - len(seq.blocks) - len(hits))
         # Hit blocks sitting in the LRU pool stop being available once taken.
         reclaimed = sum(1 for b in hits if pool.ref_counts[b] == 0)
         if needed + reclaimed > pool.num_available:
             return False
-        if hits:
+        if hits or loaded:
             pool.acquire(hits)
             seq.blocks.extend(hits)
             seq.num_computed = num_computed
@@ -280,6 +301,8 @@ class Scheduler:
         if cache and num_full > seq.num_cached_blocks:
             pool.cache_full_blocks(seq.blocks, seq.hashes, seq.num_cached_blocks, num_full, seq.tokens,
                                          seq.lora_name)
+            if self.tiers is not None:
+                self.tiers.save(seq.router_hashes[seq.num_cached_blocks:num_full])
             seq.num_cached_blocks = num_full
         return True
 
@@ -311,3 +334,7 @@ class Scheduler:
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs], seq.lora_name))
+        if self.tiers is not None and len(seq.router_hashes) < len(hashes):
+            done = len(seq.router_hashes)
+            seq.router_hashes += router_block_hashes(tokens[done * bs:len(hashes) * bs], bs, lora_name=seq.lora_name,
+                                                     parent=seq.router_hashes[-1] if done else None)

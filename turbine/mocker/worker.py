@@ -23,6 +23,7 @@ from turbine.mocker.args import MockerConfig, parse_mocker_args
 from turbine.mocker.engine import MockEngine
 from turbine.mocker.handlers import HANDLERS_OF_ROLE
 from turbine.mocker.kv_cache import BlockPool
+from turbine.mocker.kv_tiers import KvTiers
 from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
@@ -53,9 +54,10 @@ class WorkerEngines:
         self.engines: list[MockEngine] = []
         for _ in range(cfg.data_parallel_size):
             pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+            tiers = KvTiers(cfg.kv_tiers, cfg.block_size, cfg.kv_block_bytes) if cfg.kv_tiers else None
             scheduler = Scheduler(pool, sampler, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
-                                  lora_slots=LoraSlots(cfg.lora_slots) if cfg.enable_lora else None)
+                                  lora_slots=LoraSlots(cfg.lora_slots) if cfg.enable_lora else None, tiers=tiers)
             self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer,
                                            lora_load_ms=cfg.lora_load_ms))
         self.level = 0  # sleep level, 0: awake
@@ -94,6 +96,8 @@ class SimulatedWorker:
         for rank, engine in enumerate(self.engines):
             if self.events.kv and cfg.enable_prefix_caching and not cfg.is_decode:
                 engine.scheduler.pool.on_event = _pool_events(self.events.kv[rank], cfg.kv_events_drop_after)
+                if engine.scheduler.tiers is not None:  # the consolidated tier events, on the same stream
+                    engine.scheduler.tiers.on_event = engine.scheduler.pool.on_event
             engine.on_step = self._load_reporter(rank)
             self._publish_load(rank, engine.scheduler)  # the idle state, re-sent until it changes (keepalive)
         self.metrics = WorkerMetrics(labels)

@@ -28,6 +28,9 @@ class KvRouterConfig:
     temperature: float = flag("--router-temperature", default=0.0)  # 0: always the cheapest worker
     # False: approximate routing, the index learned from the router's own decisions
     use_kv_events: bool = flag("--no-router-kv-events", default=True)
+    # False: the workers' KV tier events (--connector kvbm) are dropped, the router sees their engines' caches
+    # only (engine-only routing: the peer the tier-aware cost is measured against).
+    use_kv_tiers: bool = flag("--no-router-kv-tiers", default=True)
     # Expected KV events later than this after a first token: a warning naming the worker.
     events_deadline_s: float = flag("--router-kv-events-deadline", default=DEFAULT_DEADLINE_S)
     approx_ttl_s: float = DEFAULT_TTL_S  # approximate mode: how long a routed prefix counts as cached
@@ -40,6 +43,8 @@ class KvRouterConfig:
         check(self, self.events_deadline_s > 0, "events_deadline_s", "must be > 0")
         check(self, self.approx_ttl_s > 0, "approx_ttl_s", "must be > 0")
         check(self, self.lora_swap_weight >= 0, "lora_swap_weight", "must be >= 0")
+        check(self, self.use_kv_tiers or self.use_kv_events, "use_kv_tiers",
+              "drops the workers' KV tier events; with --no-router-kv-events there are none to drop")
 
 
 def add_kv_router_args(group, scope: str = "") -> None:
@@ -52,6 +57,9 @@ def add_kv_router_args(group, scope: str = "") -> None:
     group.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
                        help=f"{scope}approximate routing, learned from the router's own decisions (entries "
                             f"expire after {DEFAULT_TTL_S:.0f} s) instead of the workers' KV events")
+    group.add_argument("--no-router-kv-tiers", dest="router_kv_tiers", action="store_false",
+                       help=f"{scope}ignore the KV tier events of workers with offload tiers (--connector kvbm): "
+                            "route by their engines' caches only, as if a block that left the engine were gone")
     group.add_argument("--router-kv-events-deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
                        help=f"{scope}warn (naming the worker) when a worker's KV events have not arrived this "
                             "long after it prefilled blocks the router did not know it held")
@@ -64,5 +72,6 @@ def kv_router_config_from_args(args: argparse.Namespace, parser: argparse.Argume
     with config_errors_to(parser):
         return KvRouterConfig(overlap_weight=args.router_kv_overlap_score_weight,
                               temperature=args.router_temperature, use_kv_events=args.router_kv_events,
+                              use_kv_tiers=args.router_kv_tiers,
                               events_deadline_s=args.router_kv_events_deadline,
                               lora_swap_weight=args.router_lora_swap_weight)

@@ -10,7 +10,8 @@ Tiers (`--connector kvbm`, issue #18): a worker also publishes which blocks its 
 the fastest tier holding each block; a shared tier's blocks are kept per shared tier (the id the
 workers announce in their cards, `kv_shared_tier`) and count for every worker that sees it.
 `tier_matches` continues a worker's engine match through its tiers; the cost weighs those blocks.
-Clearing a worker's engine cache (AllBlocksCleared) leaves its tiers.
+Clearing a worker's engine cache (AllBlocksCleared) leaves its tiers. With `follow_tiers` False
+(`--no-router-kv-tiers`) tier events are counted and dropped: the index holds the engines' caches only.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class WorkerKey(NamedTuple):
 
 
 class KvIndexer:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, follow_tiers: bool = True):
         self.block_size = block_size
+        self.follow_tiers = follow_tiers
         # router hash -> the workers holding it, as a bit mask over worker slots (bit i: the
         # worker in slot i). Ints rather than a set per block: a holder-set intersection is one
         # `&`, and a million indexed blocks are a million ints the garbage collector never scans.
@@ -55,7 +57,8 @@ class KvIndexer:
     # -- events -----------------------------------------------------------------------
     def apply(self, worker: WorkerKey, event: KvEvent, lora_name: str | None = None) -> None:
         if getattr(event, "tier", None) is not None:
-            self.tier_event(worker, event)
+            if self.follow_tiers:
+                self.tier_event(worker, event)
         elif isinstance(event, BlockStored):
             self.stored(worker, event, lora_name)
         elif isinstance(event, BlockRemoved):

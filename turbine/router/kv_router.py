@@ -33,7 +33,7 @@ class KvRouter:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.cfg = cfg
         self.block_size = block_size
-        self.index: KvIndexer | ApproxKvIndexer = (KvIndexer(block_size) if cfg.use_kv_events
+        self.index: KvIndexer | ApproxKvIndexer = (KvIndexer(block_size, cfg.use_kv_tiers) if cfg.use_kv_events
                                                    else ApproxKvIndexer(cfg.approx_ttl_s))
         self.loads = LoadTracker()
         self._rng = rng or random.Random()

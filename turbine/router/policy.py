@@ -57,6 +57,8 @@ class RouterConfig:
 
     def __post_init__(self):
         check(self, self.mode in _POLICIES, "mode", f"{self.mode!r}: choose from {', '.join(router_modes())}")
+        check(self, self.kv.use_kv_tiers or self.mode not in ("round-robin", "random"), "mode",
+              f"{self.mode} routing follows no KV events: --no-router-kv-tiers needs --router-mode kv")
 
 
 # A policy: (config, the model's card, the host's router metrics or None) -> a Router for that model.

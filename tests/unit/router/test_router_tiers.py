@@ -125,3 +125,38 @@ def test_the_workers_snapshot_carries_its_tiers():
             index.apply(A, event, batch.lora_name)
     assert index.find_matches(HASHES) == {}
     assert index.tier_matches(HASHES, [A], {}) == {A: ["host", "disk"]}
+
+
+def test_engine_only_routing_drops_the_tier_events():
+    # --no-router-kv-tiers: the peer the tier-aware cost is measured against (benchmarks/kv_tiers_fleet.py).
+    router = KvRouter(KvRouterConfig(use_kv_tiers=False), BS, rng=random.Random(0))
+    router.index.apply(A, engine_stored(6))
+    router.index.apply(A, tier_stored("disk", HASHES))
+    assert router.decide("r1", PROMPT, [A, B], track=False).worker == A  # its engine's blocks still count
+    router.index.apply(A, BlockRemoved(block_hashes=list(range(1, 7))))  # evicted from the engine
+    costs = router.decide("r2", PROMPT, [A, B], track=False).costs
+    assert costs[A] == costs[B]  # the disk copy is not seen
+    assert router.index.tier_matches(HASHES, [A], {}) == {}
+    assert router.index.events_applied == 3  # counted (the events watchdog), not indexed
+
+
+def test_engine_only_routing_is_refused_where_it_would_do_nothing():
+    from turbine.config import ConfigError
+    from turbine.router.policy import RouterConfig
+
+    with pytest.raises(ConfigError, match="no-router-kv-tiers.*no-router-kv-events|use_kv_tiers"):
+        KvRouterConfig(use_kv_events=False, use_kv_tiers=False)
+    with pytest.raises(ConfigError, match="--no-router-kv-tiers needs --router-mode kv"):
+        RouterConfig(mode="round-robin", kv=KvRouterConfig(use_kv_tiers=False))
+    assert RouterConfig(mode="kv", kv=KvRouterConfig(use_kv_tiers=False)).kv.use_kv_tiers is False
+
+
+def test_the_engine_only_flag_parses():
+    import argparse
+
+    from turbine.router.config import add_kv_router_args, kv_router_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_kv_router_args(parser)
+    assert kv_router_config_from_args(parser.parse_args([]), parser).use_kv_tiers is True
+    assert kv_router_config_from_args(parser.parse_args(["--no-router-kv-tiers"]), parser).use_kv_tiers is False
