@@ -193,3 +193,36 @@ def test_bad_tier_flags_name_the_flag(argv, flag, capsys, model_dir):
         parse_mocker_args(argv)
     assert info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+async def test_a_worker_publishes_its_tier_events_and_counts_them(model_dir):
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    from turbine.mocker.tokens import TokenSampler as Sampler
+    from turbine.mocker.worker import SimulatedWorker, WorkerEngines
+    from turbine.protocol.generate import GenerateRequest, StopConditions
+    from turbine.runtime.event_plane import WorkerEventPlane
+    from turbine.runtime.status_server import Health
+
+    cfg = parse_mocker_args(["--speedup-ratio", "0", "--kv-host-cache-gb", "0.01"])  # 7 blocks of 64
+    info = cfg.model_info
+    sampler = Sampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, 0)
+    w = SimulatedWorker(cfg, WorkerEngines(cfg, sampler), Health(), WorkerEventPlane("zmq", "127.0.0.1"), "tiers-w")
+    task = asyncio.create_task(w.engines[0].run())
+    try:
+        tokens = list(range(1000, 1200))  # 3 full blocks of 64
+        req = GenerateRequest(request_id="r", model="m", token_ids=tokens, stop=StopConditions(max_tokens=1))
+        [c async for c in w.handlers.generate(req, None)]
+        state = w.events.kv[0].state  # what the publisher sent (and would replay)
+        tier_batches = [e for b in state.snapshot("tiers-w", 0, 0) for e in b.events if getattr(e, "tier", None)]
+        assert {h for e in tier_batches for h in e.block_hashes} == set(block_hashes(tokens, 64))
+        w.refresh_gauges()
+        labels = {"namespace": cfg.namespace, "component": cfg.component, "model": cfg.served_model_name,
+                  "worker_id": "tiers-w", "tier": "host"}
+        assert REGISTRY.get_sample_value("turbine_mocker_kvbm_blocks_stored_total", labels) == 3
+        assert REGISTRY.get_sample_value("turbine_mocker_kvbm_tier_blocks", labels) == 3
+    finally:
+        task.cancel()
+        w.close()
