@@ -99,6 +99,7 @@ class Scheduler:
                  tiers: KvTiers | None = None):
         self.pool = pool
         self.tiers = tiers  # None: no KV tiers
+        self._onboard_s = 0.0  # the step being planned: seconds of loads from the tiers
         self.lora_slots = lora_slots  # None: LoRA off
         self.sampler = sampler
         self.max_num_seqs = max_num_seqs
@@ -170,7 +171,7 @@ class Scheduler:
 
         # Like vLLM: no admissions in a step that had to preempt.
         pulls = []
-        onboard_s = 0.0
+        self._onboard_s = 0.0
         slots = self.lora_slots
         batch_loras = {s.lora_name for s in self.running if s.lora_name} if slots is not None else set()
         skipped: list[Sequence] = []  # waiting sequences of an adapter for which no slot is free
@@ -204,10 +205,8 @@ class Scheduler:
                 pulls.append(seq)
                 continue
             n = min(len(seq.tokens) - num_hit_tokens, budget)
-            if not self._allocate(seq, n, hits, loaded=len(loads)):
+            if not self._allocate(seq, n, hits, loads=loads):
                 break
-            if loads:
-                onboard_s += self.tiers.load(seq.router_hashes[len(hits):len(hits) + len(loads)], loads)
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
@@ -234,7 +233,7 @@ class Scheduler:
                 prefill_tokens += n
                 prefill_pairs += attention_pairs(n, seq.num_computed)
         return Step(scheduled, prefill_tokens, prefill_pairs, decode_seqs, decode_kv_tokens, pulls, lora_swaps,
-                    onboard_s)
+                    self._onboard_s)
 
     def complete(self, step: Step) -> list[SeqOutput]:
         """Apply a planned step: advance each sequence, sample, and finish those that stop.
@@ -277,19 +276,22 @@ class Scheduler:
         return out
 
     def _allocate(self, seq: Sequence, num_new: int, hits: list[int] | tuple[()] = (), cache: bool = True,
-                  loaded: int = 0) -> bool:
+                  loads: list[str] | tuple[()] = ()) -> bool:
         """Give `seq` the blocks for `num_new` more tokens (after taking the prefix-cache `hits`
-        and `loaded` blocks from the tiers, for a sequence being admitted); False, changing nothing,
-        if the pool is short. With `cache` False the new full blocks are not entered into the prefix
-        cache (yet)."""
+        and loading the blocks after them from the tiers `loads` names, for a sequence being
+        admitted); False, changing nothing, if the pool is short. With `cache` False the new full
+        blocks are not entered into the prefix cache (yet)."""
         pool, bs = self.pool, self.pool.block_size
-        num_computed = seq.num_computed + (len(hits) + loaded) * bs
+        num_computed = seq.num_computed + (len(hits) + len(loads)) * bs
         needed = max(0, -(-(num_computed + num_new) // bs) - len(seq.blocks) - len(hits))
         # Hit blocks sitting in the LRU pool stop being available once taken.
         reclaimed = sum(1 for b in hits if pool.ref_counts[b] == 0)
         if needed + reclaimed > pool.num_available:
             return False
-        if hits or loaded:
+        if loads:
+            # Before this sequence's new blocks are saved: saving may evict the tiers' least recent blocks.
+            self._onboard_s += self.tiers.load(seq.router_hashes[len(hits):len(hits) + len(loads)], loads)
+        if hits or loads:
             pool.acquire(hits)
             seq.blocks.extend(hits)
             seq.num_computed = num_computed

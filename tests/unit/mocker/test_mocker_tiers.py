@@ -121,6 +121,21 @@ def test_a_disk_block_costs_the_disk_bandwidth_and_is_promoted_to_host():
     assert sched.tiers.counts["disk"].hits == 6 and sched.tiers.counts["host"].hits == 0
 
 
+def test_a_load_from_a_full_tier_comes_before_the_new_blocks_are_saved():
+    # The tier is full of the prompt's history, least recent first; the returning prompt loads all of it
+    # and computes one new block, whose save evicts the tier's least recent block.
+    sched, rec = make(8, [TierSpec("host", 6, HOST_BW)])
+    a = make_seq(prompt(1000, 6))
+    run(sched, a)
+    assert sched.pool.reset()  # the engine's cache dropped (as clear_kv_blocks); the tier keeps its blocks
+    longer = a.tokens[:6 * BS] + list(range(3000, 3000 + BS)) + [7]
+    seq = make_seq(longer)
+    step = run(sched, seq)[0]
+    assert seq.num_cached_tokens == 6 * BS and step.prefill_tokens == BS + 1
+    assert step.onboard_s == pytest.approx(6 * BLOCK_BYTES / HOST_BW)
+    assert sched.tiers.num_blocks("host") == 6
+
+
 def test_the_consolidated_events_follow_the_fastest_tier_and_remove_only_when_gone_from_all():
     tiers_events = Recorder()
     tiers = KvTiers([TierSpec("host", 2, HOST_BW), TierSpec("disk", 3, DISK_BW)], BS, BLOCK_BYTES,
