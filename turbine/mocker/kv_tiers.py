@@ -101,7 +101,9 @@ class KvTiers:
         """Loads these blocks (as `match` found them) into the engine; returns the unscaled seconds."""
         seconds = 0.0
         for h, tier in zip(hashes, tiers):
-            self._held[tier].move_to_end(h)
+            held = self._held[tier]
+            if h in held:  # (promoting an earlier block of the prompt may have pushed it out of a small tier)
+                held.move_to_end(h)
             c = self.counts[tier]
             c.hits += 1
             c.bytes_read += self.block_bytes

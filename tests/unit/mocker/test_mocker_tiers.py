@@ -136,6 +136,16 @@ def test_a_load_from_a_full_tier_comes_before_the_new_blocks_are_saved():
     assert sched.tiers.num_blocks("host") == 6
 
 
+def test_promoting_a_block_may_push_the_next_one_out_of_a_small_host_tier():
+    tiers = KvTiers([TierSpec("host", 2, HOST_BW), TierSpec("disk", 10, DISK_BW)], BS, BLOCK_BYTES)
+    tiers.save([1, 2, 3])  # host keeps 2 and 3, disk all three
+    found = tiers.match([1, 2, 3])
+    assert found == ["disk", "host", "host"]
+    # Block 1's promotion evicts block 2 from host before block 2 is read: still one load each.
+    assert tiers.load([1, 2, 3], found) == pytest.approx(BLOCK_BYTES / DISK_BW + 2 * BLOCK_BYTES / HOST_BW)
+    assert tiers.match([1, 2, 3]) == ["host", "disk", "host"]
+
+
 def test_the_consolidated_events_follow_the_fastest_tier_and_remove_only_when_gone_from_all():
     tiers_events = Recorder()
     tiers = KvTiers([TierSpec("host", 2, HOST_BW), TierSpec("disk", 3, DISK_BW)], BS, BLOCK_BYTES,
