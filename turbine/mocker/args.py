@@ -107,9 +107,11 @@ class MockerConfig(ServingConfig):
         if self.kv_host_cache_gb is None and self.kv_disk_cache_gb is None:
             return
         name = "kv_host_cache_gb" if self.kv_host_cache_gb is not None else "kv_disk_cache_gb"
-        # As the real worker: the tiers serve an aggregated worker only (kvbm is not combined with nixl).
-        check(self, not self.is_prefill and not self.is_decode, name,
-              f"the KV tiers serve aggregated workers only, not --disaggregation-mode {self.disaggregation_mode}")
+        # As the real worker (--connector kvbm nixl on prefill workers only): a decode worker's prompt KV
+        # comes from its prefill worker.
+        check(self, not self.is_decode, name,
+              "a decode worker takes its prompts' KV from prefill workers: the KV tiers go on aggregated or "
+              "prefill workers")
         # Without prefix caching no block is named, offloaded or found again.
         check(self, self.enable_prefix_caching, name, "the KV tiers need --enable-prefix-caching")
         check(self, self.kv_block_bytes >= 1, "kv_bytes_per_token",

@@ -8,7 +8,7 @@ preemption, up to max_num_seqs, after a prefix-cache lookup; a prompt larger tha
 left of the budget is prefilled in chunks over several steps. A sequence samples a token
 in the step that computes the last of its known tokens.
 
-KV tiers (`tiers`, kv_tiers.py; aggregated workers only): a waiting sequence's prompt continues past
+KV tiers (`tiers`, kv_tiers.py; aggregated and prefill workers): a waiting sequence's prompt continues past
 its prefix-cache hit onto the blocks the tiers hold; those are loaded, not computed: they count as
 cached (as vLLM counts a connector's tokens) and their load time is the step's `onboard_s`. Every full
 block entered into the prefix cache is offered to the tiers (write-through).

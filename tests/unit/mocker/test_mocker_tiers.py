@@ -201,6 +201,8 @@ def test_tier_flags_make_the_specs(model_dir):
     assert cfg.kv_block_bytes == block
     assert cfg.kv_tiers == [TierSpec("host", GIB // block, 2.1e9), TierSpec("disk", 4 * GIB // block, 0.5e9)]
     assert parse_mocker_args([]).kv_tiers == []
+    # As the real worker's `--connector kvbm nixl`: a prefill worker takes tiers (a decode worker does not, below).
+    assert parse_mocker_args(["--kv-host-cache-gb", "1", "--disaggregation-mode", "prefill"]).kv_tiers
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -211,7 +213,6 @@ def test_tier_flags_make_the_specs(model_dir):
     (["--kv-host-cache-gb", "1", "--kv-host-bandwidth", "0"], "--kv-host-bandwidth"),
     (["--kv-host-cache-gb", "1", "--no-enable-prefix-caching"], "--kv-host-cache-gb"),
     (["--kv-disk-cache-gb", "1", "--disaggregation-mode", "decode"], "--kv-disk-cache-gb"),
-    (["--kv-host-cache-gb", "1", "--disaggregation-mode", "prefill"], "--kv-host-cache-gb"),
 ])
 def test_bad_tier_flags_name_the_flag(argv, flag, capsys, model_dir):
     with pytest.raises(SystemExit) as info:
