@@ -158,7 +158,8 @@ class KvTiers:
             if i + 1 < len(pending) and pending[i + 1][:2] == (stored, tier):
                 continue
             if stored:
-                self.on_event(BlockStored(block_hashes=run, parent_hash=None, tokens=b"", block_size=self.block_size, tier=tier))
+                self.on_event(BlockStored(block_hashes=run, parent_hash=None, tokens=b"", block_size=self.block_size,
+                                          tier=tier))
             else:
                 self.on_event(BlockRemoved(block_hashes=run, tier=tier))
             run = []

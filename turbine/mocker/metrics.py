@@ -41,7 +41,8 @@ class EngineGauges:
         tiers = [s.tiers for s in schedulers if s.tiers is not None]
         self._tiers = tiers
         names = [spec.name for spec in tiers[0].specs] if tiers else []
-        self._tier_series = {(key, name): c.labels(*values, name) for key, c in _tier_counters.items() for name in names}
+        self._tier_series = {(key, name): c.labels(*values, name)
+                             for key, c in _tier_counters.items() for name in names}
         self._tier_gauges = {name: _tier_blocks.labels(*values, name) for name in names}
         self._tier_counted = dict.fromkeys(self._tier_series, 0)
 
