@@ -241,6 +241,8 @@ def _wait_ready(url: str, model: str, procs: list[subprocess.Popen], prefill: bo
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each child (a worker drains), then SIGKILL to what is left of its process group: a
+    worker stopped while its engine was still starting left vLLM's EngineCore running, orphaned."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -250,6 +252,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # each child leads its own group (preexec_fn=os.setpgrp)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left of it
 
 
 def main(argv: list[str]) -> int:

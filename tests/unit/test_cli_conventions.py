@@ -412,3 +412,40 @@ def test_a_config_file_sets_each_process_logging_and_tracing(tmp_path, monkeypat
         parser = build()
         for opt in ("--log-level", "--log-format", "--otlp-traces-endpoint"):
             assert opt in parser._option_string_actions, (parser.prog, opt)
+
+
+def test_serve_stop_leaves_no_grandchild_behind(tmp_path):
+    # A worker stopped while its engine starts exits on SIGTERM and leaves its EngineCore process
+    # behind; serve's stop must take the child's whole process group with it.
+    import signal as signal_mod
+    import time
+
+    from turbine.serve import _stop
+
+    pid_file = tmp_path / "grandchild"
+    script = ("import signal, subprocess, sys\n"
+              "g = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(g.pid))\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+              "signal.pause()\n")
+    child = subprocess.Popen([sys.executable, "-c", script], preexec_fn=os.setpgrp)
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    _stop([child])
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{grandchild}/stat").read_text().split()[2] != "Z"  # Z: dead, not yet reaped
+        except FileNotFoundError:
+            return False
+
+    for _ in range(100):
+        if not alive():
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, signal_mod.SIGKILL)
+        raise AssertionError("the grandchild outlived serve's stop")
