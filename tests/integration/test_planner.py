@@ -202,6 +202,11 @@ def test_disaggregated_roles_are_planned_apart(tmp_path):
     try:
         wait_until(lambda: http_json(f"{planner.url}/health")[0] == 200, 60, "planner healthy", procs)
         assert http_json(f"{planner.url}/health")[1]["workers"] == {"prefill": 1, "decode": 1}
+        # The planner reads discovery; the frontend's own view of the workers may come a moment
+        # later, and a request before it is a 404 (seen in CI).
+        wait_until(lambda: instances_of(frontend, MODEL) == 1
+                   and http_json(f"{frontend.url}/health")[1].get("prefill_workers", {}).get(MODEL) == 1,
+                   30, "frontend sees both workers", procs)
         client = OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=60)
         model = PerformanceModel(load_engine_profile(profile))
 
