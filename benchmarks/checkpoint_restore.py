@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,13 +32,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def healthy(port: int) -> bool:

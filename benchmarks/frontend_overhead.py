@@ -29,7 +29,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
 
 SYSTEMS = ("turbine", "vllm")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,12 +81,6 @@ class FailFast(Exception):
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get_json(url: str, timeout: float = 3.0) -> tuple[int, object]:

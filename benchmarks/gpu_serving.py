@@ -38,13 +38,14 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVED = "llama-3.1-8b-dummy"
@@ -230,12 +231,6 @@ def engine_flags(a) -> list[str]:
     return ["--load-format", "dummy", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--enable-prefix-caching"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_ok(url: str) -> bool:
