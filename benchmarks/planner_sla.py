@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import StreamError, log, shared_path, sse_chunks, wait_quiet  # noqa: E402
 from turbine.config import DiscoveryConfig  # noqa: E402
 from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole  # noqa: E402
+from turbine.runtime.ports import free_port  # noqa: E402
 
 # The trace: --trace, else $TURBINE_BENCH_TRACE (as kv_routing_fleet.py), else shared/data/ in or beside the checkout.
 DEFAULT_TRACE = os.environ.get("TURBINE_BENCH_TRACE", str(shared_path("data", "mooncake_synthetic_trace.jsonl")))
@@ -161,7 +162,7 @@ class Fleet:
     def __init__(self, a, run_dir: Path):
         self.a, self.run_dir = a, run_dir
         self.disc = run_dir / "discovery"
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.frontend: subprocess.Popen | None = None
         mocker = [*a.mocker_args.split(), "--profile", a.profile, "--speedup-ratio", str(a.speedup),
@@ -186,13 +187,6 @@ class Fleet:
                 self.frontend.wait(30)
             except subprocess.TimeoutExpired:
                 self.frontend.kill()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def live_mockers(conn: LocalConnector, planner: subprocess.Popen | None) -> int:
