@@ -151,3 +151,9 @@ def worker_ready(w: Proc) -> bool:
 def instances_of(frontend: Proc, model: str) -> int:
     status, body = http_json(f"{frontend.url}/health")
     return body.get("models", {}).get(model, 0)
+
+
+def prefill_workers_of(frontend: Proc, model: str) -> int:
+    """The prefill workers the frontend sees for `model` (disaggregated serving)."""
+    status, body = http_json(f"{frontend.url}/health")
+    return body.get("prefill_workers", {}).get(model, 0)

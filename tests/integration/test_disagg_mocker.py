@@ -11,10 +11,10 @@ from openai import OpenAI
 
 from tests.integration.procs import (
     base_env,
-    http_json,
     http_text,
     instances_of,
     metric,
+    prefill_workers_of,
     start_frontend,
     start_mocker,
     stop_all,
@@ -40,7 +40,7 @@ def fleet(tmp_path_factory):
     try:
         wait_until(lambda: all(worker_ready(p) for p in (prefill, decode, agg)), 60, "mockers ready", procs)
         wait_until(lambda: instances_of(frontend, MODEL) == 1 and instances_of(frontend, "agg") == 1
-                   and http_json(f"{frontend.url}/health")[1].get("prefill_workers", {}).get(MODEL) == 3,
+                   and prefill_workers_of(frontend, MODEL) == 3,
                    30, "the frontend sees 3 prefill workers and the decode worker", procs)
         yield {"frontend": frontend, "prefill": prefill, "decode": decode}
     finally:

@@ -22,10 +22,10 @@ from openai import OpenAI
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
 from tests.integration.procs import (
     base_env,
-    http_json,
     http_text,
     instances_of,
     metric,
+    prefill_workers_of,
     start_frontend,
     start_worker,
     stop_all,
@@ -74,18 +74,14 @@ def pd(tmp_path_factory, model_dir):
         wait_until(lambda: worker_ready(prefill) and worker_ready(decode), ENGINE_START_TIMEOUT,
                    "prefill and decode workers ready", procs)
         # Both frontends: each follows discovery on its own (the local one was once asked too early: 404).
-        wait_until(lambda: all(instances_of(f, MODEL) == 1 and prefill_workers(f) == 1 for f in (disagg, local)), 30,
+        wait_until(lambda: all(instances_of(f, MODEL) == 1 and prefill_workers_of(f, MODEL) == 1
+                               for f in (disagg, local)), 30,
                    "both frontends see the decode and the prefill worker", procs)
         yield {"prefill": prefill, "decode": decode, "disagg": disagg, "local": local, "env": env, "root": root,
                "cores": {"prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
                          "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND")}}
     finally:
         stop_all(procs)
-
-
-def prefill_workers(frontend) -> int:
-    _, body = http_json(f"{frontend.url}/health")
-    return body.get("prefill_workers", {}).get(MODEL, 0)
 
 
 def client(frontend) -> OpenAI:
@@ -320,7 +316,7 @@ def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):
                 if line.startswith("turbine_frontend_prefills_total") and "local_fallback" in line]
     assert fallback and float(fallback[0].rsplit(" ", 1)[1]) >= 1
     # Discovery forgets the dead worker (its lease expires): the frontend serves aggregated.
-    wait_until(lambda: prefill_workers(pd["disagg"]) == 0, 30, "the frontend drops the dead prefill worker")
+    wait_until(lambda: prefill_workers_of(pd["disagg"], MODEL) == 0, 30, "the frontend drops the dead prefill worker")
     r = client(pd["disagg"]).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"
 

@@ -33,13 +33,14 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    prefill_workers_of,
     start_frontend,
     start_worker,
     stop_all,
     wait_until,
     worker_ready,
 )
-from tests.integration.test_disagg_vllm import clear_cache, prefill_workers, worker_metric
+from tests.integration.test_disagg_vllm import clear_cache, worker_metric
 from turbine.kvbm.block import HEADER_SIZE, decode, file_name
 from turbine.router.hashing import block_hashes
 
@@ -83,7 +84,7 @@ def kvbm(tmp_path_factory, model_dir):
         for w in (worker, worker_b, decode_b):
             wait_until(lambda: worker_ready(w), ENGINE_START_TIMEOUT, f"{w.name} ready", procs)
         wait_until(lambda: instances_of(frontend, MODEL) == 1, 30, "kvbm-frontend sees its worker", procs)
-        wait_until(lambda: instances_of(frontend_b, MODEL) == 1 and prefill_workers(frontend_b) == 1, 30,
+        wait_until(lambda: instances_of(frontend_b, MODEL) == 1 and prefill_workers_of(frontend_b, MODEL) == 1, 30,
                    "kvbm-frontend-b sees its decode and prefill workers", procs)
         yield {"worker": worker, "client": _client(frontend), "disk": disk, "shared": shared,
                "b": {"worker": worker_b, "decode": decode_b, "client": _client(frontend_b)},

@@ -20,6 +20,7 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    prefill_workers_of,
     start_frontend,
     start_mocker,
     stop_all,
@@ -207,7 +208,7 @@ def test_disaggregated_adapters_prefill_remotely_only_where_a_prefill_worker_hol
         return remote, metric(text, "turbine_frontend_disagg_lora_fallback_total")
     try:
         wait_until(lambda: all(worker_ready(p) for p in (prefill, decode)), 60, "mockers ready", procs)
-        wait_until(lambda: http_json(f"{frontend.url}/health")[1].get("prefill_workers", {}).get(MODEL) == 1
+        wait_until(lambda: prefill_workers_of(frontend, MODEL) == 1
                    and "sql" in models(frontend), 30, "the frontend sees both roles and the adapter", procs)
         out = client(frontend).completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         assert out.usage.completion_tokens == 4 and counts(MODEL) == (1, 0)

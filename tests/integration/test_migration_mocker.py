@@ -16,10 +16,10 @@ from openai import OpenAI
 
 from tests.integration.procs import (
     base_env,
-    http_json,
     http_text,
     instances_of,
     metric,
+    prefill_workers_of,
     start_frontend,
     start_mocker,
     stop_all,
@@ -191,7 +191,7 @@ def test_disaggregated_stream_is_prefilled_again_after_its_decode_worker_dies(tm
     try:
         wait_until(lambda: all(worker_ready(w) for w in (prefill, *decode)), 60, "mockers ready", procs)
         wait_until(lambda: instances_of(frontend, MODEL) == 2
-                   and http_json(f"{frontend.url}/health")[1].get("prefill_workers", {}).get(MODEL) == 1,
+                   and prefill_workers_of(frontend, MODEL) == 1,
                    30, "the frontend sees the prefill and both decode workers", procs)
         prompt_tokens = OpenAI(base_url=f"{frontend.url}/v1", api_key="x").completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens

@@ -34,6 +34,7 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    prefill_workers_of,
     start_frontend,
     stop_all,
     wait_until,
@@ -90,7 +91,7 @@ def cluster(tmp_path_factory, vlm_dirs):
     try:
         wait_until(lambda: worker_ready(prefill) and worker_ready(decode), ENGINE_START_TIMEOUT,
                    "prefill and decode workers ready", procs)
-        wait_until(lambda: all(instances_of(f, VLM) == 1 and _health(f).get("prefill_workers", {}).get(VLM) == 1
+        wait_until(lambda: all(instances_of(f, VLM) == 1 and prefill_workers_of(f, VLM) == 1
                                for f in (local, remote)), 30, "both frontends see both workers", procs)
         yield state
     finally:

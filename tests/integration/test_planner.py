@@ -29,6 +29,7 @@ from tests.integration.procs import (
     http_json,
     http_text,
     instances_of,
+    prefill_workers_of,
     start_frontend,
     start_mocker,
     start_planner,
@@ -204,9 +205,8 @@ def test_disaggregated_roles_are_planned_apart(tmp_path):
         assert http_json(f"{planner.url}/health")[1]["workers"] == {"prefill": 1, "decode": 1}
         # The planner reads discovery; the frontend's own view of the workers may come a moment
         # later, and a request before it is a 404 (seen in CI).
-        wait_until(lambda: instances_of(frontend, MODEL) == 1
-                   and http_json(f"{frontend.url}/health")[1].get("prefill_workers", {}).get(MODEL) == 1,
-                   30, "frontend sees both workers", procs)
+        wait_until(lambda: instances_of(frontend, MODEL) == 1 and prefill_workers_of(frontend, MODEL) == 1, 30,
+                   "frontend sees both workers", procs)
         client = OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=60)
         model = PerformanceModel(load_engine_profile(profile))
 
