@@ -131,6 +131,7 @@ class Planner:
         self._under_since: dict[str, float] = {}  # role -> since when every engine has been under target
         self._rates: deque[float] = deque(maxlen=16)  # observed arrival rates, newest last
         self.keep: dict[str, int] = {}  # what the highest rate of the last start-up needs: no step down below
+        self.last_rate = 0.0  # the last interval's arrivals per second
 
     # -- start-up delay ------------------------------------------------------------------
     def note_startup(self, seconds: float) -> None:
@@ -146,6 +147,10 @@ class Planner:
         """Intervals ahead the throughput path provisions for (see the module's docstring)."""
         startup = self.startup_s()
         return 1 + math.ceil(startup / self.cfg.adjustment_interval_s) if startup > 0 else 1
+
+    def keep_window(self) -> int:
+        """Intervals that cover the last start-up (at least 1): the arrival rates `keep` is sized from."""
+        return max(1, math.ceil(self.startup_s() / self.cfg.adjustment_interval_s - 1e-9))
 
     @staticmethod
     def _have(current: dict[str, int], starting: dict[str, int] | None) -> dict[str, int]:
@@ -184,7 +189,7 @@ class Planner:
         """Feed the predictors one interval; return the predicted next one (None: no traffic seen yet).
         `in_system`: requests in the engines now (running + waiting), for the arrival rate."""
         m = self.metrics.observed
-        rate = self.arrival_rate(obs, in_system)
+        rate = self.last_rate = self.arrival_rate(obs, in_system)
         m.labels("request_rate").set(rate)
         for name, value in (("isl", obs.isl), ("osl", obs.osl), ("ttft_seconds", obs.ttft_s),
                             ("itl_seconds", obs.itl_s), ("kv_hit_rate", obs.kv_hit_rate)):
@@ -240,9 +245,9 @@ class Planner:
                             "for the least delay the profile allows", target, role, rate.step_ms)
         self.lower = self._clamp(sizing.replicas)
         # The load path steps down no lower than what the highest arrival rate seen over the last start-up
-        # (and interval) needs: a dip shorter than a start-up is not worth a worker that could not be back
-        # in time (the forecast alone may dip below it: a trend fitted to a noisy interval).
-        recent = max(list(self._rates)[-self.horizon():])
+        # needs (the intervals that cover it): a dip shorter than a start-up is not worth a worker that could
+        # not be back in time (the forecast alone may dip below it: a trend fitted to a noisy interval).
+        recent = max(list(self._rates)[-self.keep_window():])
         self.keep = self._clamp(size(self.cfg.mode, self.model, Load(recent, load.isl, load.osl, load.kv_hit_rate),
                                      share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)
         for role, n in self.lower.items():
@@ -342,6 +347,13 @@ class Planner:
                 # up again: seen on the benchmark's fleet).
                 step = 0
                 self._under_since.pop(role, None)
+            if step:
+                running = sum(e.report.num_running for e in mine)
+                waiting = sum(e.report.num_waiting for e in mine)
+                log.info("load path: %s %+d from %d (engines %d: %d running, %d waiting; frontend queue %d; "
+                         "backlog needs %s, keep %s, lower bound %s)", role, step, base.get(role, 0), len(mine),
+                         running, waiting, queued, self._backlog_need(role, mine, queued), self.keep.get(role),
+                         self.lower.get(role))
             wanted[role] = base.get(role, 0) + step
         targets = self._clamp(wanted, self.lower)
         for role in targets:

@@ -197,6 +197,8 @@ class PlannerService:
                     in_system += await self.queued()  # those the frontend holds arrived too
                 targets = await asyncio.to_thread(self.planner.throughput_step, obs, current, starting,
                                                   in_system)  # ARIMA fits
+                log.info("throughput path: lower bound %s, keep %s, arrivals %.2f/s", self.planner.lower,
+                         self.planner.keep, self.planner.last_rate)
                 await self.decide(targets, have, "throughput")
             elif cfg.fast_interval_s > 0:
                 engines = self.loads.engines(max_age_s=max(3 * cfg.fast_interval_s, 10.0))
