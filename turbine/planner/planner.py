@@ -148,10 +148,6 @@ class Planner:
         startup = self.startup_s()
         return 1 + math.ceil(startup / self.cfg.adjustment_interval_s) if startup > 0 else 1
 
-    def keep_window(self) -> int:
-        """Intervals that cover the last start-up (at least 1): the arrival rates `keep` is sized from."""
-        return max(1, math.ceil(self.startup_s() / self.cfg.adjustment_interval_s - 1e-9))
-
     @staticmethod
     def _have(current: dict[str, int], starting: dict[str, int] | None) -> dict[str, int]:
         """Ready plus starting workers per role: what runs or is coming."""
@@ -245,9 +241,11 @@ class Planner:
                             "for the least delay the profile allows", target, role, rate.step_ms)
         self.lower = self._clamp(sizing.replicas)
         # The load path steps down no lower than what the highest arrival rate seen over the last start-up
-        # needs (the intervals that cover it): a dip shorter than a start-up is not worth a worker that could
-        # not be back in time (the forecast alone may dip below it: a trend fitted to a noisy interval).
-        recent = max(list(self._rates)[-self.keep_window():])
+        # (and interval) needs: a dip shorter than a start-up is not worth a worker that could not be back
+        # in time (the forecast alone may dip below it: a trend fitted to a noisy interval). One interval
+        # more than the start-up: an interval's rate swings with its few arrivals (±15 % at 40), and on a
+        # 480 s day keeping only the last one stepped down mid-peak and missed the next interval's.
+        recent = max(list(self._rates)[-self.horizon():])
         self.keep = self._clamp(size(self.cfg.mode, self.model, Load(recent, load.isl, load.osl, load.kv_hit_rate),
                                      share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)
         for role, n in self.lower.items():
