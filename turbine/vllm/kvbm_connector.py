@@ -57,11 +57,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from turbine.kvbm import Block, DiskStore, HostStore, SharedStore, TieredStore, shared_tier_id
 from turbine.kvbm.block import file_name
 from turbine.router.hashing import block_hashes
+from turbine.vllm.compat import CacheHitSource
 from turbine.vllm.kvbm_stats import KvbmPromMetrics, KvbmStats, StatsSource
 
 if TYPE_CHECKING:
@@ -74,8 +74,9 @@ log = logging.getLogger("turbine.vllm.kvbm")
 HOST_BYTES, DISK_BYTES, DISK_DIR, DISK_MIN_USES = "host_bytes", "disk_bytes", "disk_dir", "disk_min_uses"
 SHARED_BYTES, SHARED_DIR = "shared_bytes", "shared_dir"
 
-# vLLM has no source for a store other workers share: it counts as external_unspecified.
-_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
+# Where a hit came from, for releases that ask (CacheHitSource's member names; None where the release has
+# no CacheHitSource). vLLM has no source for a store other workers share: it counts as external_unspecified.
+_SOURCES = {"host": "HOST", "disk": "DISK", "shared": "EXTERNAL_UNSPECIFIED"} if CacheHitSource is not None else None
 
 TIER_ORDER = ("host", "disk", "shared")  # fastest first
 PRIVATE_TIERS = ("host", "disk")  # this worker's own; the shared tier is everyone's who sees its directory
@@ -175,7 +176,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: dict[str, tuple[int, list[int], list[str]]] = {}  # req -> (first block, hashes, tiers)
         self._loads: list[tuple[str, int, int]] = []
-        self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
+        self._hit_sources: dict[str, dict[str, int]] = {}  # req -> {CacheHitSource name: tokens}
         # req -> {engine block id: block index} of the loads planned for this step / in the step running
         self._loading: dict[str, dict[int, int]] = {}
         self._in_flight: dict[str, dict[int, int]] = {}
@@ -243,19 +244,21 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         block_ids = blocks.get_block_ids()[0]
         self._loads.extend((request.request_id, block_ids[first + i], hashes[first + i]) for i in range(n))
         self._loading[request.request_id] = {block_ids[first + i]: first + i for i in range(n)}
-        counts: dict[CacheHitSource, int] = {}
-        for tier in tiers[:n]:
-            source = _SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
-            counts[source] = counts.get(source, 0) + self.block_size
-        self._hit_sources[request.request_id] = counts
+        if _SOURCES is not None:  # kept only for a release that asks (get_external_cache_hit_sources)
+            counts: dict[str, int] = {}
+            for tier in tiers[:n]:
+                source = _SOURCES.get(tier, "EXTERNAL_UNSPECIFIED")
+                counts[source] = counts.get(source, 0) + self.block_size
+            self._hit_sources[request.request_id] = counts
 
-    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """Asked by vLLM 0.32+ only (compat.CacheHitSource), which labels its cache-hit metrics with it."""
         counts = self._hit_sources.pop(request.request_id, None)
         if not num_external_tokens:
             return {}
         if counts is None or sum(counts.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        return counts
+        return {CacheHitSource[name]: tokens for name, tokens in counts.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmMetadata:
         meta = KvbmMetadata(loads=self._loads)

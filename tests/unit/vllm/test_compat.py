@@ -21,7 +21,10 @@ def test_releases():
     assert compat.unknown_release_warning("0.26.0") is None
     assert compat.unknown_release_warning("0.32.0+cpu") is None
     warning = compat.unknown_release_warning("0.40.1")
-    assert "0.40.1" in warning and "0.26, 0.32" in warning
+    assert "0.40.1" in warning and "not a release Turbine was checked on" in warning
+    # Within the gpu extra but never run: said so at start.
+    assert "never ran on it" in compat.unknown_release_warning("0.29.0")
+    assert set(compat.KNOWN_RELEASES) == {f"0.{m}" for m in range(26, 34)}
     # This host runs the CPU build, a known release: its worker logs no warning.
     assert compat.unknown_release_warning() is None
 

@@ -225,7 +225,7 @@ def test_take_image_embeddings_is_refused_on_a_vllm_release_not_checked(monkeypa
     monkeypatch.setattr(args, "VLLM_VERSION", "0.26.0+cu130")
     with pytest.raises(SystemExit):
         parse_worker_args(["--enable-multimodal", "--take-image-embeddings"])
-    assert "checked with vLLM 0.32 only" in capsys.readouterr().err
+    assert "--take-image-embeddings: checked with vLLM 0.32, 0.33 only" in capsys.readouterr().err
 
 
 def test_embeddings_gone_before_the_engine_loads_them_fail_their_requests_not_the_engine(tmp_path):
