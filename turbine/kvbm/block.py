@@ -48,7 +48,9 @@ class Block:
     block_hash: int
     parent_hash: int | None
     num_tokens: int
-    data: bytes  # all layers' K/V of the block, one contiguous buffer
+    # All layers' K/V of the block, one contiguous buffer: bytes, or a memoryview of bytes the caller keeps
+    # alive and unchanged (the vLLM connector's pinned host memory on a GPU, which DMA copies read directly).
+    data: bytes | memoryview
 
     def __post_init__(self):
         if not 0 <= self.block_hash <= _U64:
@@ -57,12 +59,15 @@ class Block:
             raise ValueError(f"parent_hash must be a u64 or None, got {self.parent_hash}")
         if not 0 < self.num_tokens < 1 << 32:
             raise ValueError(f"num_tokens must be in 1..2^32-1, got {self.num_tokens}")
-        if not isinstance(self.data, bytes):
-            raise TypeError(f"data must be bytes, got {type(self.data).__name__}")
+        if isinstance(self.data, memoryview):
+            if not (self.data.c_contiguous and self.data.format == "B" and self.data.ndim == 1):
+                raise ValueError("data: a memoryview must be one contiguous run of bytes (format 'B', 1-D)")
+        elif not isinstance(self.data, bytes):
+            raise TypeError(f"data must be bytes or a memoryview, got {type(self.data).__name__}")
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        return len(self.data)  # for a 1-D byte memoryview too
 
 
 def file_name(block_hash: int) -> str:
@@ -85,7 +90,7 @@ def encode(block: Block) -> bytes:
                           block.num_tokens, len(block.data))
     h = xxhash.xxh3_64(fields)
     h.update(block.data)
-    return b"".join((fields, _CHECKSUM.pack(h.intdigest()), block.data))
+    return b"".join((fields, _CHECKSUM.pack(h.intdigest()), block.data))  # join takes memoryviews too
 
 
 def decode(raw: bytes, expected_hash: int) -> Block:

@@ -10,8 +10,9 @@ the engine's blocks before the forward pass instead of recomputing them.
   adapter), so the same hash names the same KV on every worker of the model; the disk directory is
   namespaced by the model and its KV layout, so two models never share files.
 - Saves happen in the step that computes a block (the worker side gathers every layer's slice of it
-  after the forward pass), so nothing has to keep a finished request's blocks alive.
-- Loads are synchronous in `start_load_kv`. A block that cannot be read (evicted meanwhile, a file
+  after the forward pass), so nothing has to keep a finished request's blocks alive. The engine blocks
+  a request holds are followed from the scheduler's outputs (vLLM 0.26 gives connectors no other way).
+- Loads are done (in stream order) when `start_load_kv` returns. A block that cannot be read (evicted meanwhile, a file
   that fails its checksum) is reported by `get_block_ids_with_load_errors`, and with
   `kv_load_failure_policy=recompute` the engine computes it instead: a bad block is never used, and
   blocks computed in a step that had a failed load are not saved.
@@ -33,9 +34,10 @@ the engine's blocks before the forward pass instead of recomputing them.
 - The store's `turbine_kvbm_*` metrics reach the worker's /metrics by vLLM's connector-stats path
   (`get_kv_connector_stats` → SchedulerStats → `build_prom_metrics`): turbine.vllm.kvbm_stats.
 
-The CPU attention backend's per-layer cache is `[num_blocks, num_kv_heads, block_size, 2*head]`
-(block-major), so one block of one layer is `kv_cache[block_id]`; a block's payload in the store is
-those slices of every layer, in the engine's layer order, as raw bytes of the cache dtype.
+A block's payload is its slice of every layer's cache in the logical layout the CPU and GPU attention
+backends share, one format on every device; the copies between the engine's caches and the tiers
+(synchronous on CPU; on a GPU gathered after the forward pass, copied to pinned host memory on a side
+stream and stored by a writer thread, loaded by DMA before the forward pass) are turbine.vllm.kvbm_copy.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from turbine.kvbm import Block, DiskStore, HostStore, SharedStore, TieredStore, 
 from turbine.kvbm.block import file_name
 from turbine.router.hashing import block_hashes
 from turbine.vllm.compat import CacheHitSource
+from turbine.vllm.kvbm_copy import KvCacheBlocks
 from turbine.vllm.kvbm_stats import KvbmPromMetrics, KvbmStats, StatsSource
 
 if TYPE_CHECKING:
@@ -157,6 +160,7 @@ class _Tracked:
     lora_name: str | None
     hashes: list[int] = field(default_factory=list)
     saved: int = 0  # leading blocks already offloaded (or found in the store)
+    block_ids: list[int] = field(default_factory=list)  # its engine blocks, from the scheduler's outputs
 
 
 class TurbineKvbmConnector(KVConnectorBase_V1):
@@ -171,6 +175,8 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         if len(groups) != 1:
             raise ValueError(f"--connector kvbm: models with one KV cache group only (this one has {len(groups)})")
         self.block_size = vllm_config.cache_config.block_size
+        mc = vllm_config.model_config
+        self._kv_heads, self._head_size = mc.get_num_kv_heads(pc), mc.get_head_size()
         # scheduler side
         self._where: dict[int, set[str]] = {}  # the worker's tiers as of its last step: hash -> tiers
         self._tracked: dict[str, _Tracked] = {}
@@ -187,8 +193,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         # worker side
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
         self._stats = StatsSource(self.store.metrics) if self.store is not None else None
-        self._layers: list[torch.Tensor] = []
-        self._block_nbytes = 0
+        self._blocks: KvCacheBlocks | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
 
@@ -264,6 +269,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         meta = KvbmMetadata(loads=self._loads)
         self._loads = []
         self._in_flight, self._loading = self._loading, {}
+        self._follow_block_ids(scheduler_output)
         planned: set[int] = set()  # two requests of one step may share a prefix
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
@@ -275,7 +281,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             if done <= t.saved:
                 continue
             hashes = self._hashes(t, done)
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            block_ids = t.block_ids
             loading = set(self._in_flight.get(req_id, {}).values())  # read from a tier this step: not saved
             for i in range(t.saved, done):
                 if i not in loading and self._locate(hashes[i]) is None and hashes[i] not in planned:
@@ -283,6 +289,21 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
                     meta.saves.append((req_id, block_ids[i], hashes[i], hashes[i - 1] if i else None))
             t.saved = done
         return meta
+
+    def _follow_block_ids(self, scheduler_output: SchedulerOutput) -> None:
+        """Each tracked request's engine blocks, as the scheduler hands them to the model runner (the same in
+        every release this runs on; vLLM 0.26 has no kv-cache-manager handle for connectors)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            if (t := self._tracked.get(new.req_id)) is not None:
+                t.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if (t := self._tracked.get(req_id)) is None:
+                continue
+            if req_id in cached.resumed_req_ids:  # back from preemption: a new set of blocks
+                t.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                t.block_ids.extend(new_ids[0])
 
     def _locate(self, block_hash: int) -> str | None:
         where = self._where.get(block_hash)
@@ -352,39 +373,38 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
 
     # ============================ worker side ============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        num_blocks = self._kv_cache_config.num_blocks
-        layers = list(kv_caches.values())
-        for name, t in kv_caches.items():
-            if t.shape[0] != num_blocks or not t.is_contiguous():
-                raise ValueError(f"--connector kvbm: layer {name}'s KV cache {tuple(t.shape)} is not block-major "
-                                 f"over {num_blocks} blocks (the CPU attention layout)")
-        self._layers = layers
-        self._block_nbytes = sum(t[0].numel() * t.element_size() for t in layers)
+        self._blocks = KvCacheBlocks(kv_caches, num_blocks=self._kv_cache_config.num_blocks,
+                                     num_kv_heads=self._kv_heads, block_size=self.block_size,
+                                     head_size=self._head_size, store_blocks=self._store_rows)
+
+    def _store_rows(self, rows: torch.Tensor, blocks: list[tuple[int, int | None]]) -> None:
+        """Host rows (one block payload each; pinned memory on a GPU) into the tiers: the host tier keeps the
+        row itself, file tiers write it."""
+        for i, (block_hash, parent) in enumerate(blocks):
+            self.store.put(Block(block_hash, parent, self.block_size, memoryview(rows[i].numpy())))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbmMetadata)
         self._failed_reqs = set()
+        loads = []
         for req_id, block_id, block_hash in meta.loads:
             if req_id in self._failed_reqs:
                 self._load_errors.add(block_id)  # after a failed block the rest of the prefix is recomputed
                 continue
             found = self.store.get(block_hash)
-            if found is None or found[0].nbytes != self._block_nbytes:
-                why = "gone or corrupt" if found is None else f"{found[0].nbytes} bytes, not {self._block_nbytes}"
+            if found is None or found[0].nbytes != self._blocks.block_nbytes:
+                why = "gone or corrupt" if found is None else \
+                    f"{found[0].nbytes} bytes, not {self._blocks.block_nbytes}"
                 log.warning("kvbm: block %016x unavailable (%s): recomputed", block_hash, why)
                 self._load_errors.add(block_id)
                 self._failed_reqs.add(req_id)
                 continue
-            payload = torch.frombuffer(bytearray(found[0].data), dtype=torch.uint8)
-            offset = 0
-            for layer in self._layers:
-                dst = layer[block_id].view(torch.uint8).view(-1)
-                dst.copy_(payload[offset:offset + dst.numel()])
-                offset += dst.numel()
+            loads.append((block_id, found[0].data))
+        self._blocks.load(loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete when start_load_kv returns
+        return  # loads are complete (in stream order) when start_load_kv returns
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # whole blocks are copied out in wait_for_save, after every layer has run
@@ -392,11 +412,13 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbmMetadata)
-        for req_id, block_id, block_hash, parent in meta.saves:
-            if req_id in self._failed_reqs:
-                continue  # this step attended over a block that failed to load: its output is not kept
-            data = b"".join(layer[block_id].contiguous().view(torch.uint8).numpy().tobytes() for layer in self._layers)
-            self.store.put(Block(block_hash, parent, self.block_size, data))
+        # A step that attended over a block that failed to load keeps none of its output.
+        self._blocks.save([(block_id, block_hash, parent) for req_id, block_id, block_hash, parent in meta.saves
+                           if req_id not in self._failed_reqs])
+
+    def shutdown(self) -> None:
+        if self._blocks is not None:
+            self._blocks.close()
 
     def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
         events = self.store.take_tier_events()

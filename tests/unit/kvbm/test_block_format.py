@@ -53,3 +53,15 @@ def test_block_checks_itself():
         Block(1, None, 0, b"")
     with pytest.raises(TypeError):
         Block(1, None, 1, bytearray(b"x"))
+
+
+def test_a_memoryview_payload_is_written_as_its_bytes():
+    """The vLLM connector's blocks on a GPU are views of pinned host memory: the same file as bytes give."""
+    raw = bytearray(b"kv" * 64)
+    view = Block(0x5, 0x4, 16, memoryview(raw))
+    assert view.nbytes == 128 and encode(view) == encode(Block(0x5, 0x4, 16, bytes(raw)))
+    assert decode(encode(view), 0x5).data == bytes(raw)
+    with pytest.raises(ValueError, match="one contiguous run of bytes"):
+        Block(0x5, None, 16, memoryview(raw).cast("H"))
+    with pytest.raises(TypeError, match="bytes or a memoryview"):
+        Block(0x5, None, 16, bytearray(raw))

@@ -1,0 +1,117 @@
+"""turbine/vllm/kvbm_copy.py: one block payload format whatever order the engine's cache has in memory (the
+CPU backend's contiguous (B, H, N, 2D), the GPU's NHD (B, N, H, 2D) seen through its logical view), and the
+writer thread that a GPU's saves go through (run here on CPU tensors: everything but the CUDA streams)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from turbine.vllm import kvbm_copy
+from turbine.vllm.kvbm_copy import KvCacheBlocks
+
+BLOCKS, HEADS, N, HEAD = 8, 3, 4, 2  # per layer: (8, 3, 4, 2*2)
+LAYERS = 3
+
+
+def _caches(nhd: bool, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(LAYERS):
+        if nhd:  # memory (B, N, H, 2D), as vLLM's FlashAttention stores it; the logical view (B, H, N, 2D)
+            raw = torch.randn((BLOCKS, N, HEADS, 2 * HEAD), generator=g)
+            out[f"layer.{i}"] = raw.permute(0, 2, 1, 3)
+        else:
+            out[f"layer.{i}"] = torch.randn((BLOCKS, HEADS, N, 2 * HEAD), generator=g)
+    return out
+
+
+def _blocks(caches, stored, **kw) -> KvCacheBlocks:
+    return KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
+                         store_blocks=lambda rows, meta: stored.extend(
+                             (h, p, bytes(rows[i].numpy())) for i, (h, p) in enumerate(meta)), **kw)
+
+
+def _canonical(caches, block_id: int) -> bytes:
+    return b"".join(t[block_id].contiguous().numpy().tobytes() for t in caches.values())
+
+
+@pytest.mark.parametrize("nhd", [False, True], ids=["contiguous (CPU)", "NHD in memory (GPU default)"])
+def test_a_saved_block_is_every_layers_logical_slice(nhd):
+    caches = _caches(nhd, seed=1)
+    assert nhd != all(t.is_contiguous() for t in caches.values())
+    stored = []
+    copier = _blocks(caches, stored)
+    copier.save([(5, 0xA, None), (2, 0xB, 0xA)])
+    assert [(h, p) for h, p, _ in stored] == [(0xA, None), (0xB, 0xA)]
+    assert stored[0][2] == _canonical(caches, 5) and stored[1][2] == _canonical(caches, 2)
+    assert copier.block_nbytes == len(stored[0][2]) == LAYERS * HEADS * N * 2 * HEAD * 4
+
+
+def test_a_block_moves_between_layouts_unchanged():
+    """What a worker with one layout saved, a worker with the other loads into its own blocks: the same K/V."""
+    cpu, gpu_like = _caches(False, seed=2), _caches(True, seed=3)
+    saved = []
+    _blocks(cpu, saved).save([(1, 0x1, None), (6, 0x2, 0x1)])
+    _blocks(gpu_like, []).load([(4, saved[0][2]), (0, memoryview(bytearray(saved[1][2])))])
+    for name in cpu:
+        assert torch.equal(gpu_like[name][4], cpu[name][1]) and torch.equal(gpu_like[name][0], cpu[name][6])
+    back = []
+    _blocks(gpu_like, back).save([(4, 0x1, None)])
+    assert back[0][2] == saved[0][2]
+    # The other blocks of the loading cache are untouched.
+    untouched = _caches(True, seed=3)
+    for name in cpu:
+        assert torch.equal(gpu_like[name][3], untouched[name][3])
+
+
+def test_a_cache_of_another_logical_shape_is_refused_by_layer():
+    caches = {"model.layers.0.attn": torch.zeros((2, BLOCKS, N, HEADS, HEAD))}  # (2, B, N, H, D): K, V apart
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.attn.*\(2, 8, 4, 3, 2\).*\(8, 3, 4, 4\)"):
+        _blocks(caches, [])
+
+
+def test_background_saves_are_stored_by_the_writer_after_the_cache_changed():
+    """The GPU path's hand-over: save returns at once; the rows are a copy, so the engine may overwrite the
+    block in the next step and the stored payload is still the one computed."""
+    caches = _caches(True, seed=4)
+    expected = _canonical(caches, 3)
+    release = threading.Event()
+    stored = []
+
+    def slow_store(rows, meta):
+        release.wait(10)
+        stored.extend((h, p, bytes(rows[i].numpy())) for i, (h, p) in enumerate(meta))
+
+    copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
+                           store_blocks=slow_store, background=True)
+    copier.save([(3, 0x3, None)])
+    assert stored == []  # not yet: the writer holds it
+    for t in caches.values():
+        t[3].zero_()  # the next step reuses the block
+    release.set()
+    copier.flush()
+    assert stored == [(0x3, None, expected)]
+    copier.close()
+    assert not copier._writer.is_alive()
+
+
+def test_saves_beyond_the_pending_bound_are_dropped_not_queued(monkeypatch):
+    caches = _caches(False, seed=5)
+    release = threading.Event()
+    stored = []
+    copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
+                           store_blocks=lambda rows, meta: (release.wait(10), stored.extend(meta)),
+                           background=True)
+    monkeypatch.setattr(kvbm_copy, "MAX_PENDING_SAVE_BYTES", 2 * copier.block_nbytes)
+    copier.save([(0, 0x10, None), (1, 0x11, 0x10)])  # exactly the bound
+    copier.save([(2, 0x12, 0x11)])  # over it while the writer is stuck: dropped
+    assert copier.dropped_saves == 1
+    release.set()
+    copier.flush()
+    copier.save([(2, 0x12, 0x11)])  # room again
+    copier.flush()
+    assert [h for h, _ in stored] == [0x10, 0x11, 0x12]
+    copier.close()
