@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import psutil
 from turbine.runtime.ports import free_port  # noqa: F401  (the tests import it from here)
 
 ENGINE_FLAGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16"]
+# More flags for every vLLM worker a test starts, for running the modules elsewhere: on one GPU, several
+# engines must share it (e.g. TURBINE_TEST_VLLM_ARGS="--gpu-memory-utilization 0.2"; benchmarks/gpu_tests.sh).
+EXTRA_VLLM_ARGS = shlex.split(os.environ.get("TURBINE_TEST_VLLM_ARGS", ""))
 
 
 def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
@@ -103,6 +107,8 @@ def _start(name: str, env: dict, log_dir: Path, module: str, port_flag: str, *ar
            port: int | None = None) -> Proc:
     port = port or free_port()
     log_path = log_dir / f"{name}.log"
+    if module == "turbine.vllm":
+        args = (*args, *EXTRA_VLLM_ARGS)
     cmd = [sys.executable, "-m", module, port_flag, str(port), *args]
     popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     return Proc(name, popen, log_path, port)
