@@ -13,7 +13,7 @@ feature (what the installed vLLM has); the table says which release has which:
 | densify sparse prompt embeddings within a budget | (done here) | (done here) | (done here) | `safe_to_dense` | same |
 | requests the engine still holds | output processor | output processor | same | same | also `AsyncLLM.get_num_unfinished_requests()` |
 | EC connector worker → scheduler metadata | (none) | (none) | `ECConnectorWorkerMetadata` | same | same |
-| EC connector `take_unavailable_requests` | (none) | (none) | (none) | yes | yes |
+| EC connector `take_unavailable_requests` (fail one request) | (none) | (none) | (none) | yes | yes |
 | a connector names its hits' source | (none) | (none) | (none) | (none) | `CacheHitSource` |
 
 Every unguarded vLLM name Turbine uses is checked to exist in each of these releases by `make test`
@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 
 import vllm
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
 from vllm.exceptions import VLLMValidationError
 
 from turbine.flag_sources import env_int
@@ -57,9 +58,10 @@ VLLM_VERSION: str = vllm.__version__
 
 
 # --take-image-embeddings drives the engine's encoder-cache connector interface (ensure_cache_available,
-# take_unavailable_requests, ec_connector_module_path), run on 0.32, the same on 0.33 (see above): refused
-# elsewhere rather than possibly inert (an engine that never asks the connector encodes the images itself).
-EC_CONSUMER_RELEASES = ("0.32", "0.33")
+# has_cache_item, ec_connector_module_path): run on 0.32 (CPU) and 0.26 (GPU), the same on 0.33 (see above);
+# refused elsewhere rather than possibly inert (an engine that never asks the connector encodes the images
+# itself). What differs in 0.26 (no way to fail one request from the model runner): turbine.vllm.ec_connector.
+EC_CONSUMER_RELEASES = ("0.26", "0.32", "0.33")
 
 
 def release_of(version: str) -> str:
@@ -124,8 +126,11 @@ except ImportError:  # 0.26
 
 try:  # 0.28+: the EC connector's model-runner half reports back to its scheduler half
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
-except ImportError:  # 0.26, 0.27: --take-image-embeddings is refused there (EC_CONSUMER_RELEASES)
+except ImportError:  # 0.26, 0.27
     ECConnectorWorkerMetadata = None
+
+# 0.30+: the scheduler fails the requests an EC connector names (take_unavailable_requests)
+EC_CAN_FAIL_REQUESTS: bool = hasattr(ECConnectorBase, "take_unavailable_requests")
 
 try:  # 0.32+: a KV connector tells where its hits came from (the cache-hit metrics' source label)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource

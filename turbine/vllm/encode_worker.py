@@ -110,8 +110,8 @@ class EncodeEngine:
             directory = self._own_dir = tempfile.mkdtemp(prefix="turbine-embeddings-")
         self.nixl = NixlServer(f"turbine-encode-{self.instance_id}")
         self.cache = EmbeddingCache(int(cfg.embedding_cache_mb * (1 << 20)), directory, self.nixl)
-        log.info("encode worker: %s vision tower in %s, embedding cache %.0f MiB, files in %s",
-                 self.encoder.spec.architecture, dtype, cfg.embedding_cache_mb, directory)
+        log.info("encode worker: %s vision tower in %s on %s, embedding cache %.0f MiB, files in %s",
+                 self.encoder.spec.architecture, dtype, self.encoder.device, cfg.embedding_cache_mb, directory)
         self.on_success = health.succeeded
         server = self._server = RequestPlaneServer(host=cfg.host, port=cfg.port)
         server.register(ENCODE_ENDPOINT, EncodeRequest, self.encode)

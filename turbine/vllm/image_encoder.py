@@ -55,10 +55,16 @@ def spec_of(model_path: str) -> EncoderSpec:
     return EncoderSpec(arch, int(config["text_config"]["hidden_size"]))
 
 
-class ImageEncoder:
-    """The vision tower and projector of an Idefics3-family model, in `dtype`."""
+def default_device() -> torch.device:
+    """The GPU where there is one (as vLLM picks its platform), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
-    def __init__(self, model_path: str, dtype: str = "float32"):
+
+class ImageEncoder:
+    """The vision tower and projector of an Idefics3-family model, in `dtype`, on `device` (default: the GPU
+    where there is one); embeddings come back in host memory, where the cache and both transports keep them."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: torch.device | None = None):
         from safetensors import safe_open
         from transformers import AutoConfig, AutoImageProcessor
         from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
@@ -81,8 +87,9 @@ class ImageEncoder:
                             state[part][key[len(prefix):]] = weights.get_tensor(key)
         self.vision.load_state_dict(state["vision"], strict=True)
         self.connector.load_state_dict(state["connector"], strict=True)
-        self.vision.to(self.dtype).eval()
-        self.connector.to(self.dtype).eval()
+        self.device = device or default_device()
+        self.vision.to(self.device, self.dtype).eval()
+        self.connector.to(self.device, self.dtype).eval()
         self.processor = AutoImageProcessor.from_pretrained(model_path)
         self.patch_size = config.vision_config.patch_size
 
@@ -91,7 +98,7 @@ class ImageEncoder:
         """One RGB PIL image → its embeddings, (placeholder tokens, hidden size), contiguous, in the dtype."""
         batch = self.processor(images=[[image]], return_tensors="pt")
         pixels = batch["pixel_values"]  # (1, crops, 3, H, W)
-        pixels = pixels.reshape(-1, *pixels.shape[2:]).to(self.dtype)
+        pixels = pixels.reshape(-1, *pixels.shape[2:]).to(self.device, self.dtype)
         mask = batch.get("pixel_attention_mask")
         if mask is None:
             mask = torch.ones(pixels.shape[0], pixels.shape[2], pixels.shape[3], dtype=torch.bool)
@@ -99,7 +106,7 @@ class ImageEncoder:
             mask = mask.reshape(-1, *mask.shape[2:]).bool()
         p = self.patch_size
         patches = mask.unfold(1, p, p).unfold(2, p, p)
-        patch_mask = patches.sum(dim=(-1, -2)) > 0
+        patch_mask = (patches.sum(dim=(-1, -2)) > 0).to(self.device)
         hidden = self.vision(pixel_values=pixels, patch_attention_mask=patch_mask).last_hidden_state
         features = self.connector(hidden)  # (crops, tokens per crop, hidden size)
-        return features.reshape(-1, features.shape[-1]).contiguous()
+        return features.reshape(-1, features.shape[-1]).to("cpu").contiguous()

@@ -178,7 +178,7 @@ async def test_embeddings_a_worker_cannot_take_are_refused(take_flag, req, words
     assert not engine.prompts
 
 
-def test_the_connector_loads_what_requests_brought_and_refuses_a_shape_the_engine_does_not_place(tmp_path):
+def test_the_connector_loads_what_requests_brought_and_leaves_a_shape_it_does_not_place_to_the_engine(tmp_path):
     from types import SimpleNamespace
 
     from vllm.config import ECTransferConfig
@@ -190,15 +190,18 @@ def test_the_connector_loads_what_requests_brought_and_refuses_a_shape_the_engin
                              model_config=SimpleNamespace(dtype=torch.float32))
     t = emb(4, 6)
     write_file(str(tmp_path / "h.temb"), "h", t)
+    write_file(str(tmp_path / "g.temb"), "g", t)
     where = ImageEmbedding(hash="h", dtype="float32", shape=[4, 6], path=str(tmp_path / "h.temb"))
+    other = ImageEmbedding(hash="g", dtype="float32", shape=[4, 6], path=str(tmp_path / "g.temb"))
 
-    def req(rid, rows, items):
-        return SimpleNamespace(request_id=rid, ec_transfer_params=ec_transfer_params(items),
-                               mm_features=[SimpleNamespace(identifier="h")], get_num_encoder_embeds=lambda i: rows)
+    def req(rid, rows, item):
+        return SimpleNamespace(request_id=rid, ec_transfer_params=ec_transfer_params([item]),
+                               mm_features=[SimpleNamespace(identifier=item.hash)],
+                               get_num_encoder_embeds=lambda i: rows)
 
     sched = TurbineECConnector(config, ECConnectorRole.SCHEDULER)
     assert sched.is_consumer and not sched.has_cache_item("h")
-    good = req("a", 4, [where])
+    good = req("a", 4, where)
     sched.ensure_cache_available(good, 0)
     assert sched.has_cache_item("h") and not sched.has_cache_item("other")  # others: the engine encodes
     sched.update_state_after_alloc(good, 0)
@@ -208,14 +211,21 @@ def test_the_connector_loads_what_requests_brought_and_refuses_a_shape_the_engin
     cache = {}
     worker.start_load_caches(cache)
     assert torch.equal(cache["h"], t)
-    bad = req("b", 5, [where])  # the engine places 5 rows for this image: the request fails, the engine lives
+    also = req("b", 4, where)  # a second request with the same image shares the checked source
+    sched.ensure_cache_available(also, 0)
+    # The engine places 5 rows for this image: not offered, so the engine encodes it and the request goes on.
+    bad = req("c", 5, other)
     sched.ensure_cache_available(bad, 0)
-    sched.update_state_after_alloc(bad, 0)
-    assert sched.take_unavailable_requests() == {"b"}
+    assert not sched.has_cache_item("g") and sched.take_unavailable_requests() == set()
     sched.request_finished(good)
     assert sched.has_cache_item("h")  # b still holds it
-    sched.request_finished(bad)
+    sched.request_finished(also)
     assert not sched.has_cache_item("h")
+    sched.request_finished(bad)
+    for _ in range(2):  # the pin outlives the last holder by a step (a load planned just before may still run)
+        assert len(list(tmp_path.glob("h.temb.pin-*"))) == 1
+        sched.build_connector_meta(None)
+    assert list(tmp_path.glob("*.pin-*")) == []
 
 
 def test_take_image_embeddings_is_refused_on_a_vllm_release_not_checked(monkeypatch, capsys):
@@ -223,23 +233,28 @@ def test_take_image_embeddings_is_refused_on_a_vllm_release_not_checked(monkeypa
 
     assert parse_worker_args(["--enable-multimodal", "--take-image-embeddings"]).take_image_embeddings
     monkeypatch.setattr(args, "VLLM_VERSION", "0.26.0+cu130")
+    assert parse_worker_args(["--enable-multimodal", "--take-image-embeddings"]).take_image_embeddings  # GPU release
+    monkeypatch.setattr(args, "VLLM_VERSION", "0.29.0")
     with pytest.raises(SystemExit):
         parse_worker_args(["--enable-multimodal", "--take-image-embeddings"])
-    assert "--take-image-embeddings: checked with vLLM 0.32, 0.33 only" in capsys.readouterr().err
+    assert "--take-image-embeddings: checked with vLLM 0.26, 0.32, 0.33 only" in capsys.readouterr().err
 
 
-def test_embeddings_gone_before_the_engine_loads_them_fail_their_requests_not_the_engine(tmp_path):
+def test_embeddings_gone_before_the_engine_loads_them_are_encoded_or_fail_their_requests_not_the_engine(
+        tmp_path, monkeypatch):
     """The encode worker's cache may evict (and, after a grace, delete) what it handed out while a request
-    still waits in the engine. A file still there when the step is planned is pinned (a hard link) so the
-    load cannot miss it; one already gone fails its request cleanly; a load that fails anyway (here: the pin
-    removed under it) gives zeros and fails the requests that brought it, and never raises (raising in the
-    model runner would kill the engine and every request in it)."""
+    still waits in the engine. A file there when the request is first checked is pinned (a hard link) so no load
+    can miss it; one already gone is not offered, and the engine encodes the image itself; a load that fails
+    anyway (here: the pin removed under it) gives zeros and fails the requests that brought it, and never
+    raises (raising in the model runner would kill the engine and every request in it) - except on a release
+    that cannot fail one request from there (0.26), where it raises rather than answer from zeros."""
     from types import SimpleNamespace
 
     from vllm.config import ECTransferConfig
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.v1.outputs import ECConnectorOutput
 
+    import turbine.vllm.ec_connector as ec
     from turbine.vllm.ec_connector import TurbineECConnector, ec_transfer_params, engine_config
 
     config = SimpleNamespace(ec_transfer_config=ECTransferConfig(**engine_config()),
@@ -256,26 +271,24 @@ def test_embeddings_gone_before_the_engine_loads_them_fail_their_requests_not_th
 
     sched = TurbineECConnector(config, ECConnectorRole.SCHEDULER)
     worker = TurbineECConnector(config, ECConnectorRole.WORKER)
-    # 1. evicted after the step was planned: the pin keeps it
+    # 1. evicted after the request was checked: the pin keeps it
     t_a, a = where("a")
     ra = req("ra", a)
     sched.ensure_cache_available(ra, 0)
-    sched.update_state_after_alloc(ra, 0)
     os.unlink(a.path)  # the encode worker's cache let it go
+    sched.update_state_after_alloc(ra, 0)
     worker.bind_connector_metadata(sched.build_connector_meta(None))
     cache = {}
     worker.start_load_caches(cache)
     assert torch.equal(cache["a"], t_a)
-    assert list(tmp_path.glob("*.pin-*")) == []  # the pin went with the load
     assert worker.build_connector_worker_meta() is None
-    # 2. gone before the step was planned: that request fails, nothing is loaded
+    # 2. gone before the request was checked: not offered (the engine encodes the image), nothing fails
     _, b = where("b")
+    os.unlink(b.path)
     rb = req("rb", b)
     sched.ensure_cache_available(rb, 0)
-    os.unlink(b.path)
-    sched.update_state_after_alloc(rb, 0)
-    assert sched.take_unavailable_requests() == {"rb"}
-    assert sched.build_connector_meta(None).loads == []
+    assert not sched.has_cache_item("b")
+    assert sched.take_unavailable_requests() == set() and sched.build_connector_meta(None).loads == []
     # 3. the load itself fails: zeros, no exception, and the request is failed from the next step on
     _, c = where("c")
     rc = req("rc", c)
@@ -289,3 +302,10 @@ def test_embeddings_gone_before_the_engine_loads_them_fail_their_requests_not_th
     assert torch.count_nonzero(cache["c"]) == 0
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta()))
     assert sched.take_unavailable_requests() == {"rc"}
+    # 4. the same on a release without the channel: the model runner's error is the engine's
+    monkeypatch.setattr(ec, "EC_CAN_FAIL_REQUESTS", False)
+    del cache["c"]
+    worker.bind_connector_metadata(meta)
+    with pytest.raises(RuntimeError, match="cannot fail one request"):
+        worker.start_load_caches(cache)
+
