@@ -354,12 +354,12 @@ def run_serve(a, points, run_dir: Path) -> dict:
         procs.stop()
 
 
-def run_turbine(a, points, run_dir: Path) -> dict:
+def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = ()) -> dict:
     procs = Procs(run_dir)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
     env = {"TURBINE_DISCOVERY_BACKEND": "file", "TURBINE_DISCOVERY_DIR": disc, "PYTHONUNBUFFERED": "1"}
     worker = [sys.executable, "-m", "turbine.vllm", "--model", str(a.model), "--served-model-name", SERVED,
-              *engine_flags(a)]
+              *engine_flags(a), *worker_flags]
     procs.spawn("turbine_worker", worker, env)
     out = {"by_frontend_processes": {}}
     try:
@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("run")
     r.add_argument("--model", type=Path, required=True)
-    r.add_argument("--systems", default="offline,serve,turbine")
+    r.add_argument("--systems", default="offline,serve,turbine",
+                   help="offline, serve, turbine, turbine-kvbm (--connector kvbm with a --kvbm-host-gb host tier)")
+    r.add_argument("--kvbm-host-gb", type=float, default=32.0)
     r.add_argument("--loads", default="128x512,1024x256", help="ISLxOSL, comma separated")
     r.add_argument("--concurrency", default="256")
     r.add_argument("--requests-per-slot", type=int, default=2, help="requests per point = concurrency x this")
@@ -473,6 +475,9 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
                 res = run_serve(a, points, run_dir)
             elif system == "turbine":
                 res = run_turbine(a, points, run_dir)
+            elif system == "turbine-kvbm":  # the same with the KV tiers saving every block (host tier)
+                res = run_turbine(a, points, run_dir, ("--connector", "kvbm", "--kv-host-cache-gb",
+                                                       str(a.kvbm_host_gb)))
             else:
                 raise SystemExit(f"unknown system {system!r}")
         except Exception as exc:

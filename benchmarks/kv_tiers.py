@@ -71,7 +71,6 @@ from common import (  # noqa: E402
 from kv_routing_fleet import pct, scrape, stream_request  # noqa: E402
 
 SERVED = "smollm2-135m-instruct"
-VOCAB = 49152  # SmolLM2's
 BASE_MODES = ("none", "host", "host+disk", "small-host")
 TWO_WORKER_MODES = ("none2", "host2", "shared2")
 
@@ -107,7 +106,7 @@ def conversations(a) -> list[list[dict]]:
     """Per turn, the requests of every conversation in order: {conv, turn, prompt_ids}."""
     def ids(seed: int, n: int) -> list[int]:
         g = random.Random(seed)
-        return [g.randrange(1000, VOCAB) for _ in range(n)]
+        return [g.randrange(1000, a.vocab) for _ in range(n)]
 
     turns: list[list[dict]] = [[] for _ in range(a.turns)]
     for c in range(a.conversations):
@@ -126,7 +125,7 @@ async def drive(a, url: str) -> list[dict]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
         for turn in conversations(a):
             for item in turn:
-                body = {"model": SERVED, "prompt": item["prompt_ids"], "max_tokens": a.output_tokens,
+                body = {"model": a.served_model_name, "prompt": item["prompt_ids"], "max_tokens": a.output_tokens,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                 rec = await stream_request(client, f"{url}/v1/completions", body, "completions")
                 rec.pop("text", None)
@@ -137,9 +136,10 @@ async def drive(a, url: str) -> list[dict]:
 
 # --------------------------------------------------------------------------- one run
 def worker_argv(a, port: int, flags: list[str]) -> list[str]:
-    return ["-m", "turbine.vllm", "--model", a.model, "--served-model-name", SERVED, "--dtype", "float32",
+    return ["-m", "turbine.vllm", "--model", a.model, "--served-model-name", a.served_model_name, "--dtype", a.dtype,
             "--enforce-eager", "--max-model-len", str(a.max_model_len), "--num-gpu-blocks-override",
-            str(a.engine_blocks), "--system-port", str(port), *flags]
+            str(a.engine_blocks), "--system-port", str(port), *(["--block-size", str(a.block_size)] if a.block_size
+                                                                 else []), *a.worker_args.split(), *flags]
 
 
 def kv_counters(samples) -> dict:
@@ -215,7 +215,7 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
         argv = worker_argv(a, metrics_ports[i], mode_flags(a, mode, disk_dir, shared_dir))
         argvs.append(argv)
         worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        if binds[i] != "auto":
+        if binds[i] != "auto" and a.device == "cpu":
             # The same compute cores in every mode: left to itself, vLLM's CPU build reserves one more core when a
             # KV connector is configured, which on a 2-core host means 2 OpenMP threads with kvbm and 1 without.
             # Two workers: a core each.
@@ -227,13 +227,13 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
 
     def ready():
         status, body = http_get_json(f"{st.base_url}/health")
-        return status == 200 and isinstance(body, dict) and (body.get("models") or {}).get(SERVED) == n
+        return status == 200 and isinstance(body, dict) and (body.get("models") or {}).get(a.served_model_name) == n
 
     def counters() -> list[dict]:
         return [kv_counters(scrape(f"http://127.0.0.1:{port}/metrics")) for port in metrics_ports]
     try:
         st.wait_ready(ready, a.startup_timeout)
-        st.sanity_check(SERVED)
+        st.sanity_check(a.served_model_name)
         before = counters()
         t0 = time.monotonic()
         records = asyncio.run(drive(a, st.base_url))
@@ -324,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--python", default=str(REPO_ROOT / ".venv/bin/python"))
     p.add_argument("--model", default=None, help="model folder (default: `turbine model prepare`'s SmolLM2)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: no CPU core binding, --dtype auto unless given (benchmarks/gpu_tests.sh)")
+    p.add_argument("--dtype", default=None, help="the worker's --dtype (default: float32 on cpu, auto on gpu)")
+    p.add_argument("--served-model-name", default=SERVED)
+    p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (default: SmolLM2's)")
+    p.add_argument("--block-size", type=int, default=None, help="the worker's --block-size (default: vLLM's)")
+    p.add_argument("--worker-args", default="", help="more worker flags, e.g. '--load-format dummy "
+                                                     "--gpu-memory-utilization 0.5'")
     p.add_argument("--modes", default="none,host,host+disk", help="comma-separated; see the module doc")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--conversations", type=int, default=12)
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-tokens", type=int, default=48)
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--output-tokens", type=int, default=4)
-    p.add_argument("--engine-blocks", type=int, default=24, help="--num-gpu-blocks-override (128-token blocks)")
+    p.add_argument("--engine-blocks", type=int, default=24,
+                   help="--num-gpu-blocks-override (of vLLM's CPU default 128-token blocks, or --block-size)")
     p.add_argument("--max-model-len", type=int, default=1536)
     p.add_argument("--host-gb", type=float, default=1.0, help="host tier of the `host` mode")
     p.add_argument("--small-host-gb", type=float, default=0.125, help="host tier of host+disk and small-host")
@@ -352,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hold --lock for each repeat or for the whole benchmark")
     a = p.parse_args(argv)
     a.model = a.model or default_model(a.python)
+    a.dtype = a.dtype or ("float32" if a.device == "cpu" else "auto")
     modes = [m for m in a.modes.split(",") if m]
     run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="kv_tiers_"))
     run_dir.mkdir(parents=True, exist_ok=True)

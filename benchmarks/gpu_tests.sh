@@ -1,0 +1,61 @@
+#!/bin/bash
+# The GPU half of Turbine's checks (issue #29), on an offline GPU host with the bundle installed
+# (benchmarks/gpu_site_bundle.sh here, benchmarks/gpu_install.sh there), from the checkout the device tool
+# sends. Each step writes under $OUT (default /tmp/gpu-out); run them in one call or several:
+#
+#   bash benchmarks/gpu_tests.sh sweep            every turbine.* module imported on the host's vLLM/torch/CUDA
+#   bash benchmarks/gpu_tests.sh tests [ARGS]     the integration modules whose features differ on a GPU, run
+#                                                 there by pytest as in CI: KV tiers (test_kvbm_vllm.py), E/PD and
+#                                                 E/P/D (test_multimodal_disagg.py), speculative decoding
+#                                                 (test_speculative_vllm.py; TURBINE_TEST_SPEC_CONFIG picks the
+#                                                 speculator, default n-gram); ARGS go to pytest (e.g. a -k)
+#   bash benchmarks/gpu_tests.sh kv-tiers [ARGS]  benchmarks/kv_tiers.py on the Llama-3.1-8B architecture (dummy
+#                                                 weights), a working set several times the GPU cache
+#   bash benchmarks/gpu_tests.sh offload [ARGS]   benchmarks/gpu_serving.py: plain Turbine vs --connector kvbm
+#                                                 (every block saved to the host tier) on decode-heavy load
+#
+# The tests share one GPU between their engines (several per module): TURBINE_TEST_VLLM_ARGS gives each a small
+# memory budget. The embedded SmolLM2 comes from the bundle (converted by gpu_install.sh), found where
+# `turbine model prepare` looks (TURBINE_CACHE).
+set -uo pipefail
+H8=${H8:-/tmp/h8}
+OUT=${OUT:-/tmp/gpu-out}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+cd "$HERE"
+mkdir -p "$OUT"
+export PYTHONPATH="$H8/site:$HERE" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
+export TURBINE_CACHE="$H8/cache"
+mkdir -p "$TURBINE_CACHE/models"
+ln -sfn "$H8/smollm2" "$TURBINE_CACHE/models/smollm2-135m-instruct"
+touch "$H8/smollm2/.turbine-complete"
+LLAMA="$H8/model-llama-3.1-8b"
+
+step=${1:-}
+shift || true
+case "$step" in
+  sweep)
+    python3 scripts/import_sweep.py --out "$OUT/import_sweep.json"
+    ;;
+  tests)
+    export TURBINE_TEST_VLLM_ARGS=${TURBINE_TEST_VLLM_ARGS:-"--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 1073741824"}
+    python3 -m pytest -p no:cacheprovider -q -rA --durations=15 --junitxml="$OUT/gpu_tests.xml" \
+      tests/integration/test_kvbm_vllm.py tests/integration/test_multimodal_disagg.py \
+      tests/integration/test_speculative_vllm.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  kv-tiers)
+    # 4,096-token histories, 12 conversations: a 50k-token working set over a 768-block (12k-token) GPU cache.
+    python3 benchmarks/kv_tiers.py --python python3 --device gpu --model "$LLAMA" --served-model-name llama \
+      --vocab 128000 --block-size 16 --engine-blocks 768 --max-model-len 4608 --context-tokens 4096 \
+      --conversations 12 --turns 3 --host-gb 8 --small-host-gb 1 --disk-gb 16 \
+      --worker-args "--load-format dummy --gpu-memory-utilization 0.5" --run-dir /tmp/kv-tiers \
+      --out "$OUT/kv_tiers_gpu.json" "$@" 2>&1 | tail -40
+    ;;
+  offload)
+    python3 benchmarks/gpu_serving.py run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
+      --loads 128x512 --concurrency 64 --max-num-seqs 64 --out "$OUT/kvbm_offload_gpu.json" "$@" 2>&1 | tail -30
+    ;;
+  *)
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | offload [args]" >&2
+    exit 2
+    ;;
+esac
