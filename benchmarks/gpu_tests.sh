@@ -37,16 +37,18 @@ case "$step" in
     python3 scripts/import_sweep.py --out "$OUT/import_sweep.json"
     ;;
   tests)
-    export TURBINE_TEST_VLLM_ARGS=${TURBINE_TEST_VLLM_ARGS:-"--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 1073741824"}
+    # --skip-mm-profiling: vLLM 0.26's encoder profiling fails on the tests' tiny Idefics3 (a dummy batch of
+    # zero patches); it sizes the encoder cache's memory only.
+    export TURBINE_TEST_VLLM_ARGS=${TURBINE_TEST_VLLM_ARGS:-"--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 1073741824 --skip-mm-profiling"}
     python3 -m pytest -p no:cacheprovider -q -rA --durations=15 --junitxml="$OUT/gpu_tests.xml" \
       tests/integration/test_kvbm_vllm.py tests/integration/test_multimodal_disagg.py \
       tests/integration/test_speculative_vllm.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   kv-tiers)
-    # 4,096-token histories, 12 conversations: a 50k-token working set over a 768-block (12k-token) GPU cache.
+    # 16,384-token histories, 8 conversations: a 131k-token working set over a 2,048-block (32k-token) GPU cache.
     python3 benchmarks/kv_tiers.py --python python3 --device gpu --model "$LLAMA" --served-model-name llama \
-      --vocab 128000 --block-size 16 --engine-blocks 768 --max-model-len 4608 --context-tokens 4096 \
-      --conversations 12 --turns 3 --host-gb 8 --small-host-gb 1 --disk-gb 16 \
+      --vocab 128000 --block-size 16 --engine-blocks 2048 --max-model-len 16800 --context-tokens 16384 \
+      --conversations 8 --turns 3 --host-gb 20 --small-host-gb 2 --disk-gb 24 \
       --worker-args "--load-format dummy --gpu-memory-utilization 0.5" --run-dir /tmp/kv-tiers \
       --out "$OUT/kv_tiers_gpu.json" "$@" 2>&1 | tail -40
     ;;

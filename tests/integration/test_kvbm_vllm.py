@@ -99,17 +99,27 @@ def _client(frontend) -> OpenAI:
 
 def cached_by_source(worker) -> dict[str, float]:
     """vLLM's cached prompt tokens by source, and the tiers' own counters (`turbine_kvbm_*_total`,
-    counted in the model-runner process) as "family/tier", both from the worker's /metrics."""
+    counted in the model-runner process) as "family/tier", both from the worker's /metrics.
+
+    vLLM 0.32 counts cached tokens by source (device, host, disk, external_unspecified: the connector's
+    `get_external_cache_hit_sources`). 0.26 (the GPU release, where this module also runs:
+    benchmarks/gpu_tests.sh) has no such counter: there the engine's own hits are its prefix-cache hits and
+    each tier's tokens are the blocks the connector loaded from it; vLLM's external total is counted in both."""
     out: dict[str, float] = {}
     text = http_text(f"{worker.url}/metrics")
+    by_source = False
     for line in text.splitlines():
         if m := re.match(r'vllm:prompt_tokens_cached_by_source_total\{.*source="([a-z_]+)".*\} (\S+)', line):
             out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+            by_source = True
         elif m := re.match(r'turbine_kvbm_([a-z_]+)_total\{(?:.*tier="([a-z]+)")?.*\} (\S+)', line):
             key = f"{m[1]}/{m[2]}" if m[2] else m[1]
             out[key] = out.get(key, 0.0) + float(m[3])
-    out["external"] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("vllm:external_prefix_cache_hits_total"))
+    out["external"] = metric(text, "vllm:external_prefix_cache_hits_total")
+    if not by_source:
+        out["device"] = metric(text, "vllm:prefix_cache_hits_total")
+        for tier, source in (("host", "host"), ("disk", "disk"), ("shared", "external_unspecified")):
+            out[source] = out.get(f"hits/{tier}", 0.0) * BLOCK
     return out
 
 

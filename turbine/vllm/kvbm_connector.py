@@ -373,15 +373,17 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
 
     # ============================ worker side ============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._blocks = KvCacheBlocks(kv_caches, num_blocks=self._kv_cache_config.num_blocks,
                                      num_kv_heads=self._kv_heads, block_size=self.block_size,
-                                     head_size=self._head_size, store_blocks=self._store_rows)
+                                     head_size=self._head_size, store_blocks=self._store_blocks,
+                                     host_tier_bytes=int(extra.get(HOST_BYTES) or 0))
 
-    def _store_rows(self, rows: torch.Tensor, blocks: list[tuple[int, int | None]]) -> None:
-        """Host rows (one block payload each; pinned memory on a GPU) into the tiers: the host tier keeps the
-        row itself, file tiers write it."""
-        for i, (block_hash, parent) in enumerate(blocks):
-            self.store.put(Block(block_hash, parent, self.block_size, memoryview(rows[i].numpy())))
+    def _store_blocks(self, blocks: list[tuple[int, int | None, memoryview]]) -> None:
+        """Payloads (on a GPU: pinned host slots) into the tiers: the host tier keeps the payload itself, file
+        tiers write it."""
+        for block_hash, parent, data in blocks:
+            self.store.put(Block(block_hash, parent, self.block_size, data))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -11,20 +11,26 @@ another logical shape is refused at start, naming the layer.
 
 - CPU: a save copies the blocks out at once (the next step may reuse them) and the payloads are views of
   that copy; a load copies into the cache before the forward pass.
-- GPU: a save gathers the step's blocks on the GPU (one small copy kernel per layer, in stream order after
-  the forward pass), then a side stream copies them to pinned host memory while the next step runs; a
-  writer thread waits for that copy and hands the blocks to the tiers (host tier: the pinned memory itself;
-  disk and shared tiers: files written there), so neither the D2H copy nor any file I/O is on the model
-  runner's path. A load copies each block host → GPU (from pinned memory: DMA) and scatters it into every
-  layer, in stream order before the forward pass.
+- GPU: payloads live in slots of one pinned host allocation made at start (`PinnedSlots`: allocating
+  pinned memory per save costs milliseconds and can stall the device). A save gathers the step's blocks on
+  the GPU (one small copy kernel per layer, in stream order after the forward pass), then a side stream
+  copies them into free slots while the next step runs; a writer thread waits for that copy and hands the
+  slots to the tiers (the host tier keeps the slot itself; disk and shared tiers write it to a file), so
+  neither the D2H copy nor any file I/O is on the model runner's path. A slot is free again once nothing
+  holds its payload (the host tier evicted it and no load reads it). With no free slot a save is dropped
+  (counted, and the block is simply recomputed when needed), so a slow disk cannot grow memory without
+  bound. A load copies each block host → GPU (from a slot: DMA) and scatters it into every layer, in
+  stream order before the forward pass.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,26 +38,54 @@ import torch
 
 log = logging.getLogger("turbine.vllm.kvbm")
 
-# Saves waiting for their D2H copy and the writer beyond this many bytes are dropped (the blocks are then
-# simply not in the tiers: recomputed when needed), so a slow disk cannot grow pinned memory without bound.
-MAX_PENDING_SAVE_BYTES = 4 << 30
+# Slots beyond what the host tier holds: saves in flight between the D2H copy and the tiers.
+PENDING_SAVE_BYTES = 1 << 30
+
+# (hash, parent hash, payload) → into the tiers
+StoreBlocks = Callable[[list[tuple[int, int | None, memoryview]]], None]
+
+
+class PinnedSlots:
+    """Fixed-size slots of one host allocation (pinned where there is a GPU). `take` hands out free slots;
+    `payload(slot)` is a byte view of one that frees the slot when the last reference to it goes."""
+
+    def __init__(self, slot_bytes: int, count: int, pinned: bool):
+        self.tensor = torch.empty((count, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
+        self._rows = self.tensor.numpy()
+        self._free = collections.deque(range(count))
+        self._lock = threading.Lock()
+
+    def take(self, k: int) -> list[int] | None:
+        with self._lock:
+            if len(self._free) < k:
+                return None
+            return sorted(self._free.popleft() for _ in range(k))
+
+    def payload(self, slot: int) -> memoryview:
+        row = self._rows[slot]  # a view of its own, whose end returns the slot
+        weakref.finalize(row, self._free.append, slot)
+        return memoryview(row)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
 
 
 @dataclass
 class _PendingSave:
-    host: torch.Tensor                      # (k, block bytes) uint8: pinned on a GPU
-    done: torch.cuda.Event | None           # the D2H copy's completion (None: already copied)
-    blocks: list[tuple[int, int | None]]    # (hash, parent hash) of each row
+    slots: list[int]
+    done: torch.cuda.Event | None          # the D2H copy's completion (None: already copied)
+    blocks: list[tuple[int, int | None]]   # (hash, parent hash) of each slot
 
 
 class KvCacheBlocks:
     """The engine's KV caches seen as whole blocks: `save` after a forward pass, `load` before one."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], *, num_blocks: int, num_kv_heads: int,
-                 block_size: int, head_size: int, store_blocks: Callable[[torch.Tensor, list], None],
-                 background: bool | None = None):
-        """`store_blocks(rows, [(hash, parent), ...])` puts host rows (uint8, one block each) into the tiers;
-        `background` (default: on a GPU) runs it on the writer thread instead of in `save`."""
+                 block_size: int, head_size: int, store_blocks: StoreBlocks, host_tier_bytes: int = 0,
+                 background: bool | None = None, pending_bytes: int | None = None):
+        """`store_blocks` puts payloads into the tiers. `background` (default: on a GPU) stores them on the
+        writer thread, from slots sized for a host tier of `host_tier_bytes` plus `pending_bytes` in flight."""
         expected = (num_blocks, num_kv_heads, block_size, 2 * head_size)
         for name, t in kv_caches.items():
             if tuple(t.shape) != expected:
@@ -66,11 +100,14 @@ class KvCacheBlocks:
         self._held: list[object] = []  # what this step's loads read from, kept until the step is done
         self._stream = torch.cuda.Stream(device=self.device) if self._on_gpu else None
         self.background = self._on_gpu if background is None else background
+        self.dropped_saves = 0
         if self.background:
+            pending = PENDING_SAVE_BYTES if pending_bytes is None else pending_bytes
+            count = max(1, host_tier_bytes // self.block_nbytes + pending // self.block_nbytes)
+            self.slots = PinnedSlots(self.block_nbytes, count, pinned=self._on_gpu)
+            log.info("kvbm: %d host slots of %d bytes (%.1f GiB%s)", count, self.block_nbytes,
+                     count * self.block_nbytes / 2**30, ", pinned" if self._on_gpu else "")
             self._queue: queue.Queue[_PendingSave | threading.Event | None] = queue.Queue()
-            self._pending_bytes = 0
-            self.dropped_saves = 0
-            self._lock = threading.Lock()
             self._writer = threading.Thread(target=self._write_loop, name="kvbm-writer", daemon=True)
             self._writer.start()
 
@@ -79,26 +116,40 @@ class KvCacheBlocks:
         """blocks: (engine block id, hash, parent hash). In the background, returns before they are stored."""
         if not blocks:
             return
-        if self.background and not self._reserve(len(blocks) * self.block_nbytes):
+        meta = [(h, parent) for _, h, parent in blocks]
+        if not self.background:
+            rows = self._gather([b[0] for b in blocks])
+            self._store_blocks([(h, p, memoryview(rows[i].numpy())) for i, (h, p) in enumerate(meta)])
+            return
+        slots = self.slots.take(len(blocks))
+        if slots is None:
+            self.dropped_saves += 1
+            if self.dropped_saves == 1 or self.dropped_saves % 1000 == 0:
+                log.warning("kvbm: %d saves dropped: every host slot is held (the tiers' writer is behind, or "
+                            "the host tier is full of blocks a load still reads)", self.dropped_saves)
             return
         rows = self._gather([b[0] for b in blocks])
-        meta = [(h, parent) for _, h, parent in blocks]
         done = None
         if self._stream is not None:
             done = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
+                self._into_slots(rows, slots)
                 done.record(self._stream)
             rows.record_stream(self._stream)  # the gather buffer is the side stream's until its copy is done
-            rows = host
-        if self.background:
-            self._queue.put(_PendingSave(rows, done, meta))
         else:
-            if done is not None:
-                done.synchronize()
-            self._store_blocks(rows, meta)
+            self._into_slots(rows, slots)
+        self._queue.put(_PendingSave(slots, done, meta))
+
+    def _into_slots(self, rows: torch.Tensor, slots: list[int]) -> None:
+        """Row i into slot slots[i]; a run of consecutive slots is one copy."""
+        i = 0
+        while i < len(slots):
+            j = i + 1
+            while j < len(slots) and slots[j] == slots[j - 1] + 1:
+                j += 1
+            self.slots.tensor[slots[i]:slots[i] + (j - i)].copy_(rows[i:j], non_blocking=True)
+            i = j
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """(k, block bytes) uint8 on the cache's device, in the payload format: each row one block."""
@@ -112,31 +163,23 @@ class KvCacheBlocks:
             offset += part.shape[1]
         return rows
 
-    def _reserve(self, nbytes: int) -> bool:
-        with self._lock:
-            if self._pending_bytes + nbytes > MAX_PENDING_SAVE_BYTES:
-                self.dropped_saves += 1
-                if self.dropped_saves == 1 or self.dropped_saves % 1000 == 0:
-                    log.warning("kvbm: %d saves dropped: the tiers' writer is %d bytes behind", self.dropped_saves,
-                                self._pending_bytes)
-                return False
-            self._pending_bytes += nbytes
-            return True
-
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if isinstance(item, threading.Event):  # flush(): everything before it is stored
                 item.set()
                 continue
             try:
-                if item.done is not None:
-                    item.done.synchronize()
-                self._store_blocks(item.host, item.blocks)
+                self._store_pending(item)
             except Exception:  # a tier that fails must not stop later saves
                 log.exception("kvbm: saving %d blocks failed", len(item.blocks))
-            finally:
-                with self._lock:
-                    self._pending_bytes -= item.host.numel()
+
+    def _store_pending(self, item: _PendingSave) -> None:
+        """(A call of its own: nothing of it outlives the call, so the tiers alone hold the payloads.)"""
+        if item.done is not None:
+            item.done.synchronize()
+        # From here each slot belongs to its payload: free again when nothing holds it.
+        payloads = [self.slots.payload(s) for s in item.slots]
+        self._store_blocks([(h, p, payloads[i]) for i, (h, p) in enumerate(item.blocks)])
 
     def flush(self, timeout: float = 60.0) -> None:
         """Waits until every save made so far is in the tiers."""
@@ -162,8 +205,8 @@ class KvCacheBlocks:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")  # only read from
             for i, (_, data) in enumerate(blocks):
-                # From pinned host memory (the host tier on a GPU) this is an asynchronous DMA: the payload
-                # must outlive it, hence held until the next step.
+                # From a pinned slot this is an asynchronous DMA: the payload must outlive it, hence held (which
+                # also keeps its slot from being reused) until the next step.
                 staging[i].copy_(torch.frombuffer(data, dtype=torch.uint8), non_blocking=self._on_gpu)
                 self._held.append(data)
         idx = torch.tensor([b[0] for b in blocks], dtype=torch.long).to(self.device, non_blocking=True)

@@ -1,9 +1,11 @@
 """turbine/vllm/kvbm_copy.py: one block payload format whatever order the engine's cache has in memory (the
 CPU backend's contiguous (B, H, N, 2D), the GPU's NHD (B, N, H, 2D) seen through its logical view), and the
-writer thread that a GPU's saves go through (run here on CPU tensors: everything but the CUDA streams)."""
+host slots and writer thread that a GPU's saves go through (run here on CPU tensors: everything but the CUDA
+streams and the pinning)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -30,8 +32,7 @@ def _caches(nhd: bool, seed: int) -> dict[str, torch.Tensor]:
 
 def _blocks(caches, stored, **kw) -> KvCacheBlocks:
     return KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
-                         store_blocks=lambda rows, meta: stored.extend(
-                             (h, p, bytes(rows[i].numpy())) for i, (h, p) in enumerate(meta)), **kw)
+                         store_blocks=lambda blocks: stored.extend((h, p, bytes(d)) for h, p, d in blocks), **kw)
 
 
 def _canonical(caches, block_id: int) -> bytes:
@@ -74,19 +75,19 @@ def test_a_cache_of_another_logical_shape_is_refused_by_layer():
 
 
 def test_background_saves_are_stored_by_the_writer_after_the_cache_changed():
-    """The GPU path's hand-over: save returns at once; the rows are a copy, so the engine may overwrite the
-    block in the next step and the stored payload is still the one computed."""
+    """The GPU path's hand-over: save returns at once; the payload is in a host slot already, so the engine
+    may overwrite the block in the next step and the stored payload is still the one computed."""
     caches = _caches(True, seed=4)
     expected = _canonical(caches, 3)
     release = threading.Event()
     stored = []
 
-    def slow_store(rows, meta):
+    def slow_store(blocks):
         release.wait(10)
-        stored.extend((h, p, bytes(rows[i].numpy())) for i, (h, p) in enumerate(meta))
+        stored.extend((h, p, bytes(d)) for h, p, d in blocks)
 
     copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
-                           store_blocks=slow_store, background=True)
+                           store_blocks=slow_store, background=True, pending_bytes=4 * LAYERS * HEADS * N * 16)
     copier.save([(3, 0x3, None)])
     assert stored == []  # not yet: the writer holds it
     for t in caches.values():
@@ -98,20 +99,25 @@ def test_background_saves_are_stored_by_the_writer_after_the_cache_changed():
     assert not copier._writer.is_alive()
 
 
-def test_saves_beyond_the_pending_bound_are_dropped_not_queued(monkeypatch):
+def test_a_slot_is_free_again_once_nothing_holds_its_payload_and_saves_beyond_the_slots_are_dropped():
     caches = _caches(False, seed=5)
-    release = threading.Event()
-    stored = []
+    kept = []  # what a host tier would hold
+    block_bytes = LAYERS * HEADS * N * 2 * HEAD * 4
     copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
-                           store_blocks=lambda rows, meta: (release.wait(10), stored.extend(meta)),
-                           background=True)
-    monkeypatch.setattr(kvbm_copy, "MAX_PENDING_SAVE_BYTES", 2 * copier.block_nbytes)
-    copier.save([(0, 0x10, None), (1, 0x11, 0x10)])  # exactly the bound
-    copier.save([(2, 0x12, 0x11)])  # over it while the writer is stuck: dropped
+                           store_blocks=lambda blocks: kept.extend(blocks), background=True,
+                           host_tier_bytes=2 * block_bytes, pending_bytes=block_bytes)
+    assert copier.slots.free == 3
+    copier.save([(0, 0x10, None), (1, 0x11, 0x10)])
+    copier.flush()
+    assert copier.slots.free == 1 and [h for h, _, _ in kept] == [0x10, 0x11]
+    assert bytes(kept[0][2]) == _canonical(caches, 0)
+    copier.save([(2, 0x12, 0x11), (3, 0x13, 0x12)])  # two slots wanted, one free: dropped, not queued
     assert copier.dropped_saves == 1
-    release.set()
+    del kept[0]  # the host tier evicts 0x10: its slot comes back
+    gc.collect()
+    assert copier.slots.free == 2
+    copier.save([(2, 0x12, 0x11), (3, 0x13, 0x12)])
     copier.flush()
-    copier.save([(2, 0x12, 0x11)])  # room again
-    copier.flush()
-    assert [h for h, _ in stored] == [0x10, 0x11, 0x12]
+    assert [h for h, _, _ in kept] == [0x11, 0x12, 0x13] and copier.slots.free == 0
+    assert bytes(kept[1][2]) == _canonical(caches, 2) and bytes(kept[0][2]) == _canonical(caches, 1)
     copier.close()
