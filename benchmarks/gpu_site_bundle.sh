@@ -27,7 +27,8 @@ PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # Versions: vLLM 0.26.0's pins where it has them; xgrammar 0.2.7 is the newest that runs on the
 # apache-tvm-ffi 0.1.10 that vLLM pins (0.2.8 needs >= 0.1.11: "load_lib_module() got an unexpected
 # keyword argument 'extra_lib_paths'"); the rest as in the project's CPU venv. etcd3aio: Turbine's etcd
-# discovery (its grpcio and protobuf are on the host), so that every turbine module imports there.
+# discovery (its grpcio and protobuf are on the host), so that every turbine module imports there;
+# pytest-asyncio: the integration modules' async tests, run there by benchmarks/gpu_tests.sh.
 cat > "$DIR/requirements.txt" <<'EOF'
 vllm==0.26.0
 pydantic==2.14.4
@@ -94,6 +95,7 @@ truststore==0.10.5
 nixl==1.5.1
 nixl-cu13==1.5.1
 etcd3aio==0.3.0
+pytest-asyncio==1.5.0
 EOF
 "$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/wheels" -r "$DIR/requirements.txt"
 rm -rf "$DIR/site"

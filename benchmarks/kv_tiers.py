@@ -102,6 +102,18 @@ def mode_flags(a, mode: str, disk_dir: Path, shared_dir: Path | None = None) -> 
 
 
 # --------------------------------------------------------------------------- workload
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """K and V of every layer for one token, from the model's config.json (to size the tiers against)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if dtype == "auto":
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    size = 4 if "32" in dtype else 2
+    return cfg["num_hidden_layers"] * heads * head_dim * 2 * size
+
+
 def conversations(a) -> list[list[dict]]:
     """Per turn, the requests of every conversation in order: {conv, turn, prompt_ids}."""
     def ids(seed: int, n: int) -> list[int]:
@@ -375,12 +387,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--conversations {a.conversations}: the two-worker modes need an odd count, so that "
                              f"round-robin sends a returning turn to the other worker")
     lens = [len(i["prompt_ids"]) for t in conversations(a) for i in t]
-    block_bytes = 30 * 3 * 128 * 128 * 4  # SmolLM2-135M float32, 128-token blocks (the CPU build's default)
-    working_blocks = sum((len(t[-1]["prompt_ids"]) + a.output_tokens) // 128 for t in zip(*conversations(a)))
+    block = a.block_size or 128  # the CPU build's default
+    block_bytes = block * kv_bytes_per_token(a.model, a.dtype)
+    working_blocks = sum((len(t[-1]["prompt_ids"]) + a.output_tokens) // block for t in zip(*conversations(a)))
     describe = {"omp_bind": a.omp_bind, "conversations": a.conversations, "turns": a.turns, "context_tokens": a.context_tokens,
                 "user_tokens": a.user_tokens, "answer_tokens": a.answer_tokens, "output_tokens": a.output_tokens,
                 "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "engine_blocks": a.engine_blocks,
-                "engine_usable_tokens": (a.engine_blocks - 1) * 128, "working_set_blocks": working_blocks,
+                "block_size": block, "engine_usable_tokens": (a.engine_blocks - 1) * block,
+                "working_set_blocks": working_blocks,
                 "working_set_over_engine": working_blocks / (a.engine_blocks - 1),
                 "block_bytes": block_bytes, "host_gb": a.host_gb, "small_host_gb": a.small_host_gb,
                 "small_host_blocks": int(a.small_host_gb * 2**30 // block_bytes), "disk_gb": a.disk_gb,

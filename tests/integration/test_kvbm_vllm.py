@@ -187,7 +187,7 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     flip_a_byte(bad)
     flip_a_byte(block_files(kvbm, a, "shared")[1])
     text, counted = run(kvbm, a)
-    assert counted["disk"] == FULL * BLOCK, counted  # planned from disk; block 1 fails its checksum on read
+    assert counted["external"] == FULL * BLOCK, counted  # planned from disk; block 1 fails its checksum on read
     assert text == fresh  # blocks 1 and 2 recomputed: the damaged block never reached the engine
     assert counted["corrupt_blocks/disk"] == 1 and counted["hits/disk"] == 1, counted  # block 0 only
     assert counted["corrupt_blocks/shared"] == 1 and counted.get("hits/shared", 0) == 0, counted
