@@ -123,11 +123,14 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
 
 
 @pytest.mark.parametrize("param, body", [
-    ("previous_response_id", {"input": "x", "previous_response_id": "resp_1"}),
-    ("store", {"input": "x", "store": True}),
     ("reasoning", {"input": "x", "reasoning": {"effort": "high"}}),
-    ("include", {"input": "x", "include": ["reasoning.encrypted_content"]}),
-    ("background", {"input": "x", "background": True}),
+    ("include[1]", {"input": "x", "include": ["reasoning.encrypted_content", "file_search_call.results"]}),
+    ("top_logprobs", {"input": "x", "top_logprobs": 3}),
+    ("truncation", {"input": "x", "truncation": "auto"}),
+    ("service_tier", {"input": "x", "service_tier": "flex"}),
+    ("stream_options", {"input": "x", "stream_options": {"include_obfuscation": False}}),
+    ("stream_options.include_obfuscation", {"input": "x", "stream": True,
+                                            "stream_options": {"include_obfuscation": True}}),
     ("input", {"input": []}),
     ("input", {"input": 5}),
     ("input[0].role", {"input": [{"role": "tool", "content": "x"}]}),
@@ -158,6 +161,32 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(param, body):
     refused(param, **body)
+
+
+@pytest.mark.parametrize("name", sorted(responses.REFUSED_FIELDS))
+def test_every_client_field_not_acted_on_is_refused_by_name_and_null_is_fine(name):
+    with pytest.raises(RequestError) as info:
+        request(input="x", **{name: {"x": 1}})
+    assert info.value.param == name and "not supported" in info.value.message
+    assert convert(input="x", **{name: None})["messages"]  # what a client sends for "not given"
+
+
+def test_every_field_of_the_official_clients_create_params_is_known():
+    """Walks openai's ResponseCreateParams: each field is honoured (a struct field) or refused by name."""
+    from openai.types.responses.response_create_params import ResponseCreateParamsBase
+
+    given = set(ResponseCreateParamsBase.__annotations__)
+    known = set(ResponsesRequest.__struct_fields__) | set(responses.REFUSED_FIELDS)
+    assert given - known == set()
+
+
+async def test_stored_state_fields_are_refused_by_name_without_a_store():
+    for name, value in (("store", True), ("previous_response_id", "resp_1"), ("conversation", "conv_1"),
+                        ("background", True)):
+        with pytest.raises(RequestError) as info:
+            await responses.stored_context(request(input="x", **{name: value}), None, "")
+        assert info.value.param == name and "--response-store off" in info.value.message
+    assert (await responses.stored_context(request(input="x"), None, "")).store is False
 
 
 def test_harmless_forms_of_refusable_fields_are_accepted():
@@ -342,8 +371,7 @@ async def test_a_failure_after_the_first_token_ends_the_stream_with_response_fai
 
 async def test_bad_requests_are_400s_naming_the_field(stack):
     _, client = stack
-    for kwargs, param in [({"previous_response_id": "resp_x"}, "previous_response_id"),
-                          ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    for kwargs, param in [({"extra_body": {"frobnicate": 1}}, "frobnicate"),
                           ({"max_output_tokens": 0}, "max_output_tokens"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens")]:
         with pytest.raises(openai.BadRequestError) as info:
