@@ -41,12 +41,14 @@ class BackgroundRuns:
 
     def __init__(self):
         self.tasks: dict[str, asyncio.Task] = {}
+        self.runs: dict[str, ResponsesRun] = {}
         self.closing = False
 
     async def start(self, run: ResponsesRun) -> dict[str, Any]:
         """Saves the queued response and starts generating it; returns the queued response object."""
         queued = run.builder.response("queued")
         await run.persist(queued)
+        self.runs[run.id] = run
         self.tasks[run.id] = asyncio.create_task(self._run(run), name=f"background {run.id}")
         return queued
 
@@ -62,6 +64,7 @@ class BackgroundRuns:
         finally:
             watcher.cancel()
             self.tasks.pop(run.id, None)
+            self.runs.pop(run.id, None)
             await run.deltas.aclose()  # a cancelled run's worker request is cancelled too
         for _ in range(1 if self.closing else 30):  # the store may be briefly down: the result is kept a while
             try:
@@ -91,6 +94,20 @@ class BackgroundRuns:
         if task is not None:
             task.cancel()
         return task
+
+    async def cancel(self, id_: str) -> bool:
+        """Cancels a run of this process and waits until its cancelled record is saved; False when
+        the run is not here."""
+        task, run = self.tasks.get(id_), self.runs.get(id_)
+        if task is None or run is None:
+            return False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        if task.cancelled():  # cancelled before it started: nothing saved its end
+            self.tasks.pop(id_, None)
+            await run.persist(run.builder.response("cancelled"))
+        return True
 
     async def close(self) -> None:
         self.closing = True
@@ -224,11 +241,7 @@ class ResponseRoutes:
                                    "responses can be cancelled", param="response_id")
             if record.response.get("status") not in ("queued", "in_progress"):
                 return record.response  # already ended: as OpenAI, the response as it is
-            task = self.background.cancel_here(id_)
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(task), 10)
-            else:  # running on another frontend process: it reads the mark
+            if not await self.background.cancel(id_):  # running on another frontend process: it reads the mark
                 await records.request_cancel(id_, owner)
                 for _ in range(int(10 / 0.2)):
                     await asyncio.sleep(0.2)

@@ -436,6 +436,8 @@ async def stored_context(req: ResponsesRequest, records: Records | None, owner: 
                         "GET /v1/responses/{id} instead")
     if req.previous_response_id is not None and conversation_id is not None:
         raise _fail("previous_response_id", "give previous_response_id or conversation, not both")
+    if store:
+        await records.kv.ready()  # a store that is down is a 503 before any generation, not after
     new_items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
         else list(req.input)
     return ResponseState(records, owner, store, with_ids(new_items), conversation_id)

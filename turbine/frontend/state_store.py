@@ -19,6 +19,7 @@ empty answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -100,6 +101,8 @@ class Kv(Protocol):
 
     async def delete(self, key: str) -> None: ...
 
+    async def ready(self) -> None: ...  # StoreUnavailable when it cannot be reached
+
     async def close(self) -> None: ...
 
 
@@ -155,6 +158,9 @@ class MemoryKv:
     async def delete(self, key: str) -> None:
         self._drop(key)
 
+    async def ready(self) -> None:
+        return None
+
     async def close(self) -> None:
         self._items.clear()
 
@@ -187,17 +193,23 @@ class NatsKv:
         return self._kv
 
     async def _connect(self) -> None:
-        import nats
+        from nats.aio.client import Client
         from nats.js.api import KeyValueConfig, StorageType
         from nats.js.errors import BucketNotFoundError
 
+        nc = Client()
         try:
-            nc = await nats.connect(self.cfg.nats_url, connect_timeout=NATS_TIMEOUT_S, allow_reconnect=True,
-                                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                    error_cb=_quiet, disconnected_cb=_disconnected, reconnected_cb=_reconnected)
+            # Reconnecting forever once connected; the first connection is bounded (nats-py would retry it
+            # forever too).
+            await asyncio.wait_for(nc.connect(
+                self.cfg.nats_url, connect_timeout=NATS_TIMEOUT_S, allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5, error_cb=_quiet, disconnected_cb=_disconnected,
+                reconnected_cb=_reconnected), NATS_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 (nats-py raises several kinds, and OSError)
-            raise StoreUnavailable(f"cannot connect to NATS at {self.cfg.nats_url}: {exc or type(exc).__name__}") \
-                from None
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise StoreUnavailable(f"cannot connect to NATS at {self.cfg.nats_url}: "
+                                   f"{type(exc).__name__} {exc}".rstrip()) from None
         try:
             js = nc.jetstream(timeout=NATS_TIMEOUT_S)
             try:
@@ -258,6 +270,9 @@ class NatsKv:
 
     async def delete(self, key: str) -> None:
         await self._run("delete", lambda kv: kv.purge(key))
+
+    async def ready(self) -> None:
+        await self._bucket()
 
     async def close(self) -> None:
         if self._nc is not None:

@@ -307,12 +307,13 @@ class Worker:
         self.parts = [tokenizer.encode(" hello", add_special_tokens=False),
                       tokenizer.encode(" world", add_special_tokens=False)]
         self.fail_after_first = False
+        self.delay = 0.0  # seconds between the two outputs, beyond the usual 50 ms
         self.seen: list[GenerateRequest] = []
 
     async def generate(self, req: GenerateRequest, ctx):
         self.seen.append(req)
         yield GenerateOutput(token_ids=self.parts[0])
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05 + self.delay)
         if self.fail_after_first:
             raise RequestFailed("engine fell over", code="engine_failure")
         n = sum(len(p) for p in self.parts)
