@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbine import tracing
-from turbine.frontend import request_id
+from turbine.frontend import anthropic, request_id
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.embeddings import embeddings
@@ -47,9 +47,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("turbine.frontend")
 access_log = logging.getLogger("turbine.access")
 
-# The Responses API runs on the chat path (turbine/frontend/responses.py).
-GENERATION_ROUTES: dict[str, Kind | Literal["responses"]] = {
-    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+# The Responses API (turbine/frontend/responses.py) and Anthropic's Messages API
+# (turbine/frontend/anthropic.py) run on the chat path.
+GENERATION_ROUTES: dict[str, Kind | Literal["responses", "messages"]] = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+    "/v1/messages": "messages"}
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
@@ -72,6 +74,7 @@ class HttpApi:
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -106,11 +109,15 @@ class HttpApi:
                             response = await self.generate(request, kind)
                         except Exception as exc:
                             response = await self._internal_error(request, exc)
+                        if kind == "messages" and response.status_code >= 400:
+                            response = anthropic.anthropic_error(response)
                         obs.respond(response)  # a generation answer's writes go straight to the server
                         await response(scope, receive, send)
                     finally:
                         self.inflight.leave()
                     return
+                if kind == "messages":
+                    response = anthropic.anthropic_error(response)
                 obs.respond(response)
                 await response(scope, receive, send)
             finally:
@@ -167,7 +174,7 @@ class HttpApi:
         return JSONResponse({"object": "list", "data": data})
 
     # -- generation --------------------------------------------------------------------
-    async def generate(self, request: Request, kind: Kind | Literal["responses"]):
+    async def generate(self, request: Request, kind: Kind | Literal["responses", "messages"]):
         model_name, prepared = "-", None
         try:
             if (denied := self._auth(request)) is not None:
@@ -175,7 +182,9 @@ class HttpApi:
             body = await self._read_body(request)
             span = tracing.start("preprocess") if tracing.tracer is not None else None
             try:
-                if kind == "responses":
+                if kind == "messages":
+                    messages_req, prepared = await anthropic.prepare(body, self.frontend.models, self.cfg.media)
+                elif kind == "responses":
                     responses_req, prepared, state = await prepare_response(
                         body, self.frontend.models, self.cfg.media, self.frontend.records, self._owner(request))
                 else:
@@ -186,7 +195,11 @@ class HttpApi:
                 tracing.end(span, exc.message)
                 raise
             tracing.end(span)
-            if kind == "responses":
+            if kind == "messages":
+                model_name = prepared.model.name
+                run = anthropic.MessagesRun(messages_req, prepared, self.frontend.client, self.metrics.of(model_name),
+                                            self.cfg.disagg, self.cfg.migration)
+            elif kind == "responses":
                 model_name = prepared.model.name
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
                                    self.cfg.disagg, self.cfg.migration, state)
@@ -215,6 +228,17 @@ class HttpApi:
                 exc.param = prepared.constraint_param  # the engine refused the constraint: the client's field
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
             return self._error(exc)
+
+    async def count_tokens(self, request: Request):
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as the chat template renders it."""
+        if (denied := self._auth(request)) is not None:
+            return anthropic.anthropic_error(denied)
+        try:
+            _, prepared = await anthropic.prepare(await self._read_body(request), self.frontend.models,
+                                                  self.cfg.media, count_only=True)
+            return JSONResponse(anthropic.count_tokens(prepared))
+        except RequestError as exc:
+            return anthropic.error_response(exc.status, exc.message)
 
     def _error(self, exc: RequestError) -> JSONResponse:
         """The error's OpenAI-style answer; an overload 503 says when to come back (Retry-After)."""
