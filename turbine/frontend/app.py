@@ -96,7 +96,7 @@ class Frontend:
         self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
                                  cfg.namespace, cfg.busy)
         self.client = RequestPlaneClient(auth=auth)
-        self.kv = make_kv(cfg.store)
+        self.kv = make_kv(cfg.store, self.metrics.response_store)
         self.records = Records(self.kv) if self.kv is not None else None
         self.background = BackgroundRuns()
         self._watch_task = None

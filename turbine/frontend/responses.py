@@ -498,6 +498,7 @@ class ResponseBuilder:
         self.open_call_index: int | None = None
         self.held_space = ""  # whitespace not yet in a message: dropped if only tool calls follow
         self.finish_reason: str | None = None
+        self._text_prefix: tuple[dict, bytes] | None = None  # (the open message, its text events' head)
 
     def _event(self, type_: str, **fields) -> dict[str, Any]:
         event = {"type": type_, "sequence_number": self.seq, **fields}
@@ -555,6 +556,16 @@ class ResponseBuilder:
         created = self.response("in_progress")
         return [self._event("response.created", response=created),
                 self._event("response.in_progress", response=created)]
+
+    def start_encoded(self) -> bytes:
+        """`start()`'s two events as SSE bytes, the response they share encoded once."""
+        created = _json.encode(self.response("in_progress"))
+        out = b""
+        for kind in ("response.created", "response.in_progress"):
+            out += (b"event: " + kind.encode() + b'\ndata: {"type":"' + kind.encode() + b'","sequence_number":'
+                    + str(self.seq).encode() + b',"response":' + created + b"}\n\n")
+            self.seq += 1
+        return out
 
     def push(self, delta: Delta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -640,6 +651,24 @@ class ResponseBuilder:
             events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
                                       content_index=0, part=dict(part)))
         return events
+
+    def push_encoded(self, delta: Delta) -> bytes:
+        """`push(delta)`'s events as SSE bytes. The common delta, more text of the open message, takes a
+        path that encodes only its text and sequence number: the rest of the event is the same for
+        every delta of the message, encoded once (as the chat path's SseChunks does)."""
+        open_ = self.open
+        if (open_ is None or open_["type"] != "message" or self.held_space or not delta.text or delta.reasoning
+                or delta.tool_calls or self.with_logprobs or delta.finish_reason is not None):
+            return b"".join(sse_event(e) for e in self.push(delta))
+        if self._text_prefix is None or self._text_prefix[0] is not open_:
+            head = _json.encode({"type": "response.output_text.delta", "item_id": open_["id"],
+                                 "output_index": len(self.output) - 1, "content_index": 0, "logprobs": []})
+            self._text_prefix = (open_, b"event: response.output_text.delta\ndata: " + head[:-1]
+                                 + b',"sequence_number":')
+        open_["content"][0]["text"] += delta.text
+        seq = self.seq
+        self.seq += 1
+        return self._text_prefix[1] + str(seq).encode() + b',"delta":' + _json.encode(delta.text) + b"}\n\n"
 
     def _append_text(self, text: str, event_type: str, **extra) -> list[dict[str, Any]]:
         part = self.open["content"][0]
@@ -743,12 +772,10 @@ class ResponsesRun(Pipeline):
             metrics.inflight.inc()
             completed = False
             try:
-                for event in builder.start():
-                    yield sse_event(event)
+                yield builder.start_encoded()
                 delta = first
                 while delta is not None:
-                    for event in builder.push(delta):
-                        yield sse_event(event)
+                    yield builder.push_encoded(delta)
                     delta = await anext(deltas, None)
                 for event in builder.close_all():
                     yield sse_event(event)

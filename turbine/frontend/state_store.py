@@ -297,10 +297,47 @@ async def _reconnected() -> None:
     log.warning("response store: reconnected to NATS")
 
 
-def make_kv(cfg: StoreConfig) -> Kv | None:
-    """The store for a resolved config (None: off)."""
-    if cfg.kind == "memory":
-        return MemoryKv(cfg)
-    if cfg.kind == "nats":
-        return NatsKv(cfg)
-    return None
+class TimedKv:
+    """A store whose operations are timed into a histogram labelled by operation (`/metrics`:
+    turbine_frontend_response_store_seconds)."""
+
+    def __init__(self, kv: Kv, histogram):
+        self.kv, self._by_op = kv, {op: histogram.labels(op) for op in ("get", "put", "create", "update", "delete")}
+
+    @property
+    def max_record_bytes(self) -> int:
+        return self.kv.max_record_bytes
+
+    async def _timed(self, op: str, call):
+        started = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self._by_op[op].observe(time.perf_counter() - started)
+
+    async def get(self, key):
+        return await self._timed("get", self.kv.get(key))
+
+    async def put(self, key, value):
+        return await self._timed("put", self.kv.put(key, value))
+
+    async def create(self, key, value):
+        return await self._timed("create", self.kv.create(key, value))
+
+    async def update(self, key, value, revision):
+        return await self._timed("update", self.kv.update(key, value, revision))
+
+    async def delete(self, key):
+        return await self._timed("delete", self.kv.delete(key))
+
+    async def ready(self) -> None:
+        await self.kv.ready()
+
+    async def close(self) -> None:
+        await self.kv.close()
+
+
+def make_kv(cfg: StoreConfig, histogram=None) -> Kv | None:
+    """The store for a resolved config (None: off), timed into `histogram` when given."""
+    kv = MemoryKv(cfg) if cfg.kind == "memory" else NatsKv(cfg) if cfg.kind == "nats" else None
+    return TimedKv(kv, histogram) if kv is not None and histogram is not None else kv

@@ -9,7 +9,7 @@ import platform
 from dataclasses import dataclass
 
 from turbine.config import check, flag
-from turbine.flag_sources import add_config_arg, env_errors, with_config_file
+from turbine.flag_sources import add_config_arg, env_errors, env_str, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
 from turbine.vllm.compat import EC_CONSUMER_RELEASES, VLLM_VERSION, release_of
@@ -162,6 +162,12 @@ def _build_parser():
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
                              "tokenizer the frontend cannot load). KV-aware routing falls back to load only")
+    parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default=env_str("TURBINE_JSON_WHITESPACE", "compact"),
+                        help="whitespace in structured JSON outputs (forced tool calls, response_format json_schema / "
+                             "json_object, guided_json): compact (none between tokens: a small model cannot run away "
+                             "in newlines until max_tokens; measured in benchmarks/json_whitespace.py) or any (JSON's "
+                             "free whitespace, vLLM's default). Engine-wide: vLLM's grammar backends read it from the "
+                             "engine's config, not per request (env TURBINE_JSON_WHITESPACE; default compact)")
     parser = AsyncEngineArgs.add_cli_args(parser)
     # vLLM's parser has --log-level and --otlp-traces-endpoint: they serve Turbine too.
     add_logging_args(parser, level=False)
@@ -217,6 +223,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         engine_args = AsyncEngineArgs.from_cli_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(f"invalid vLLM engine arguments: {exc}")
+    _configure_json_whitespace(engine_args, args.json_whitespace, parser)
     # Turbine detokenizes in the frontend; the engine still needs its tokenizer for EOS.
     engine_args.skip_tokenizer_init = False
     engine_args.disable_log_stats = False
@@ -226,6 +233,25 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads)
+
+
+JSON_WHITESPACE = ("compact", "any")
+# The grammar backends that honour disable_any_whitespace (auto picks between these two).
+_WHITESPACE_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+def _configure_json_whitespace(engine_args, whitespace: str, parser) -> None:
+    """--json-whitespace compact: the engine's structured-outputs config disables JSON's free
+    whitespace. Set on the config after vLLM checked it: vLLM's check refuses the setting with backend
+    `auto`, though auto only ever picks xgrammar or guidance, both of which honour it (xgrammar:
+    `any_whitespace=False` with compact separators; guidance: `whitespace_flexible=False`)."""
+    config = engine_args.structured_outputs_config
+    if whitespace == "any" or config.disable_any_whitespace:
+        return
+    if config.backend not in _WHITESPACE_BACKENDS:
+        parser.error(f"--json-whitespace compact: the structured-outputs backend {config.backend!r} cannot make "
+                     "JSON compact; use --json-whitespace any, or backend auto, xgrammar or guidance")
+    config.disable_any_whitespace = True
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:
