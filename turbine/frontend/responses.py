@@ -626,10 +626,11 @@ class ResponseBuilder:
             events += self._append_text(self.held_space, "response.output_text.delta", logprobs=[])
         return events + self._close()
 
-    def final(self, usage: UsageCount) -> dict[str, Any]:
-        """The last event: response.completed, or response.incomplete (cut by max_output_tokens)."""
+    def final(self, usage: UsageCount, response: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The last event: response.completed, or response.incomplete (cut by max_output_tokens);
+        `response`: the final response object when already built."""
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        return self._event("response." + status, response=self.response(status, usage))
+        return self._event("response." + status, response=response or self.response(status, usage))
 
     def fail(self, exc: RequestError) -> list[dict[str, Any]]:
         """The events that end a stream that failed after it started."""
@@ -782,7 +783,7 @@ class ResponsesRun(Pipeline):
                 final = builder.response("incomplete" if builder.finish_reason == "length" else "completed",
                                          self.post.usage)
                 await self.persist(final)  # before the client has the last event, and can ask for it
-                yield sse_event(builder.final(self.post.usage))
+                yield sse_event(builder.final(self.post.usage, final))
                 completed = True
             except RequestError as exc:
                 log.warning("responses stream failed: %s", exc)

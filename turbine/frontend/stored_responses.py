@@ -176,9 +176,9 @@ def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in items:
         item = dict(item)
         kind = item.setdefault("type", "message")
-        if "id" not in item or not item["id"]:
-            item["id"] = new_id({"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
-                                 "reasoning": "rs_"}.get(kind, "item_"))
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            prefixes = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+            item["id"] = new_id(prefixes.get(kind, "item_") if isinstance(kind, str) else "item_")
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": part, "text": item["content"]}]

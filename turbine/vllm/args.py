@@ -3,6 +3,7 @@ turned into one typed WorkerConfig."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -219,11 +220,11 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     if args.dtype == "auto":
         args.dtype = cpu_dtype_default() or "auto"
 
+    _configure_json_whitespace(args, parser)
     try:
         engine_args = AsyncEngineArgs.from_cli_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(f"invalid vLLM engine arguments: {exc}")
-    _configure_json_whitespace(engine_args, args.json_whitespace, parser)
     # Turbine detokenizes in the frontend; the engine still needs its tokenizer for EOS.
     engine_args.skip_tokenizer_init = False
     engine_args.disable_log_stats = False
@@ -236,22 +237,22 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
 
 
 JSON_WHITESPACE = ("compact", "any")
-# The grammar backends that honour disable_any_whitespace (auto picks between these two).
-_WHITESPACE_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
-def _configure_json_whitespace(engine_args, whitespace: str, parser) -> None:
+def _configure_json_whitespace(args, parser) -> None:
     """--json-whitespace compact: the engine's structured-outputs config disables JSON's free
-    whitespace. Set on the config after vLLM checked it: vLLM's check refuses the setting with backend
-    `auto`, though auto only ever picks xgrammar or guidance, both of which honour it (xgrammar:
-    `any_whitespace=False` with compact separators; guidance: `whitespace_flexible=False`)."""
-    config = engine_args.structured_outputs_config
-    if whitespace == "any" or config.disable_any_whitespace:
+    whitespace (xgrammar: no whitespace, compact separators; guidance: whitespace_flexible off).
+    vLLM takes this only with a named backend: `auto` (the default) becomes xgrammar, so a schema
+    that xgrammar cannot compile is a 400 naming the request's field rather than a fallback to
+    guidance (--json-whitespace any, or --structured-outputs-config with backend guidance, keeps it)."""
+    config = args.structured_outputs_config
+    if args.json_whitespace == "any" or config.disable_any_whitespace:
         return
-    if config.backend not in _WHITESPACE_BACKENDS:
+    backend = "xgrammar" if config.backend == "auto" else config.backend
+    if backend not in ("xgrammar", "guidance"):
         parser.error(f"--json-whitespace compact: the structured-outputs backend {config.backend!r} cannot make "
-                     "JSON compact; use --json-whitespace any, or backend auto, xgrammar or guidance")
-    config.disable_any_whitespace = True
+                     "JSON compact; use --json-whitespace any, or backend xgrammar or guidance")
+    args.structured_outputs_config = dataclasses.replace(config, backend=backend, disable_any_whitespace=True)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:
