@@ -499,6 +499,7 @@ class ResponseBuilder:
         self.held_space = ""  # whitespace not yet in a message: dropped if only tool calls follow
         self.finish_reason: str | None = None
         self._text_prefix: tuple[dict, bytes] | None = None  # (the open message, its text events' head)
+        self._pending: list[str] = []  # push_encoded's text of that message, not yet in its part
 
     def _event(self, type_: str, **fields) -> dict[str, Any]:
         event = {"type": type_, "sequence_number": self.seq, **fields}
@@ -506,7 +507,14 @@ class ResponseBuilder:
         return event
 
     # -- the response object --
+    def _flush_text(self) -> None:
+        """The open message's text pieces (push_encoded's) joined into its part: once, not per delta."""
+        if self._pending:
+            self._text_prefix[0]["content"][0]["text"] += "".join(self._pending)
+            self._pending.clear()
+
     def response(self, status: str, usage: UsageCount | None = None, error: dict | None = None) -> dict[str, Any]:
+        self._flush_text()
         req = self.req
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
@@ -568,6 +576,7 @@ class ResponseBuilder:
         return out
 
     def push(self, delta: Delta) -> list[dict[str, Any]]:
+        self._flush_text()
         events: list[dict[str, Any]] = []
         if delta.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
@@ -618,6 +627,7 @@ class ResponseBuilder:
         return self.close_all() + [self.final(usage)]
 
     def close_all(self) -> list[dict[str, Any]]:
+        self._flush_text()
         events = []
         if self.held_space and not self.output:  # whitespace was all the model said
             events += self._open({"id": _new_id("msg_"), "type": "message", "role": "assistant",
@@ -666,7 +676,7 @@ class ResponseBuilder:
                                  "output_index": len(self.output) - 1, "content_index": 0, "logprobs": []})
             self._text_prefix = (open_, b"event: response.output_text.delta\ndata: " + head[:-1]
                                  + b',"sequence_number":')
-        open_["content"][0]["text"] += delta.text
+        self._pending.append(delta.text)
         seq = self.seq
         self.seq += 1
         return self._text_prefix[1] + str(seq).encode() + b',"delta":' + _json.encode(delta.text) + b"}\n\n"

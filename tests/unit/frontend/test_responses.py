@@ -380,3 +380,25 @@ async def test_bad_requests_are_400s_naming_the_field(stack):
         assert info.value.body["param"] == param, info.value.body
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model="nope", input="hi")
+
+
+def test_the_encoded_stream_path_writes_the_events_the_dict_path_builds():
+    """push_encoded / start_encoded (the stream's fast path) against push / start, event for event."""
+    import json
+
+    deltas = [Delta(0, reasoning="hmm"), Delta(0, "Hello"), Delta(0, " there"), Delta(0, ","),
+              Delta(0, tool_calls=[ToolCallDelta(0, id="c", name="f", arguments="{}")]), Delta(0, finish_reason="stop")]
+
+    def parsed(data: bytes) -> list[dict]:
+        return [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
+
+    a, b = builder(), builder()
+    b.id, b.created_at = a.id, a.created_at
+    slow = [e for e in a.start()] + [e for d in deltas for e in a.push(d)] + a.finish(UsageCount(3, 4))
+    fast = parsed(b.start_encoded()) + [e for d in deltas for e in parsed(b.push_encoded(d))] + b.finish(
+        UsageCount(3, 4))
+    import re
+
+    ids = lambda events: re.sub(r'"(rs|msg|fc)_[0-9a-f]+"', '"ID"', json.dumps(events, sort_keys=True))  # noqa: E731
+    assert ids(fast) == ids(slow)
+    assert fast[-1]["response"]["output"][1]["content"][0]["text"] == "Hello there,"
