@@ -402,3 +402,13 @@ def test_the_encoded_stream_path_writes_the_events_the_dict_path_builds():
     ids = lambda events: re.sub(r'"(rs|msg|fc)_[0-9a-f]+"', '"ID"', json.dumps(events, sort_keys=True))  # noqa: E731
     assert ids(fast) == ids(slow)
     assert fast[-1]["response"]["output"][1]["content"][0]["text"] == "Hello there,"
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_of_an_incomplete_response():
+    events = run_builder(builder(max_output_tokens=3), [
+        Delta(0, tool_calls=[ToolCallDelta(0, id="c", name="f", arguments='{"city": "Par')]),
+        Delta(0, finish_reason="length")])
+    final = events[-1]["response"]
+    assert final["status"] == "incomplete" and final["output"][0]["status"] == "incomplete"
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["item"]["status"] == "incomplete"
