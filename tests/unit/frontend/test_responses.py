@@ -19,7 +19,8 @@ from turbine.frontend.app import Frontend, FrontendConfig
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend import responses
-from turbine.frontend.responses import ResponseBuilder, ResponsesRequest, decode_responses_request, messages_of
+from turbine.frontend.response_events import ResponseBuilder
+from turbine.frontend.responses import ResponsesRequest, decode_responses_request, messages_of
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import RequestFailed
 from turbine.runtime.request_plane import RequestPlaneServer
