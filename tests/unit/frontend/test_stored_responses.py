@@ -254,3 +254,22 @@ async def test_an_unreachable_shared_store_is_a_503_never_an_empty_context(front
         await client.responses.create(model="m", input="x")
     assert info.value.status_code == 503
     assert (await client.responses.create(model="m", input="x", store=False)).output_text == " hello world"
+
+
+async def test_a_cancel_reaching_another_frontend_process_marks_the_record_and_the_runner_stops(frontend_of):
+    """Two frontends sharing one store (as processes share NATS): the run is on A, the cancel reaches B."""
+    worker, make = frontend_of
+    a, client_of_a = make()
+    b, client_of_b = make()
+    b.records = a.records  # one store for both (rebuild b's routes over it)
+    from turbine.frontend.http import HttpApi
+
+    app_b = HttpApi(b).app()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app_b), base_url="http://frontend")
+    on_b = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="k", http_client=http, max_retries=0)
+    worker.delay = 30
+    slow = await client_of_a().responses.create(model="m", input="hi", background=True)
+    assert slow.id in a.background.tasks and not b.background.tasks
+    cancelled = await on_b.responses.cancel(slow.id)
+    assert cancelled.status == "cancelled" and slow.id not in a.background.tasks
+    worker.delay = 0
