@@ -113,3 +113,17 @@ def test_a_follow_up_on_the_other_process_finds_its_parent_and_an_outage_is_a_50
                                    max_output_tokens=8)
     assert again.usage.input_tokens == follow.usage.input_tokens
     assert len(other.conversations.items.list(conversation.id).data) == 3
+
+
+async def test_a_full_nats_bucket_drops_its_oldest_records_and_keeps_taking_new_ones(stack):
+    from turbine.frontend.state_store import NatsKv, StoreConfig
+
+    nats, _ = stack
+    kv = NatsKv(StoreConfig(kind="nats", nats_url=nats.url, bucket="full-bucket", max_bytes=64 << 10,
+                            max_record_bytes=16 << 10))
+    try:
+        for i in range(24):  # 24 x 8 KiB into 64 KiB
+            await kv.put(f"resp.{i}", bytes(8 << 10))
+        assert await kv.get("resp.0") is None and (await kv.get("resp.23"))[0] == bytes(8 << 10)
+    finally:
+        await kv.close()

@@ -5,7 +5,8 @@ largest value set when the bucket is made).
 
 Why NATS JetStream KV rather than etcd: the values are whole responses and conversations (up to a
 megabyte), written once per request and expiring after days. JetStream KV has a per-bucket TTL
-(`max_age`), a byte bound (`max_bytes`, oldest out) and a per-value bound, and it stores on disk
+(`max_age`), a byte bound (`max_bytes`; the bucket is set to drop its oldest writes when full) and a
+per-value bound, and it stores on disk
 (file storage), so restarting the server keeps them. etcd is made for small metadata: 1.5 MiB per
 request, a whole-database quota (2 GiB by default) that stops every write when reached, no TTL
 except through leases (one per key or per group), and every write kept as a revision until a
@@ -194,7 +195,7 @@ class NatsKv:
 
     async def _connect(self) -> None:
         from nats.aio.client import Client
-        from nats.js.api import KeyValueConfig, StorageType
+        from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType
         from nats.js.errors import BucketNotFoundError
 
         nc = Client()
@@ -219,6 +220,12 @@ class NatsKv:
                     bucket=self.cfg.bucket, description="Turbine: stored responses and conversations",
                     history=1, ttl=self.cfg.ttl_s, max_bytes=self.cfg.max_bytes, storage=StorageType.FILE,
                     max_value_size=min(self.cfg.max_record_bytes, nc.max_payload)))
+            # A full bucket drops its oldest writes (as the memory store its least recently used), instead
+            # of refusing every new one (nats-py makes key-value buckets with discard "new").
+            stream = await js.stream_info(f"KV_{self.cfg.bucket}")
+            if stream.config.discard != DiscardPolicy.OLD:
+                stream.config.discard = DiscardPolicy.OLD
+                await js.update_stream(stream.config)
         except Exception as exc:  # noqa: BLE001
             await nc.close()
             raise StoreUnavailable(f"NATS at {self.cfg.nats_url} has no JetStream key-value bucket "
