@@ -439,7 +439,10 @@ async def stored_context(req: ResponsesRequest, records: Records | None, owner: 
         await records.kv.ready()  # a store that is down is a 503 before any generation, not after
     new_items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
         else list(req.input)
-    return ResponseState(records, owner, store, with_ids(new_items), conversation_id)
+    state = ResponseState(records, owner, store, with_ids(new_items), conversation_id)
+    if store:
+        records.check_input_fits(state.input_items)
+    return state
 
 
 async def prepare(body: bytes, models, media: MediaConfig = MediaConfig(), records: Records | None = None,

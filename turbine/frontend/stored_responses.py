@@ -80,6 +80,10 @@ class Records:
         return data
 
     # -- responses --
+    def check_input_fits(self, input_items: list[dict[str, Any]]) -> None:
+        """A request whose input alone could not be stored is refused before it is generated."""
+        self._fits(_encode(input_items), "this request's input", "store")
+
     async def save_response(self, record: StoredResponse) -> None:
         await self.kv.put("resp." + record.id, self._fits(_encode(record), "the response", "store"))
 

@@ -273,3 +273,15 @@ async def test_a_cancel_reaching_another_frontend_process_marks_the_record_and_t
     cancelled = await on_b.responses.cancel(slow.id)
     assert cancelled.status == "cancelled" and slow.id not in a.background.tasks
     worker.delay = 0
+
+
+async def test_an_input_too_big_to_store_is_a_413_before_any_generation(frontend_of):
+    worker, make = frontend_of
+    _, client_of = make(FrontendConfig(store=StoreConfig(max_record_bytes=4096)))
+    client = client_of()
+    seen = len(worker.seen)
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.responses.create(model="m", input="word " * 2000)
+    assert info.value.status_code == 413 and info.value.body["param"] == "store"
+    assert len(worker.seen) == seen
+    assert (await client.responses.create(model="m", input="word " * 2000, store=False)).output_text
