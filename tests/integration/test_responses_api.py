@@ -92,6 +92,8 @@ def _only_call(response):
     calls = [o for o in response.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMS)
+    # compact JSON (the worker's --json-whitespace default): no whitespace outside strings
+    assert calls[0].arguments == json.dumps(json.loads(calls[0].arguments), separators=(",", ":"), ensure_ascii=False)
     return calls[0]
 
 
