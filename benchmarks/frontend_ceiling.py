@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -370,6 +371,161 @@ def run_tools(a, parser: argparse.ArgumentParser) -> int:
     return 0 if all(r["ok"] for r in runs) else 1
 
 
+# -- --responses: the Responses API (stored) vs Chat Completions, on one stack ----------------------
+
+RESPONSES_SYSTEMS = ("turbine", "turbine-responses")
+
+
+async def _responses_load(url: str, c: int, requests: int, responses: bool, isl_words: int, osl: int) -> dict:
+    """`requests` streamed requests, `c` at a time: chat completions (include_usage), or Responses
+    (stored: the frontend saves each before its last event); every answer checked."""
+    import asyncio
+    import json as _json
+
+    import httpx
+
+    words = " ".join(["word"] * isl_words)
+    todo = iter(range(requests))
+    tokens, bad, ttfts = [0], [], []
+
+    # The client shares the host's cores with the frontend: it decodes only what it checks (the first
+    # text, the finish and the usage), for both APIs alike, so that the frontend stays the bottleneck.
+    async def chat(client, i: int) -> tuple[float | None, str, str | None]:
+        body = {"model": SERVED, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": osl,
+                "messages": [{"role": "user", "content": f"{i} {words}"}]}
+        start, first, text, finish = time.monotonic(), None, "", None
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return None, f"HTTP {resp.status_code}", None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if first is None or '"finish_reason":"' in line or '"usage":{' in line:
+                    chunk = _json.loads(line[6:])
+                    for ch in chunk.get("choices") or ():
+                        piece = (ch.get("delta") or {}).get("content") or ""
+                        if first is None and piece:
+                            first, text = time.monotonic() - start, piece
+                        finish = ch.get("finish_reason") or finish
+                    if chunk.get("usage"):
+                        tokens[0] += chunk["usage"]["completion_tokens"]
+        return first, text, finish
+
+    async def response(client, i: int) -> tuple[float | None, str, str | None]:
+        body = {"model": SERVED, "stream": True, "max_output_tokens": osl, "input": f"{i} {words}"}
+        start, first, text, status, kind = time.monotonic(), None, "", None, ""
+        async with client.stream("POST", f"{url}/v1/responses", json=body) as resp:
+            if resp.status_code != 200:
+                return None, f"HTTP {resp.status_code}", None
+            async for line in resp.aiter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                    continue
+                if not line.startswith("data: "):
+                    continue
+                if kind == "response.output_text.delta" and first is None:
+                    first = time.monotonic() - start
+                elif kind in ("response.completed", "response.incomplete"):
+                    final = _json.loads(line[6:])["response"]
+                    status, text = final["status"], final["output"][0]["content"][0]["text"]
+                    tokens[0] += final["usage"]["output_tokens"]
+                    if not final["store"]:
+                        status = "not stored"
+        return first, text, {"completed": "stop", "incomplete": "length"}.get(status, status)
+
+    one = response if responses else chat
+
+    async def checked(client, i: int) -> None:
+        first, text, finish = await one(client, i)
+        ttfts.append(first or 0.0)
+        if not (text and finish in ("length", "stop")):
+            bad.append((text[:80], finish))
+
+    async def worker(client) -> None:
+        for i in todo:
+            await checked(client, i)
+
+    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for i in range(max(2, c)):  # warm-up
+            await checked(client, -1 - i)
+        tokens[0], bad[:], ttfts[:] = 0, [], []
+        start = time.monotonic()
+        await asyncio.gather(*(worker(client) for _ in range(c)))
+        wall = time.monotonic() - start
+    ttfts.sort()
+    return {"ok": not bad, "bad_responses": bad[:5], "n_bad": len(bad), "wall_s": wall,
+            "metrics": {"output_tok_s": tokens[0] / wall, "request_per_s": requests / wall,
+                        "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2], "requests": requests}}
+
+
+def _store_seconds(base_url: str) -> dict[str, tuple[float, float]]:
+    """The frontend's response-store histogram: op -> (sum of seconds, count)."""
+    out: dict[str, list[float]] = {}
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            for suffix, slot in (("_sum", 0), ("_count", 1)):
+                head = "turbine_frontend_response_store_seconds" + suffix + "{"
+                if line.startswith(head):
+                    op = line[len(head):].split('op="', 1)[1].split('"', 1)[0]
+                    out.setdefault(op, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    return {op: (v[0], v[1]) for op, v in out.items()}
+
+
+def run_responses(a) -> int:
+    import asyncio
+
+    a.model = a.model or default_model(a.python)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-responses-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    st = Stack("turbine", run_dir, "responses")
+    store = ["--response-store", a.response_store]
+    if a.response_store == "nats":
+        store += ["--response-store-nats-url", a.nats_url, "--response-store-bucket", f"bench-{stamp}",
+                  "--response-store-ttl", "3600"]
+    start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
+                                 "--speedup-ratio", "0", "--system-port", str(free_port()),
+                                 *a.turbine_mocker_args.split()], frontend_args=store)
+    _ready_or_stop(st, lambda: st.models_ready(SERVED, True), a.startup_timeout)
+    runs, started = [], time.time()
+    try:
+        for rep in range(a.repeats):
+            order = RESPONSES_SYSTEMS if (a.order == "abab" or rep % 2 == 0) else RESPONSES_SYSTEMS[::-1]
+            for c in a.concurrency:
+                for s in order:
+                    fe = next(p for p in st.procs if p.name.endswith("frontend"))
+                    cpu0, store0 = proc_cpu_s(fe.popen.pid), _store_seconds(st.base_url)
+                    rec = asyncio.run(_responses_load(st.base_url, c, requests_for(a, c), s == "turbine-responses",
+                                                      a.isl, a.osl))
+                    cpu1, store1 = proc_cpu_s(fe.popen.pid), _store_seconds(st.base_url)
+                    ops = {op: (store1[op][0] - store0.get(op, (0, 0))[0], store1[op][1] - store0.get(op, (0, 0))[1])
+                           for op in store1}
+                    rec.update({"repeat": rep, "system": s, "concurrency": c, "requests": requests_for(a, c),
+                                "cpu_s": {"frontend": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None},
+                                "store_ms_per_op": {op: 1000 * t / n for op, (t, n) in ops.items() if n},
+                                "store_ops": {op: n for op, (t, n) in ops.items() if n}})
+                    runs.append(rec)
+                    m = rec["metrics"]
+                    log(f"r{rep} {s} c{c}: {m['output_tok_s']:.0f} tok/s, {m['request_per_s']:.1f} req/s, "
+                        f"TTFT p50 {m['ttft_p50_ms']:.1f} ms, frontend cpu {rec['cpu_s']['frontend']}, "
+                        f"store ms/op {rec['store_ms_per_op']}, bad {rec['n_bad']}")
+    finally:
+        st.stop()
+    summary = summarize(runs, a.concurrency, list(RESPONSES_SYSTEMS[::-1]))
+    table = markdown(summary, runs, list(RESPONSES_SYSTEMS[::-1]))
+    print(table)
+    out = Path(a.out.replace("frontend_ceiling-", f"frontend_ceiling_responses_{a.response_store}-"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "turbine_frontend_ceiling_responses", "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count()}, "response_store": a.response_store,
+        "config": vars(a), "summary": summary, "runs": runs, "markdown": table}, indent=2, default=str) + "\n")
+    log(f"wrote {out}")
+    return 0 if all(r["ok"] for r in runs) else 1
+
+
 # -- --cluster-key: the internal planes with a cluster key vs without ------------------------------
 
 KEY_SYSTEMS = ("turbine-key", "turbine")
@@ -473,6 +629,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the cluster key instead: turbine-key (frontend and mocker share TURBINE_CLUSTER_KEY: "
                         "request-plane handshake, signed events) vs turbine (no key), two stacks up side by side, "
                         "KV router, built-in load (no aiperf); --isl is then the prompt's word count")
+    p.add_argument("--responses", action="store_true",
+                   help="measure the Responses API instead: turbine-responses (streamed, stored: every response "
+                        "saved before its last event) vs turbine (streamed chat completions), one mocker stack, "
+                        "built-in load (no aiperf); --isl is then the prompt's word count; the store's time per "
+                        "operation from the frontend's /metrics")
+    p.add_argument("--response-store", choices=("memory", "nats"), default="memory",
+                   help="with --responses: the frontend's --response-store")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222",
+                   help="with --responses --response-store nats: a NATS server with JetStream")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_ceiling-{today}.json"))
     return p
 
@@ -482,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.tools:
         return run_tools(a, parser)
+    if a.responses:
+        return run_responses(a)
     if a.cluster_key:
         return run_cluster_key(a)
     if a.systems is None:

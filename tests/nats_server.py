@@ -15,7 +15,8 @@ NATS_HINT = "install Debian's nats-server (apt-get install -y nats-server)"
 
 
 class NatsServer:
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, jetstream_dir: Path | None = None) -> None:
+        """`jetstream_dir`: JetStream on, its file storage there (kept across restarts)."""
         self.binary = shutil.which("nats-server")
         if self.binary is None:
             raise RuntimeError(f"nats-server binary not found: {NATS_HINT}")
@@ -23,10 +24,12 @@ class NatsServer:
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.jetstream_dir = jetstream_dir
 
     def start(self, timeout: float = 10.0) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port)],
+            js = ["-js", "-sd", str(self.jetstream_dir)] if self.jetstream_dir is not None else []
+            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port), *js],
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self._ready():

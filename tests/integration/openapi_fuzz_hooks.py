@@ -30,6 +30,17 @@ def openai_error_shape(ctx, response, case):
     stream ends with [DONE] and its error events have that shape; a Responses stream ends with
     its final event and its `error` events carry message, code and param (OpenAI's shapes)."""
     content_type = (response.headers.get("content-type") or [""])[0]
+    if case.path.startswith("/v1/messages"):  # Anthropic's shapes
+        if response.status_code >= 400:
+            body = json.loads(response.content)
+            assert body.get("type") == "error" and isinstance(body.get("error"), dict), body
+            assert isinstance(body["error"].get("message"), str) and body["error"]["message"], body
+            assert isinstance(body["error"].get("type"), str), body
+        elif content_type.startswith("text/event-stream"):
+            events = [json.loads(line[6:]) for line in response.content.decode().splitlines()
+                      if line.startswith("data: ")]
+            assert events and events[-1]["type"] in ("message_stop", "error"), f"stream ends with {events[-1:]}"
+        return
     if response.status_code >= 400:
         _check_error(json.loads(response.content), f"HTTP {response.status_code}")
     elif content_type.startswith("text/event-stream"):

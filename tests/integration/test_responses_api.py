@@ -45,20 +45,39 @@ def test_streamed_deltas_equal_the_final_text_and_the_unstreamed_text(client):
     assert text == whole.output_text == events[-1].response.output_text
 
 
-def test_previous_response_id_and_bad_input_are_named_400s_and_the_server_keeps_serving(client):
-    for kwargs, param in [({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
+def test_bad_input_is_a_named_400_and_the_server_keeps_serving(client):
+    for kwargs, param in [({"input": "hi", "include": ["file_search_call.results"]}, "include[0]"),
+                          ({"input": "hi", "prompt_cache_key": "k"}, "prompt_cache_key"),
                           ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
                            "input[0].content[0]"),
                           # (a text model: its worker runs without --enable-multimodal)
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                            "input"),
                           ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-                          ({"input": "hi", "store": True}, "store"),
                           ({"input": "hi", "extra_body": {"frobnicate": True}}, "frobnicate")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=MODEL, max_output_tokens=4, **kwargs)
         assert info.value.body["param"] == param
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=4).output_text
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_123abc", max_output_tokens=4)
+    assert info.value.body["param"] == "previous_response_id"
+
+
+def test_include_output_text_logprobs_gives_each_tokens_logprob_whole_and_streamed(client):
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**kwargs)
+    part = whole.output[0].content[0]
+    # every output token's, but the end-of-sequence token's, which is no text
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert whole.usage.output_tokens - 1 <= len(part.logprobs) <= whole.usage.output_tokens
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0, include=[])
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == part.text
 
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -86,6 +105,9 @@ def test_a_forced_tool_choice_returns_a_function_call_item_whose_arguments_valid
         arg_deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         streamed = _only_call(stream.get_final_response())
     assert "".join(arg_deltas) == streamed.arguments == whole.arguments
+    if isinstance(tool_choice, dict):  # the engine's output as it is (`required`'s list is re-serialized by its parser)
+        # compact JSON (the worker's --json-whitespace default): no whitespace outside strings
+        assert whole.arguments == json.dumps(json.loads(whole.arguments), separators=(",", ":"), ensure_ascii=False)
 
 
 def test_an_agent_loop_sends_the_tool_result_back_and_gets_an_answer(client):

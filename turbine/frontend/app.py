@@ -17,6 +17,9 @@ from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
+from turbine.frontend.response_routes import BackgroundRuns
+from turbine.frontend.state_store import StoreConfig, make_kv
+from turbine.frontend.stored_responses import Records
 from turbine.router.policy import RouterConfig, make_router
 from turbine.runtime import cluster_auth
 from turbine.runtime.request_plane import RequestPlaneClient
@@ -36,6 +39,7 @@ class FrontendConfig:
     http_port: int = flag("--http-port", default=8000)
     router: RouterConfig = RouterConfig()
     namespace: str | None = flag("--namespace", default=None)  # serve models of this namespace only; None = all
+    # One key, or several separated by commas: each client key sees only its own stored responses.
     api_key: str | None = flag("--api-key", default=None)
     max_request_bytes: int = flag("--max-request-bytes", default=8 << 20)
     # Decoded size of a /v1/completions prompt_embeds tensor file (it also counts in the body).
@@ -59,6 +63,8 @@ class FrontendConfig:
     processes: int = flag("--frontend-processes", default=1)
     # One INFO line per HTTP request on the logger turbine.access (method, path, status, duration).
     access_log: bool = flag("--access-log", default=True)
+    # Stored responses and conversations (/v1/responses with store, /v1/conversations).
+    store: StoreConfig = StoreConfig()
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
@@ -66,12 +72,18 @@ class FrontendConfig:
               f"must be at least {MIN_REQUEST_BYTES}")
         check(self, 1 <= self.max_prompt_embeds_bytes <= MAX_PROMPT_EMBEDS_BYTES, "max_prompt_embeds_bytes",
               f"must be between 1 and {MAX_PROMPT_EMBEDS_BYTES} (a request-plane frame holds 32 MiB)")
-        check(self, self.api_key is None or bool(self.api_key.strip()), "api_key", "is empty")
+        check(self, self.api_key is None or all(k.strip() for k in self.api_key.split(",")), "api_key",
+              "is empty (or has an empty key between commas)")
         check(self, self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
         check(self, self.overload_retry_after >= 0, "overload_retry_after", "must be >= 0 (seconds)")
         check(self, 1 <= self.processes <= MAX_PROCESSES, "processes", f"must be between 1 and {MAX_PROCESSES}")
         check(self, self.processes == 1 or self.http_port != 0, "processes",
               "several processes need a fixed --http-port (0 would give each its own port)")
+        object.__setattr__(self, "store", self.store.resolved(self.processes))
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_key.split(",")) if self.api_key is not None else ()
 
 
 class Frontend:
@@ -84,6 +96,9 @@ class Frontend:
         self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
                                  cfg.namespace, cfg.busy)
         self.client = RequestPlaneClient(auth=auth)
+        self.kv = make_kv(cfg.store, self.metrics.response_store)
+        self.records = Records(self.kv) if self.kv is not None else None
+        self.background = BackgroundRuns()
         self._watch_task = None
 
     @contextlib.asynccontextmanager
@@ -94,6 +109,9 @@ class Frontend:
             yield
         finally:
             self._watch_task.cancel()
+            await self.background.close()
+            if self.kv is not None:
+                await self.kv.close()
             await self.client.close()
             await self.registry.backend.close()
 

@@ -19,6 +19,7 @@ from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.frontend.media import MediaConfig
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
+from turbine.frontend.state_store import STORE_KINDS, StoreConfig
 from turbine.logging_setup import add_logging_args
 from turbine.router.config import add_kv_router_args
 from turbine.router.policy import router_config_from_args, router_modes
@@ -40,7 +41,9 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--namespace", default=env("TURBINE_NAMESPACE"),
                    help="serve only models registered in this namespace (default: all)")
     g.add_argument("--api-key", default=env("TURBINE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env TURBINE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/* (env TURBINE_API_KEY); "
+                        "several keys separated by commas, each seeing only the stored responses and "
+                        "conversations it created")
     g.add_argument("--max-request-bytes", type=int, default=env_int("TURBINE_MAX_REQUEST_BYTES", 8 << 20),
                    help="larger request bodies get HTTP 413 (env TURBINE_MAX_REQUEST_BYTES)")
     g.add_argument("--max-prompt-embeds-bytes", type=int,
@@ -119,6 +122,30 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    default=env_float("TURBINE_ENCODE_TIMEOUT", DisaggConfig.encode_timeout_s),
                    help="seconds an encode worker may take before the next is tried (none left: the workers "
                         "encode the images themselves)")
+    st = parser.add_argument_group("Turbine frontend: stored responses and conversations (/v1/responses with "
+                                   "store, previous_response_id, background; /v1/conversations)")
+    st.add_argument("--response-store", choices=STORE_KINDS, default=env("TURBINE_RESPONSE_STORE", "auto"),
+                    help="where they live: memory (this process), nats (a NATS JetStream key-value bucket every "
+                         "frontend shares), off (stateless: store defaults to false, store: true is refused); "
+                         "auto: memory for one process, off for --frontend-processes > 1 (default auto)")
+    st.add_argument("--response-store-nats-url", default=env("TURBINE_RESPONSE_STORE_NATS_URL", StoreConfig.nats_url),
+                    help="the NATS server (JetStream on: nats-server -js) of --response-store nats")
+    st.add_argument("--response-store-bucket", default=env("TURBINE_RESPONSE_STORE_BUCKET", StoreConfig.bucket),
+                    help="the JetStream key-value bucket of --response-store nats (made when missing)")
+    st.add_argument("--response-store-ttl", type=float,
+                    default=env_float("TURBINE_RESPONSE_STORE_TTL", StoreConfig.ttl_s),
+                    help="seconds a stored response or conversation is kept (default 30 days, as OpenAI)")
+    st.add_argument("--response-store-max-bytes", type=int,
+                    default=env_int("TURBINE_RESPONSE_STORE_MAX_BYTES", StoreConfig.max_bytes),
+                    help="bytes the store holds at most; past it the least recently used (memory) or oldest "
+                         "(nats) go first (default 256 MiB)")
+    st.add_argument("--response-store-max-entries", type=int,
+                    default=env_int("TURBINE_RESPONSE_STORE_MAX_ENTRIES", StoreConfig.max_entries),
+                    help="responses and conversations the memory store holds at most (default 10000)")
+    st.add_argument("--response-store-max-record-bytes", type=int,
+                    default=env_int("TURBINE_RESPONSE_STORE_MAX_RECORD_BYTES", StoreConfig.max_record_bytes),
+                    help="largest stored response or conversation (nats: at most the server's max_payload); a "
+                         "larger one is refused with 413 (default 1 MiB)")
     m = parser.add_argument_group("Turbine frontend: request migration (a request whose worker fails goes on "
                                   "on another)")
     m.add_argument("--migration-limit", type=int, default=env_int("TURBINE_MIGRATION_LIMIT", None),
@@ -157,6 +184,11 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                                                   prefill_timeout_s=args.prefill_timeout,
                                                   image_embedding_transport=args.image_embedding_transport,
                                                   encode_timeout_s=args.encode_timeout),
+                              store=StoreConfig(kind=args.response_store, nats_url=args.response_store_nats_url,
+                                                bucket=args.response_store_bucket, ttl_s=args.response_store_ttl,
+                                                max_bytes=args.response_store_max_bytes,
+                                                max_entries=args.response_store_max_entries,
+                                                max_record_bytes=args.response_store_max_record_bytes),
                               migration=MigrationConfig(limit=args.migration_limit,
                                                         max_seq_len=args.migration_max_seq_len))
 

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbine import tracing
-from turbine.frontend import request_id
+from turbine.frontend import anthropic, request_id
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.embeddings import embeddings
@@ -32,8 +32,10 @@ from turbine.frontend.openapi import OPENAPI_PATH, openapi_json
 from turbine.frontend.overload import InflightLimit
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Kind, preprocess_all
+from turbine.frontend.response_routes import ResponseRoutes
 from turbine.frontend.responses import ResponsesRun
 from turbine.frontend.responses import prepare as prepare_response
+from turbine.frontend.stored_responses import owner_of
 from turbine.frontend.structured import WORKER_PARAM
 from turbine.frontend.utility_routes import UtilityRoutes
 from turbine.logging_setup import request_id_var
@@ -45,9 +47,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("turbine.frontend")
 access_log = logging.getLogger("turbine.access")
 
-# The Responses API runs on the chat path (turbine/frontend/responses.py).
-GENERATION_ROUTES: dict[str, Kind | Literal["responses"]] = {
-    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+# The Responses API (turbine/frontend/responses.py) and Anthropic's Messages API
+# (turbine/frontend/anthropic.py) run on the chat path.
+GENERATION_ROUTES: dict[str, Kind | Literal["responses", "messages"]] = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+    "/v1/messages": "messages"}
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
@@ -70,11 +74,13 @@ class HttpApi:
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route(OPENAPI_PATH, self.openapi, methods=["GET"]),
             *UtilityRoutes(self.frontend, self._auth).routes(),
+            *ResponseRoutes(self.frontend.records, self.frontend.background, self._auth, self._owner).routes(),
         ]
         others = Starlette(routes=routes, lifespan=self.frontend.lifespan,
                            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
@@ -103,11 +109,15 @@ class HttpApi:
                             response = await self.generate(request, kind)
                         except Exception as exc:
                             response = await self._internal_error(request, exc)
+                        if kind == "messages" and response.status_code >= 400:
+                            response = anthropic.anthropic_error(response)
                         obs.respond(response)  # a generation answer's writes go straight to the server
                         await response(scope, receive, send)
                     finally:
                         self.inflight.leave()
                     return
+                if kind == "messages":
+                    response = anthropic.anthropic_error(response)
                 obs.respond(response)
                 await response(scope, receive, send)
             finally:
@@ -164,7 +174,7 @@ class HttpApi:
         return JSONResponse({"object": "list", "data": data})
 
     # -- generation --------------------------------------------------------------------
-    async def generate(self, request: Request, kind: Kind | Literal["responses"]):
+    async def generate(self, request: Request, kind: Kind | Literal["responses", "messages"]):
         model_name, prepared = "-", None
         try:
             if (denied := self._auth(request)) is not None:
@@ -172,8 +182,11 @@ class HttpApi:
             body = await self._read_body(request)
             span = tracing.start("preprocess") if tracing.tracer is not None else None
             try:
-                if kind == "responses":
-                    responses_req, prepared = await prepare_response(body, self.frontend.models, self.cfg.media)
+                if kind == "messages":
+                    messages_req, prepared = await anthropic.prepare(body, self.frontend.models, self.cfg.media)
+                elif kind == "responses":
+                    responses_req, prepared, state = await prepare_response(
+                        body, self.frontend.models, self.cfg.media, self.frontend.records, self._owner(request))
                 else:
                     batch = await preprocess_all(body, kind, self.frontend.models, self.cfg.ignore_unknown_fields,
                                                  self.cfg.max_prompt_embeds_bytes, self.cfg.media)
@@ -182,10 +195,18 @@ class HttpApi:
                 tracing.end(span, exc.message)
                 raise
             tracing.end(span)
-            if kind == "responses":
+            if kind == "messages":
+                model_name = prepared.model.name
+                run = anthropic.MessagesRun(messages_req, prepared, self.frontend.client, self.metrics.of(model_name),
+                                            self.cfg.disagg, self.cfg.migration)
+            elif kind == "responses":
                 model_name = prepared.model.name
                 run = ResponsesRun(responses_req, prepared, self.frontend.client, self.metrics.of(model_name),
-                                   self.cfg.disagg, self.cfg.migration)
+                                   self.cfg.disagg, self.cfg.migration, state)
+                if responses_req.background:  # generated by a task of this process; the client polls
+                    queued = await self.frontend.background.start(run)
+                    self.metrics.requests.labels(model_name, kind, "200").inc()
+                    return JSONResponse(queued)
             else:
                 model_name = prepared.model.name
                 if prepared.user is not None and log.isEnabledFor(logging.DEBUG):
@@ -208,6 +229,17 @@ class HttpApi:
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
             return self._error(exc)
 
+    async def count_tokens(self, request: Request):
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as the chat template renders it."""
+        if (denied := self._auth(request)) is not None:
+            return anthropic.anthropic_error(denied)
+        try:
+            _, prepared = await anthropic.prepare(await self._read_body(request), self.frontend.models,
+                                                  self.cfg.media, count_only=True)
+            return JSONResponse(anthropic.count_tokens(prepared))
+        except RequestError as exc:
+            return anthropic.error_response(exc.status, exc.message)
+
     def _error(self, exc: RequestError) -> JSONResponse:
         """The error's OpenAI-style answer; an overload 503 says when to come back (Retry-After)."""
         response = JSONResponse(exc.body(), status_code=exc.status)
@@ -225,16 +257,27 @@ class HttpApi:
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
 
-    def _auth(self, request: Request) -> JSONResponse | None:
-        key = self.cfg.api_key
-        if key is None:
-            return None
+    def _key_of(self, request: Request) -> str | None:
+        """The configured API key the request carries ('Authorization: Bearer KEY', or Anthropic's
+        'x-api-key: KEY'), or None."""
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        found = None
+        for key in self.cfg.api_keys:  # every key compared, in constant time each
+            if hmac.compare_digest(given.encode(), key.encode()):
+                found = key
+        return found
+
+    def _auth(self, request: Request) -> JSONResponse | None:
+        if not self.cfg.api_keys or self._key_of(request) is not None:
             return None
         return error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                               "authentication_error")
+
+    def _owner(self, request: Request) -> str:
+        """Whose stored responses and conversations the request sees: its API key's (all alike without keys)."""
+        return owner_of(self._key_of(request)) if self.cfg.api_keys else ""
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.cfg.max_request_bytes

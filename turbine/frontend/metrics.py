@@ -37,6 +37,12 @@ class FrontendMetrics:
                                          "generated tokens of each finished request", ["model"],
                                          buckets=_SEQUENCE_BUCKETS, registry=r)
         self.router = RouterMetrics(r)  # the kv routers' metrics, in this registry
+        # The response store (stored responses, conversations): each operation's time, by op.
+        self.response_store = Histogram("turbine_frontend_response_store_seconds",
+                                        "response store operations (get, put, create, update, delete)", ["op"],
+                                        buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                                 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                        registry=r)
         self.disconnects = Counter("turbine_frontend_disconnected_clients", "clients gone before the end",
                                    ["model"], registry=r)
         self.prefills = Counter("turbine_frontend_prefills",

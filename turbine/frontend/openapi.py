@@ -24,6 +24,7 @@ from turbine.frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from turbine.frontend.anthropic import MessagesRequest
 from turbine.frontend.responses import ResponsesRequest
 from turbine.frontend.utility_routes import VERSION, DetokenizeRequest, TokenizeRequest
 
@@ -111,6 +112,17 @@ _ERROR = {
     "required": ["error"],
 }
 
+_ANTHROPIC_ERROR = {
+    "title": "AnthropicError",
+    "description": "Every failure of /v1/messages, in Anthropic's shape (an `error` SSE event once a stream "
+                   "has started).",
+    "type": "object",
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        "required": ["type", "message"]}},
+    "required": ["type", "error"],
+}
+
 # path -> (summary, request struct or None for GET, the 200 content types, needs the API key)
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 _JSON_OR_SSE = {**_JSON, "text/event-stream": {}}
@@ -118,8 +130,10 @@ _OPERATIONS: dict[str, tuple[str, type[msgspec.Struct] | None, dict, bool]] = {
     "/v1/chat/completions": ("Chat completion (JSON, or SSE when stream is true)", ChatCompletionRequest,
                              _JSON_OR_SSE, True),
     "/v1/completions": ("Text completion (JSON, or SSE when stream is true)", CompletionRequest, _JSON_OR_SSE, True),
-    "/v1/responses": ("Responses API, stateless (JSON, or SSE when stream is true)", ResponsesRequest,
+    "/v1/responses": ("Responses API (JSON, or SSE when stream is true); stored by default", ResponsesRequest,
                       _JSON_OR_SSE, True),
+    "/v1/messages": ("Anthropic's Messages API (JSON, or SSE when stream is true); errors in Anthropic's shape",
+                     MessagesRequest, _JSON_OR_SSE, True),
     "/v1/embeddings": ("Embeddings from pooling workers", EmbeddingRequest, _JSON, True),
     "/tokenize": ("A prompt or chat messages -> token ids (vLLM's shape)", TokenizeRequest, _JSON, True),
     "/detokenize": ("Token ids -> text (vLLM's shape)", DetokenizeRequest, _JSON, True),
@@ -146,11 +160,16 @@ def openapi_document() -> dict[str, Any]:
     components["CompletionRequest"]["anyOf"] = [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}]
     # decode_responses_request refuses unknown fields itself (the struct does not forbid them).
     components["ResponsesRequest"]["additionalProperties"] = False
+    components["MessagesRequest"]["additionalProperties"] = False
+    components["MessagesRequest"]["required"] = sorted({*components["MessagesRequest"].get("required", []),
+                                                        "max_tokens"})
     components["Error"] = _ERROR
-    error = {"description": "An OpenAI-style error", "content": {"application/json": {"schema": {"$ref": _REF.format(
-        name="Error")}}}}
+    components["AnthropicError"] = _ANTHROPIC_ERROR
     paths: dict[str, Any] = {}
     for path, (summary, struct, ok, keyed) in _OPERATIONS.items():
+        shape = "AnthropicError" if path.startswith("/v1/messages") else "Error"
+        error = {"description": "An Anthropic-style error" if shape == "AnthropicError" else "An OpenAI-style error",
+                 "content": {"application/json": {"schema": {"$ref": _REF.format(name=shape)}}}}
         op: dict[str, Any] = {"summary": summary, "operationId": path.strip("/").replace("/", "_") or "root",
                               "responses": {"200": {"description": "OK", "content": ok}, "4XX": error, "5XX": error}}
         if struct is not None:

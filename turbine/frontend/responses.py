@@ -1,18 +1,21 @@
-"""`POST /v1/responses` (OpenAI's Responses API), stateless: a Responses body becomes a chat
-completions body (messages, tools, tool_choice, response_format) and runs the chat path's
-stages (preprocess -> dispatch -> postprocess); the deltas are then written as a response
-object whose `output` holds reasoning, message and function_call items, or as the semantic
-stream events (`response.created` ... `response.completed`) the official client parses.
+"""`POST /v1/responses` (OpenAI's Responses API): a Responses body becomes a chat completions body
+(messages, tools, tool_choice, response_format, logprobs) and runs the chat path's stages
+(preprocess -> dispatch -> postprocess); the deltas are then written as a response object whose
+`output` holds reasoning, message and function_call items, or as the semantic stream events
+(`response.created` ... `response.completed`) the official client parses.
 
-Nothing is stored: `previous_response_id` and `store: true` are refused, so a client never
-believes a later request can refer to this one. Fields this module does not act on are
-refused with a 400 naming them."""
+State (turbine/frontend/stored_responses.py): with `store` (default true, as OpenAI's, unless the
+frontend runs with `--response-store off`) the response is saved before its last byte is sent;
+`previous_response_id` continues from a stored response (its input and output, and its
+predecessors', become this request's context) and `conversation` from a conversation's items
+(this request's input and output are then appended to it). `background` runs are in
+turbine/frontend/response_routes.py. Every field the official client's `ResponseCreateParams`
+has is either honoured here or refused with a 400 naming it."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import time
 from typing import Any
@@ -20,13 +23,14 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from turbine.frontend.deltas import Delta, UsageCount
-from turbine.frontend.errors import RequestError, WorkerFailed
+from turbine.frontend.errors import RequestError
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.media import DETAILS, MediaConfig
 from turbine.frontend.openai_schemas import ChatCompletionRequest, json_object
 from turbine.frontend.pipeline import Pipeline
 from turbine.frontend.preprocess import Prepared, preprocess
+from turbine.frontend.response_events import ResponseBuilder, sse_event
+from turbine.frontend.stored_responses import Records, StoredResponse, with_ids
 
 log = logging.getLogger("turbine.frontend")
 
@@ -48,21 +52,49 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    store: bool | None = None
+    safety_identifier: str | None = None  # as `user`: logged, does not change generation
+    store: bool | None = None  # None: true when this frontend has a response store
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None  # a conversation id, or {"id": ...}
+    include: list[str] | None = None
+    top_logprobs: int | None = None  # with include message.output_text.logprobs
+    background: bool | None = None
+    truncation: str | None = None  # "disabled" (what this server does); "auto" refused
+    service_tier: str | None = None  # "auto" / "default" (the only tier here)
+    stream_options: dict[str, Any] | None = None  # {include_obfuscation: false}
 
+
+# Fields of the official client's ResponseCreateParams this server does not act on: a 400 naming
+# the field and why, when given a value other than null.
+REFUSED_FIELDS = {
+    "prompt": "this server keeps no prompt templates; send the prompt in instructions and input",
+    "prompt_cache_key": "prompt caching here is automatic (prefix caching and KV-aware routing), with no key",
+    "prompt_cache_retention": "cached prefixes are kept by the engines' cache, not per request",
+    "prompt_cache_options": "cached prefixes are kept by the engines' cache, not per request",
+    "max_tool_calls": "the number of tool calls is not bounded per request; use parallel_tool_calls: false "
+                      "for at most one",
+    "context_management": "this server does not compact context; send what the model should see",
+    "moderation": "this server runs no moderation model",
+    "background_options": "background runs take no options here",
+    "access_programs": "this server has no access programs",
+    "image": "image generation is not served here",
+    "cyber": "not applicable to this server",
+}
+# What `include` may ask for: honoured, or (the tools' outputs this server has no tools for) refused.
+INCLUDE_HONOURED = ("message.output_text.logprobs", "reasoning.encrypted_content")
+SERVICE_TIERS = ("auto", "default")
 
 _FIELDS = frozenset(ResponsesRequest.__struct_fields__)
 _CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")
 # A chat-path parameter named in an error -> the Responses field the client sent.
 _PARAM_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                  "response_format": "text.format", "tool_choice": "tool_choice"}
+                  "response_format": "text.format", "tool_choice": "tool_choice", "top_logprobs": "top_logprobs",
+                  "logprobs": "include"}
 # Keys of input items that describe an item the client got back from us (echoed in agent
 # loops that send `response.output` back); they ask for nothing.
 _ECHOED_KEYS = {"id", "status", "type"}
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-
 
 def _fail(param: str, message: str) -> RequestError:
     return RequestError(f"{param}: {message}", param=param)
@@ -70,8 +102,12 @@ def _fail(param: str, message: str) -> RequestError:
 
 def decode_responses_request(body: bytes) -> ResponsesRequest:
     raw = json_object(body)
-    for name in raw:
-        if name not in _FIELDS:
+    for name in list(raw):
+        if name in REFUSED_FIELDS:
+            if raw[name] is not None:
+                raise _fail(name, f"is not supported: {REFUSED_FIELDS[name]}")
+            del raw[name]
+        elif name not in _FIELDS:
             raise _fail(name, "is not supported by this server's /v1/responses")
     try:
         return msgspec.convert(raw, ResponsesRequest)
@@ -82,11 +118,13 @@ def decode_responses_request(body: bytes) -> ResponsesRequest:
 
 
 # -- Responses body -> chat body ---------------------------------------------------------
-def chat_body(req: ResponsesRequest, origins: dict[str, str] | None = None) -> dict[str, Any]:
-    """The chat completions body that asks for what `req` asks for. Raises RequestError
-    naming the Responses field for anything this server cannot honour. `origins` (when given)
-    gets each image's chat location -> its Responses location, for renaming the media stage's errors."""
-    body = converted_body(req, origins)
+def chat_body(req: ResponsesRequest, origins: dict[str, str] | None = None,
+              items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat completions body that asks for what `req` asks for (`items`: its whole input, a
+    stored context first; default `req.input`). Raises RequestError naming the Responses field for
+    anything this server cannot honour. `origins` (when given) gets each image's chat location ->
+    its Responses location, for renaming the media stage's errors."""
+    body = converted_body(req, origins, items)
     for name in body:
         # The chat request drops fields it does not know: never hand it one it would ignore.
         if name not in _CHAT_FIELDS:
@@ -94,23 +132,38 @@ def chat_body(req: ResponsesRequest, origins: dict[str, str] | None = None) -> d
     return body
 
 
-def converted_body(req: ResponsesRequest, origins: dict[str, str] | None = None) -> dict[str, Any]:
+def converted_body(req: ResponsesRequest, origins: dict[str, str] | None = None,
+                   items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """`req` as chat completions fields (unchecked against what the chat path takes)."""
-    if req.previous_response_id is not None:
-        raise _fail("previous_response_id", "this server keeps no responses (stateless); "
-                    "send the whole conversation in `input` instead")
-    if req.store:
-        raise _fail("store", "this server keeps no responses; send store: false or leave it out")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise _fail("reasoning", "reasoning effort and summaries are not configurable here; the model's "
                     "reasoning (when its worker has a reasoning parser) comes back as reasoning items")
     _check_metadata(req.metadata)
-    body: dict[str, Any] = {"model": req.model, "messages": messages_of(req.input, req.instructions, origins),
-                            "stream": req.stream}
+    logprobs = _check_include(req)
+    if req.truncation not in (None, "disabled"):
+        raise _fail("truncation", "only 'disabled' is supported: an input over the model's context is a 400, "
+                    "never cut silently")
+    if req.service_tier is not None and req.service_tier not in SERVICE_TIERS:
+        raise _fail("service_tier", f"this server has one tier; send {' or '.join(SERVICE_TIERS)}")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise _fail("stream_options", "is only allowed when stream is true")
+        for key, value in req.stream_options.items():
+            if key != "include_obfuscation":
+                raise _fail(f"stream_options.{key}", "is not supported")
+            if value is not False:
+                raise _fail("stream_options.include_obfuscation", "this server adds no obfuscation padding; "
+                            "send false")
+    body: dict[str, Any] = {"model": req.model, "stream": req.stream,
+                            "messages": messages_of(req.input if items is None else items, req.instructions,
+                                                    origins)}
     for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("user", req.user)):
         if value is not None:
             body[name] = value
+    if logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     if req.tools:
         body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -122,6 +175,20 @@ def converted_body(req: ResponsesRequest, origins: dict[str, str] | None = None)
         if response_format is not None:
             body["response_format"] = response_format
     return body
+
+
+def _check_include(req: ResponsesRequest) -> bool:
+    """Whether the output text's logprobs are asked for. `reasoning.encrypted_content` is honoured
+    with what this server can truthfully give: reasoning items carry their text in `content`, which
+    a client may send back as is; nothing is encrypted, so `encrypted_content` stays null."""
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDE_HONOURED:
+            raise _fail(f"include[{i}]", f"{value!r} is not supported: this server runs no built-in tools and "
+                        f"keeps no files; it honours {', '.join(INCLUDE_HONOURED)}")
+    logprobs = "message.output_text.logprobs" in (req.include or ())
+    if req.top_logprobs is not None and not logprobs:
+        raise _fail("top_logprobs", "needs include: ['message.output_text.logprobs']")
+    return logprobs
 
 
 def messages_of(input_: str | list[dict[str, Any]], instructions: str | None,
@@ -328,12 +395,70 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                         f"values at most {MAX_METADATA_VALUE}")
 
 
-async def prepare(body: bytes, models, media: MediaConfig = MediaConfig()) -> tuple[ResponsesRequest, Prepared]:
-    """Decode, convert and run the chat preprocess stage (its media stage under the operator's
-    bounds); errors name the Responses field."""
+@dataclasses.dataclass
+class ResponseState:
+    """What a Responses request stores, and where: the records (None: no store here), the
+    caller's owner tag, this request's input items (with ids, as stored), and its conversation."""
+
+    records: Records | None = None
+    owner: str = ""
+    store: bool = False
+    input_items: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    conversation_id: str | None = None
+
+
+def conversation_id_of(conversation: str | dict[str, Any] | None) -> str | None:
+    if conversation is None or isinstance(conversation, str):
+        return conversation
+    if set(conversation) != {"id"} or not isinstance(conversation.get("id"), str):
+        raise _fail("conversation", "is a conversation id or {id: ...}")
+    return conversation["id"]
+
+
+async def stored_context(req: ResponsesRequest, records: Records | None, owner: str) -> ResponseState:
+    """The request's state: whether it is stored, and the items it continues from (a stored
+    response's chain, or a conversation's items). Refused by name where this server has no store."""
+    conversation_id = conversation_id_of(req.conversation)
+    if records is None:
+        for name, value in (("store", req.store), ("previous_response_id", req.previous_response_id),
+                            ("conversation", conversation_id), ("background", req.background)):
+            if value:
+                raise _fail(name, "this frontend keeps no responses (--response-store off); send store: false "
+                            "and the whole conversation in input")
+        return ResponseState()
+    store = req.store is not False
+    if req.background:
+        if not store:
+            raise _fail("background", "a background response must be stored (store: true) to be polled")
+        if req.stream:
+            raise _fail("background", "streaming a background response is not supported; poll "
+                        "GET /v1/responses/{id} instead")
+    if req.previous_response_id is not None and conversation_id is not None:
+        raise _fail("previous_response_id", "give previous_response_id or conversation, not both")
+    if store:
+        await records.kv.ready()  # a store that is down is a 503 before any generation, not after
+    new_items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
+        else list(req.input)
+    state = ResponseState(records, owner, store, with_ids(new_items), conversation_id)
+    if store:
+        records.check_input_fits(state.input_items)
+    return state
+
+
+async def prepare(body: bytes, models, media: MediaConfig = MediaConfig(), records: Records | None = None,
+                  owner: str = "") -> tuple[ResponsesRequest, Prepared, ResponseState]:
+    """Decode, load the stored context, convert and run the chat preprocess stage (its media stage
+    under the operator's bounds); errors name the Responses field."""
     req = decode_responses_request(body)
+    state = await stored_context(req, records, owner)
+    context: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        context = await records.context(req.previous_response_id, owner)
+    elif state.conversation_id is not None:
+        context = (await records.conversation(state.conversation_id, owner, "conversation")).items
     origins: dict[str, str] = {}
-    chat = chat_body(req, origins)
+    items = context + state.input_items if state.records is not None else None
+    chat = chat_body(req, origins, items)
     try:
         prepared = await preprocess(_json.encode(chat), "chat", models, media=media)
     except RequestError as exc:
@@ -343,192 +468,45 @@ async def prepare(body: bytes, models, media: MediaConfig = MediaConfig()) -> tu
         raise
     if prepared.constraint_param in _PARAM_OF_CHAT:  # a constraint the engine refuses names text.format
         prepared = dataclasses.replace(prepared, constraint_param=_PARAM_OF_CHAT[prepared.constraint_param])
-    return req, prepared
-
-
-# -- deltas -> output items and stream events ------------------------------------------------
-def _new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
-
-
-class ResponseBuilder:
-    """Builds one response's output items from its deltas, and the stream events that say
-    so. The whole (non-streamed) response is built by the same code with its events unused,
-    so the two can't disagree. At most one item is open at a time: reasoning, a message, or
-    a function call (a tool-call parser emits one call whole before the next)."""
-
-    def __init__(self, req: ResponsesRequest, response_id: str, model: str, count_tokens):
-        self.req = req
-        self.id = response_id
-        self.model = model
-        self.created_at = int(time.time())
-        self.count_tokens = count_tokens  # text -> tokens, for usage's reasoning_tokens (None: unknown)
-        self.output: list[dict[str, Any]] = []
-        self.seq = 0
-        self.open: dict[str, Any] | None = None
-        self.open_call_index: int | None = None
-        self.held_space = ""  # whitespace not yet in a message: dropped if only tool calls follow
-        self.finish_reason: str | None = None
-
-    def _event(self, type_: str, **fields) -> dict[str, Any]:
-        event = {"type": type_, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return event
-
-    # -- the response object --
-    def response(self, status: str, usage: UsageCount | None = None, error: dict | None = None) -> dict[str, Any]:
-        req = self.req
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens, "model": self.model, "output": list(self.output),
-            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False,
-            "temperature": req.temperature, "top_p": req.top_p,
-            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
-            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": req.tools or [], "truncation": "disabled", "user": req.user, "metadata": req.metadata or {},
-            "usage": self._usage(usage) if usage is not None else None,
-        }
-
-    def _usage(self, u: UsageCount) -> dict[str, Any]:
-        reasoning = "".join(c["text"] for item in self.output if item["type"] == "reasoning"
-                            for c in item["content"])
-        usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                 "output_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens}
-        # Re-encoded from the reasoning text: the workers do not count reasoning tokens apart. In
-        # text mode the frontend has no tokenizer, and the count is left out rather than guessed.
-        if not reasoning or self.count_tokens is not None:
-            usage["output_tokens_details"] = {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0}
-        return usage
-
-    # -- events --
-    def start(self) -> list[dict[str, Any]]:
-        created = self.response("in_progress")
-        return [self._event("response.created", response=created),
-                self._event("response.in_progress", response=created)]
-
-    def push(self, delta: Delta) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if delta.reasoning:
-            if self.open is None or self.open["type"] != "reasoning":
-                events += self._close()
-                events += self._open({"id": _new_id("rs_"), "type": "reasoning", "summary": [],
-                                      "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"},
-                                     {"type": "reasoning_text", "text": ""})
-            events += self._append_text(delta.reasoning, "response.reasoning_text.delta")
-        if delta.text:
-            text = self.held_space + delta.text
-            if self.open is None or self.open["type"] != "message":
-                if not text.strip():
-                    self.held_space = text  # maybe only the gap before a tool call
-                    text = ""
-                else:
-                    self.held_space = ""
-                    events += self._close()
-                    events += self._open({"id": _new_id("msg_"), "type": "message", "role": "assistant",
-                                          "status": "in_progress", "content": []},
-                                         {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            if text:
-                self.held_space = ""
-                events += self._append_text(text, "response.output_text.delta", logprobs=[])
-        for call in delta.tool_calls or ():
-            if call.index != self.open_call_index:
-                events += self._close()
-                self.held_space = ""
-                self.open_call_index = call.index
-                events += self._open({"id": _new_id("fc_"), "type": "function_call", "status": "in_progress",
-                                      "call_id": call.id or _new_id("call_"), "name": call.name or "",
-                                      "arguments": ""}, None)
-            item = self.open
-            if call.name and not item["name"]:
-                item["name"] = call.name
-            if call.arguments:
-                item["arguments"] += call.arguments
-                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                          output_index=len(self.output) - 1, delta=call.arguments))
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-        return events
-
-    def finish(self, usage: UsageCount) -> list[dict[str, Any]]:
-        events = []
-        if self.held_space and not self.output:  # whitespace was all the model said
-            events += self._open({"id": _new_id("msg_"), "type": "message", "role": "assistant",
-                                  "status": "in_progress", "content": []},
-                                 {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            events += self._append_text(self.held_space, "response.output_text.delta", logprobs=[])
-        events += self._close()
-        status = "incomplete" if self.finish_reason == "length" else "completed"
-        final = self.response(status, usage)
-        return events + [self._event("response." + status, response=final)]
-
-    def fail(self, exc: RequestError) -> list[dict[str, Any]]:
-        """The events that end a stream that failed after it started."""
-        code = "server_error" if isinstance(exc, WorkerFailed) or exc.status >= 500 else "invalid_prompt"
-        error = self._event("error", code=exc.code or code, message=exc.message, param=exc.param)
-        return [error, self._event("response.failed",
-                                   response=self.response("failed", error={"code": code, "message": exc.message}))]
-
-    # -- items --
-    def _open(self, item: dict[str, Any], part: dict[str, Any] | None) -> list[dict[str, Any]]:
-        self.output.append(item)
-        self.open = item
-        index = len(self.output) - 1
-        added = dict(item, content=[]) if "content" in item else dict(item)
-        events = [self._event("response.output_item.added", output_index=index, item=added)]
-        if part is not None:
-            if item["type"] == "message":
-                item["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                      content_index=0, part=dict(part)))
-        return events
-
-    def _append_text(self, text: str, event_type: str, **extra) -> list[dict[str, Any]]:
-        part = self.open["content"][0]
-        part["text"] += text
-        return [self._event(event_type, item_id=self.open["id"], output_index=len(self.output) - 1,
-                            content_index=0, delta=text, **extra)]
-
-    def _close(self) -> list[dict[str, Any]]:
-        item, self.open, self.open_call_index = self.open, None, None
-        if item is None:
-            return []
-        index = len(self.output) - 1
-        item["status"] = "completed"
-        events = []
-        if item["type"] == "function_call":
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, name=item["name"], arguments=item["arguments"]))
-        else:
-            part = item["content"][0]
-            if item["type"] == "message":
-                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"], logprobs=[]))
-            else:
-                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"]))
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=dict(part)))
-        events.append(self._event("response.output_item.done", output_index=index, item=item))
-        return events
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+    return req, prepared, state
 
 
 class ResponsesRun(Pipeline):
-    """Runs one Responses request through the chat pipeline and writes it, whole or streamed."""
+    """Runs one Responses request through the chat pipeline and writes it, whole or streamed; a
+    stored one is saved (and its conversation extended) before the client has its last event."""
 
-    def __init__(self, req: ResponsesRequest, prepared: Prepared, client, metrics, disagg, migration):
+    def __init__(self, req: ResponsesRequest, prepared: Prepared, client, metrics, disagg, migration,
+                 state: ResponseState = ResponseState()):
         super().__init__(prepared, client, metrics, disagg, migration)
         tokenizer = prepared.model.tokenizer  # None in text mode
         count = None if tokenizer is None else lambda text: len(tokenizer.encode(text, add_special_tokens=False))
-        self.builder = ResponseBuilder(req, "resp_" + prepared.request.request_id, prepared.model.name, count)
+        token_text = None if tokenizer is None else lambda t: tokenizer.decode([t], skip_special_tokens=False)
+        self.state = state
+        self.builder = ResponseBuilder(req, "resp_" + prepared.request.request_id, prepared.model.name, count,
+                                       store=state.store, conversation_id=state.conversation_id,
+                                       token_text=token_text)
 
-    async def whole(self) -> Response:
+    @property
+    def id(self) -> str:
+        return self.builder.id
+
+    async def persist(self, response: dict[str, Any]) -> None:
+        """Saves the response (and appends to its conversation) when it is stored; raises
+        StoreUnavailable (503) when the store cannot be reached."""
+        state = self.state
+        if not state.store or state.records is None:
+            return
+        record = StoredResponse(id=self.builder.id, owner=state.owner, response=response,
+                                previous_response_id=self.builder.req.previous_response_id,
+                                conversation_id=state.conversation_id, input_items=state.input_items)
+        await state.records.save_response(record)
+        if state.conversation_id is not None and response["status"] in ("completed", "incomplete"):
+            added = state.input_items + response["output"]
+            await state.records.change_conversation(state.conversation_id, state.owner,
+                                                    lambda conv: conv.items.extend(added), "conversation")
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole response object, once generated (not saved)."""
         builder = self.builder
         started = time.monotonic()
         self.metrics.inflight.inc()
@@ -538,7 +516,11 @@ class ResponsesRun(Pipeline):
         finally:
             self.metrics.inflight.dec()
             self.metrics.duration.observe(time.monotonic() - started)
-        final = builder.finish(self.post.usage)[-1]["response"]
+        return builder.finish(self.post.usage)[-1]["response"]
+
+    async def whole(self) -> Response:
+        final = await self.collect()
+        await self.persist(final)
         return Response(_json.encode(final), media_type="application/json")
 
     async def stream(self) -> EventStreamResponse:
@@ -552,15 +534,17 @@ class ResponsesRun(Pipeline):
             metrics.inflight.inc()
             completed = False
             try:
-                for event in builder.start():
-                    yield sse_event(event)
+                yield builder.start_encoded()
                 delta = first
                 while delta is not None:
-                    for event in builder.push(delta):
-                        yield sse_event(event)
+                    yield builder.push_encoded(delta)
                     delta = await anext(deltas, None)
-                for event in builder.finish(self.post.usage):
+                for event in builder.close_all():
                     yield sse_event(event)
+                final = builder.response("incomplete" if builder.finish_reason == "length" else "completed",
+                                         self.post.usage)
+                await self.persist(final)  # before the client has the last event, and can ask for it
+                yield sse_event(builder.final(self.post.usage, final))
                 completed = True
             except RequestError as exc:
                 log.warning("responses stream failed: %s", exc)

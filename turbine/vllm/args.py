@@ -3,13 +3,14 @@ turned into one typed WorkerConfig."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
 from dataclasses import dataclass
 
 from turbine.config import check, flag
-from turbine.flag_sources import add_config_arg, env_errors, with_config_file
+from turbine.flag_sources import add_config_arg, env_errors, env_str, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
 from turbine.vllm.compat import EC_CONSUMER_RELEASES, VLLM_VERSION, release_of
@@ -162,6 +163,12 @@ def _build_parser():
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
                              "tokenizer the frontend cannot load). KV-aware routing falls back to load only")
+    parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default=env_str("TURBINE_JSON_WHITESPACE", "compact"),
+                        help="whitespace in structured JSON outputs (forced tool calls, response_format json_schema / "
+                             "json_object, guided_json): compact (none between tokens: a small model cannot run away "
+                             "in newlines until max_tokens; measured in benchmarks/json_whitespace.py) or any (JSON's "
+                             "free whitespace, vLLM's default). Engine-wide: vLLM's grammar backends read it from the "
+                             "engine's config, not per request (env TURBINE_JSON_WHITESPACE; default compact)")
     parser = AsyncEngineArgs.add_cli_args(parser)
     # vLLM's parser has --log-level and --otlp-traces-endpoint: they serve Turbine too.
     add_logging_args(parser, level=False)
@@ -213,6 +220,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     if args.dtype == "auto":
         args.dtype = cpu_dtype_default() or "auto"
 
+    _configure_json_whitespace(args, parser)
     try:
         engine_args = AsyncEngineArgs.from_cli_args(args)
     except (TypeError, ValueError) as exc:
@@ -226,6 +234,25 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads)
+
+
+JSON_WHITESPACE = ("compact", "any")
+
+
+def _configure_json_whitespace(args, parser) -> None:
+    """--json-whitespace compact: the engine's structured-outputs config disables JSON's free
+    whitespace (xgrammar: no whitespace, compact separators; guidance: whitespace_flexible off).
+    vLLM takes this only with a named backend: `auto` (the default) becomes xgrammar, so a schema
+    that xgrammar cannot compile is a 400 naming the request's field rather than a fallback to
+    guidance (--json-whitespace any, or --structured-outputs-config with backend guidance, keeps it)."""
+    config = args.structured_outputs_config
+    if args.json_whitespace == "any" or config.disable_any_whitespace:
+        return
+    backend = "xgrammar" if config.backend == "auto" else config.backend
+    if backend not in ("xgrammar", "guidance"):
+        parser.error(f"--json-whitespace compact: the structured-outputs backend {config.backend!r} cannot make "
+                     "JSON compact; use --json-whitespace any, or backend xgrammar or guidance")
+    args.structured_outputs_config = dataclasses.replace(config, backend=backend, disable_any_whitespace=True)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:

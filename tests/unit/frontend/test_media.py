@@ -260,7 +260,7 @@ def responses_body(url: str, **part) -> bytes:
 async def test_responses_input_image_takes_the_chat_media_path(vlm_tokenizer):
     red = picture()
     chat = await preprocess(chat_body(data_url(red)), "chat", table(vlm_tokenizer, True))
-    _, resp = await responses.prepare(responses_body(data_url(red), detail="auto"), table(vlm_tokenizer, True))
+    _, resp, _ = await responses.prepare(responses_body(data_url(red), detail="auto"), table(vlm_tokenizer, True))
     assert resp.request.token_ids == chat.request.token_ids and resp.request.images == chat.request.images
     # The media stage's refusals name the Responses field, under the operator's bounds.
     for url, cfg, why in [("http://127.0.0.1:9/x.png", MediaConfig(), "loopback"),

@@ -19,7 +19,8 @@ from turbine.frontend.app import Frontend, FrontendConfig
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend import responses
-from turbine.frontend.responses import ResponseBuilder, ResponsesRequest, decode_responses_request, messages_of
+from turbine.frontend.response_events import ResponseBuilder
+from turbine.frontend.responses import ResponsesRequest, decode_responses_request, messages_of
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import RequestFailed
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -123,11 +124,14 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
 
 
 @pytest.mark.parametrize("param, body", [
-    ("previous_response_id", {"input": "x", "previous_response_id": "resp_1"}),
-    ("store", {"input": "x", "store": True}),
     ("reasoning", {"input": "x", "reasoning": {"effort": "high"}}),
-    ("include", {"input": "x", "include": ["reasoning.encrypted_content"]}),
-    ("background", {"input": "x", "background": True}),
+    ("include[1]", {"input": "x", "include": ["reasoning.encrypted_content", "file_search_call.results"]}),
+    ("top_logprobs", {"input": "x", "top_logprobs": 3}),
+    ("truncation", {"input": "x", "truncation": "auto"}),
+    ("service_tier", {"input": "x", "service_tier": "flex"}),
+    ("stream_options", {"input": "x", "stream_options": {"include_obfuscation": False}}),
+    ("stream_options.include_obfuscation", {"input": "x", "stream": True,
+                                            "stream_options": {"include_obfuscation": True}}),
     ("input", {"input": []}),
     ("input", {"input": 5}),
     ("input[0].role", {"input": [{"role": "tool", "content": "x"}]}),
@@ -158,6 +162,32 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(param, body):
     refused(param, **body)
+
+
+@pytest.mark.parametrize("name", sorted(responses.REFUSED_FIELDS))
+def test_every_client_field_not_acted_on_is_refused_by_name_and_null_is_fine(name):
+    with pytest.raises(RequestError) as info:
+        request(input="x", **{name: {"x": 1}})
+    assert info.value.param == name and "not supported" in info.value.message
+    assert convert(input="x", **{name: None})["messages"]  # what a client sends for "not given"
+
+
+def test_every_field_of_the_official_clients_create_params_is_known():
+    """Walks openai's ResponseCreateParams: each field is honoured (a struct field) or refused by name."""
+    from openai.types.responses.response_create_params import ResponseCreateParamsBase
+
+    given = set(ResponseCreateParamsBase.__annotations__)
+    known = set(ResponsesRequest.__struct_fields__) | set(responses.REFUSED_FIELDS)
+    assert given - known == set()
+
+
+async def test_stored_state_fields_are_refused_by_name_without_a_store():
+    for name, value in (("store", True), ("previous_response_id", "resp_1"), ("conversation", "conv_1"),
+                        ("background", True)):
+        with pytest.raises(RequestError) as info:
+            await responses.stored_context(request(input="x", **{name: value}), None, "")
+        assert info.value.param == name and "--response-store off" in info.value.message
+    assert (await responses.stored_context(request(input="x"), None, "")).store is False
 
 
 def test_harmless_forms_of_refusable_fields_are_accepted():
@@ -278,12 +308,13 @@ class Worker:
         self.parts = [tokenizer.encode(" hello", add_special_tokens=False),
                       tokenizer.encode(" world", add_special_tokens=False)]
         self.fail_after_first = False
+        self.delay = 0.0  # seconds between the two outputs, beyond the usual 50 ms
         self.seen: list[GenerateRequest] = []
 
     async def generate(self, req: GenerateRequest, ctx):
         self.seen.append(req)
         yield GenerateOutput(token_ids=self.parts[0])
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05 + self.delay)
         if self.fail_after_first:
             raise RequestFailed("engine fell over", code="engine_failure")
         n = sum(len(p) for p in self.parts)
@@ -342,8 +373,7 @@ async def test_a_failure_after_the_first_token_ends_the_stream_with_response_fai
 
 async def test_bad_requests_are_400s_naming_the_field(stack):
     _, client = stack
-    for kwargs, param in [({"previous_response_id": "resp_x"}, "previous_response_id"),
-                          ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    for kwargs, param in [({"extra_body": {"frobnicate": 1}}, "frobnicate"),
                           ({"max_output_tokens": 0}, "max_output_tokens"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens")]:
         with pytest.raises(openai.BadRequestError) as info:
@@ -351,3 +381,35 @@ async def test_bad_requests_are_400s_naming_the_field(stack):
         assert info.value.body["param"] == param, info.value.body
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model="nope", input="hi")
+
+
+def test_the_encoded_stream_path_writes_the_events_the_dict_path_builds():
+    """push_encoded / start_encoded (the stream's fast path) against push / start, event for event."""
+    import json
+
+    deltas = [Delta(0, reasoning="hmm"), Delta(0, "Hello"), Delta(0, " there"), Delta(0, ","),
+              Delta(0, tool_calls=[ToolCallDelta(0, id="c", name="f", arguments="{}")]), Delta(0, finish_reason="stop")]
+
+    def parsed(data: bytes) -> list[dict]:
+        return [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
+
+    a, b = builder(), builder()
+    b.id, b.created_at = a.id, a.created_at
+    slow = [e for e in a.start()] + [e for d in deltas for e in a.push(d)] + a.finish(UsageCount(3, 4))
+    fast = parsed(b.start_encoded()) + [e for d in deltas for e in parsed(b.push_encoded(d))] + b.finish(
+        UsageCount(3, 4))
+    import re
+
+    ids = lambda events: re.sub(r'"(rs|msg|fc)_[0-9a-f]+"', '"ID"', json.dumps(events, sort_keys=True))  # noqa: E731
+    assert ids(fast) == ids(slow)
+    assert fast[-1]["response"]["output"][1]["content"][0]["text"] == "Hello there,"
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_of_an_incomplete_response():
+    events = run_builder(builder(max_output_tokens=3), [
+        Delta(0, tool_calls=[ToolCallDelta(0, id="c", name="f", arguments='{"city": "Par')]),
+        Delta(0, finish_reason="length")])
+    final = events[-1]["response"]
+    assert final["status"] == "incomplete" and final["output"][0]["status"] == "incomplete"
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["item"]["status"] == "incomplete"

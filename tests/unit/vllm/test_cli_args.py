@@ -282,3 +282,16 @@ def test_a_pooling_worker_serves_embeddings_only(capsys):
         with pytest.raises(SystemExit):
             parse_worker_args(argv)
         assert words in capsys.readouterr().err
+
+
+def test_json_whitespace_is_compact_by_default_and_any_keeps_vllms_config(capsys):
+    """Forced tool calls and JSON outputs: no free whitespace by default (benchmarks/json_whitespace.py)."""
+    compact = parse_worker_args(["--enforce-eager"]).engine_args.structured_outputs_config
+    assert (compact.backend, compact.disable_any_whitespace) == ("xgrammar", True)
+    guidance = parse_worker_args(["--enforce-eager", "--structured-outputs-config", '{"backend": "guidance"}'])
+    assert guidance.engine_args.structured_outputs_config.disable_any_whitespace is True
+    loose = parse_worker_args(["--enforce-eager", "--json-whitespace", "any"]).engine_args.structured_outputs_config
+    assert (loose.backend, loose.disable_any_whitespace) == ("auto", False)
+    with pytest.raises(SystemExit):
+        parse_worker_args(["--enforce-eager", "--structured-outputs-config", '{"backend": "outlines"}'])
+    assert "--json-whitespace" in capsys.readouterr().err
