@@ -4,10 +4,15 @@ A generation request runs the stages in order:
 
     preprocess (body -> Prepared) -> dispatch (workers' outputs) -> postprocess (Deltas)
     -> format (chat or completions, JSON or SSE)
+
+Every request that makes a worker work (generation and embeddings) runs under a ClientWatch
+(disconnect.py): a client that leaves before its answer is complete cancels it, which aborts its
+engine requests, streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -24,6 +29,7 @@ from turbine import tracing
 from turbine.frontend import request_id
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
+from turbine.frontend.disconnect import ClientWatch
 from turbine.frontend.embeddings import embeddings
 from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
@@ -48,6 +54,10 @@ access_log = logging.getLogger("turbine.access")
 # The Responses API runs on the chat path (turbine/frontend/responses.py).
 GENERATION_ROUTES: dict[str, Kind | Literal["responses"]] = {
     "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+EMBEDDINGS_ROUTE = "/v1/embeddings"
+# The status written in the access log and counted in turbine_frontend_requests for a request whose
+# client left before its answer was complete (nginx's "client closed request").
+CLIENT_LEFT = 499
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
@@ -69,7 +79,6 @@ class HttpApi:
         and Starlette's middleware would wrap every one of those writes twice."""
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -84,7 +93,7 @@ class HttpApi:
                 return await others(scope, receive, send)
             obs = _Observed(scope, self.cfg.access_log)
             try:
-                kind = GENERATION_ROUTES.get(scope["path"])
+                kind = "embeddings" if scope["path"] == EMBEDDINGS_ROUTE else GENERATION_ROUTES.get(scope["path"])
                 if obs.refusal is not None:
                     response = obs.refusal
                 elif kind is None:  # Starlette's routes: one or two writes, seen through a wrapper
@@ -97,15 +106,21 @@ class HttpApi:
                     response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
                                                       f"(--max-inflight-requests); retry later"))
                 else:
-                    request = Request(scope, receive)
+                    watch = ClientWatch(receive)
+                    request = Request(scope, watch.receive)
                     try:  # held until the answer's last byte is sent
+                        work = self.embeddings(request) if kind == "embeddings" else self.generate(request, kind)
                         try:
-                            response = await self.generate(request, kind)
+                            response = await watch.run(work)
                         except Exception as exc:
                             response = await self._internal_error(request, exc)
+                        if response is None:  # the client left first: its work was cancelled
+                            obs.status = CLIENT_LEFT
+                            return
                         obs.respond(response)  # a generation answer's writes go straight to the server
-                        await response(scope, receive, send)
+                        await response(scope, watch.receive, send)
                     finally:
+                        watch.close()
                         self.inflight.leave()
                     return
                 obs.respond(response)
@@ -200,6 +215,11 @@ class HttpApi:
             response = await (run.stream() if prepared.stream else run.whole())
             self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
             return response
+        except asyncio.CancelledError:  # the client left before the answer (a stream: before its first token)
+            if prepared is not None:
+                self.metrics.of(model_name).disconnects.inc()
+                self.metrics.requests.labels(model_name, kind, str(CLIENT_LEFT)).inc()
+            raise
         except RequestError as exc:
             if isinstance(exc, WorkerFailed):
                 log.warning("request failed on its worker: %s", exc)
@@ -220,7 +240,8 @@ class HttpApi:
         try:
             if (denied := self._auth(request)) is not None:
                 return denied
-            body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client)
+            body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client,
+                                    self.metrics)
             return Response(body, media_type="application/json")
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)

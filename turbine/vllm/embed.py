@@ -48,6 +48,9 @@ class EmbedHandlers:
         except ValueError as exc:  # vLLM's input validation
             self.metrics.error("invalid_request")
             raise InvalidRequest(str(exc)) from exc
+        except asyncio.CancelledError:  # the caller cancelled or went away: each input was aborted (_one)
+            self.metrics.cancellations.inc()
+            raise
         finally:
             self.metrics.inflight.dec()
         self.metrics.request_done("success")
