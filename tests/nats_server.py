@@ -15,7 +15,8 @@ NATS_HINT = "install Debian's nats-server (apt-get install -y nats-server)"
 
 
 class NatsServer:
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, max_payload: int | None = None) -> None:
+        """`max_payload`: the largest message it takes (nats-server's default: 1 MiB)."""
         self.binary = shutil.which("nats-server")
         if self.binary is None:
             raise RuntimeError(f"nats-server binary not found: {NATS_HINT}")
@@ -23,10 +24,15 @@ class NatsServer:
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.config: Path | None = None
+        if max_payload is not None:
+            self.config = log_path.with_suffix(".conf")
+            self.config.write_text(f"max_payload: {max_payload}\n")
 
     def start(self, timeout: float = 10.0) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port)],
+            config = ["-c", str(self.config)] if self.config is not None else []
+            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port), *config],
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self._ready():

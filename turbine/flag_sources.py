@@ -51,6 +51,16 @@ def env_float(name: str, default: float | None) -> float | None:
         raise EnvVarError(name, value, "a number") from None
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of `choices` from `name`; unset or empty: `default`."""
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value not in choices:
+        raise EnvVarError(name, value, f"one of {', '.join(choices)}")
+    return value
+
+
 def env_bool(name: str, default: bool = False) -> bool:
     value = os.environ.get(name)
     if value is None:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from turbine.config import ClusterSecurityConfig, DiscoveryConfig, check, flag, make_registry
+from turbine.config import ClusterSecurityConfig, DiscoveryConfig, RequestPlaneConfig, check, flag, make_registry
 from turbine.frontend.busy_queue import BusyConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
@@ -19,7 +19,6 @@ from turbine.frontend.models import ModelTable
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
 from turbine.runtime import cluster_auth
-from turbine.runtime.request_plane import RequestPlaneClient
 
 MIN_REQUEST_BYTES = 1024
 
@@ -48,6 +47,8 @@ class FrontendConfig:
     ignore_unknown_fields: bool = flag("--ignore-unknown-fields", default=False)
     # How it proves itself to workers and routers, and checks their events.
     security: ClusterSecurityConfig = ClusterSecurityConfig()
+    # How it reaches workers: tcp or nats (workers registered on the other plane are not routed to).
+    request_plane: RequestPlaneConfig = RequestPlaneConfig()
     # Overload control: generation requests held at once (more get 503), and the Retry-After
     # (seconds) of every 503 'overloaded' answer.
     max_inflight_requests: int = flag("--max-inflight-requests", default=DEFAULT_MAX_INFLIGHT_REQUESTS)
@@ -72,6 +73,7 @@ class FrontendConfig:
         check(self, 1 <= self.processes <= MAX_PROCESSES, "processes", f"must be between 1 and {MAX_PROCESSES}")
         check(self, self.processes == 1 or self.http_port != 0, "processes",
               "several processes need a fixed --http-port (0 would give each its own port)")
+        self.request_plane.check_security(self, self.security)
 
 
 class Frontend:
@@ -79,11 +81,12 @@ class Frontend:
         self.cfg = cfg
         auth = cfg.security.auth()
         cluster_auth.install(auth)  # the routers' event subscribers take it from there
+        cfg.request_plane.install()  # and their clients (missed KV events) this
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
         self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
-                                 cfg.namespace, cfg.busy)
-        self.client = RequestPlaneClient(auth=auth)
+                                 cfg.namespace, cfg.busy, cfg.request_plane)
+        self.client = cfg.request_plane.client(auth=auth)
         self._watch_task = None
 
     @contextlib.asynccontextmanager

@@ -7,9 +7,11 @@ import argparse
 from turbine.config import (
     add_cluster_security_args,
     add_discovery_args,
+    add_request_plane_args,
     cluster_security_from_args,
     config_errors_to,
     discovery_config_from_args,
+    request_plane_from_args,
 )
 from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
 from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
@@ -153,6 +155,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                                                 frontend_decoding=args.frontend_decoding),
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
+                              request_plane=request_plane_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
                                                   prefill_timeout_s=args.prefill_timeout,
                                                   image_embedding_transport=args.image_embedding_transport,
@@ -168,6 +171,7 @@ def build_parser(prog: str = "python -m turbine.frontend") -> argparse.ArgumentP
         add_frontend_args(parser)
         add_discovery_args(parser)
         add_cluster_security_args(parser, listens=False)  # its internal-plane side is client only
+        add_request_plane_args(parser.add_argument_group("Turbine request plane"))
         add_logging_args(parser)
         add_tracing_args(parser)
     return parser

@@ -44,6 +44,7 @@ from turbine.frontend.structured import WORKER_PARAM
 from turbine.frontend.utility_routes import UtilityRoutes
 from turbine.logging_setup import request_id_var
 from turbine.protocol import errors as codes
+from turbine.runtime.errors import FrameTooLarge
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
@@ -215,6 +216,9 @@ class HttpApi:
             response = await (run.stream() if prepared.stream else run.whole())
             self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
             return response
+        except FrameTooLarge as exc:  # e.g. over the NATS server's max_payload (--request-plane nats)
+            self.metrics.requests.labels(model_name, kind, "413").inc()
+            return self._error(RequestError(f"the request is too large to send to a worker: {exc}", status=413))
         except asyncio.CancelledError:  # the client left before the answer (a stream: before its first token)
             if prepared is not None:
                 self.metrics.of(model_name).disconnects.inc()
@@ -243,6 +247,8 @@ class HttpApi:
             body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client,
                                     self.metrics)
             return Response(body, media_type="application/json")
+        except FrameTooLarge as exc:
+            return self._error(RequestError(f"the request is too large to send to a worker: {exc}", status=413))
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
 

@@ -33,7 +33,6 @@ from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collect
 from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.worker.lora_slots import LoraSlots
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
-from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
 from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
@@ -106,7 +105,7 @@ class SimulatedWorker:
         self.handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             self.engines, self.metrics, cfg.model_info.vocab_size, instance_id=self.instance_id,
             on_success=health.succeeded, admission=cfg.admission(self.metrics))
-        self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        self.server = cfg.request_plane_config.server(cfg.host, cfg.port)
         self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
         self.events.serve_replay(self.server)

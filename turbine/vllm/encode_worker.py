@@ -113,7 +113,7 @@ class EncodeEngine:
         log.info("encode worker: %s vision tower in %s, embedding cache %.0f MiB, files in %s",
                  self.encoder.spec.architecture, dtype, cfg.embedding_cache_mb, directory)
         self.on_success = health.succeeded
-        server = self._server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        server = self._server = cfg.request_plane_config.server(cfg.host, cfg.port)
         server.register(ENCODE_ENDPOINT, EncodeRequest, self.encode)
         card = cfg.model_card(self.instance_id, engine="encoder", tokenizer_path=tokenizer_folder(cfg.model_path),
                               context_length=0, kv_block_size=0, total_kv_blocks=0, max_num_seqs=0,

@@ -124,7 +124,7 @@ class VllmEngine:
         # prompts as the engine holds them (as the KV events give them) and checks max_tokens against them.
         placeholder = None if image_token is None else measured_placeholder(engine.renderer, image_token)
         handlers.image_placeholder = placeholder
-        server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        server = cfg.request_plane_config.server(cfg.host, cfg.port)
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
         self.pooling = vcfg.model_config.runner_type == "pooling"
         if self.pooling:

@@ -14,9 +14,12 @@ from typing import Literal, get_args
 
 from turbine.config import (
     DEFAULT_NAMESPACE,
+    REQUEST_PLANES,
     ClusterSecurityConfig,
     DiscoveryConfig,
+    RequestPlaneConfig,
     add_cluster_security_args,
+    add_request_plane_args,
     add_discovery_args,
     check,
     cluster_security_from_args,
@@ -69,7 +72,9 @@ class ServingConfig:
     graceful_shutdown_timeout: float = flag("--graceful-shutdown-timeout", default=30.0)
     # How load reports and KV events reach routers.
     event_plane: EventPlaneKind = flag("--event-plane", default="zmq")
-    nats_server: str = flag("--nats-server", default=DEFAULT_NATS_SERVER)  # with --event-plane nats
+    # How requests reach it: "tcp" (its --host/--port) or "nats" (RequestPlaneConfig).
+    request_plane: str = flag("--request-plane", default="tcp")
+    nats_server: str = flag("--nats-server", default=DEFAULT_NATS_SERVER)  # with --event-plane / --request-plane nats
     # Recent KV event batches kept for routers that missed some.
     kv_events_buffer: int = flag("--kv-events-buffer", default=DEFAULT_REPLAY_BUFFER)
     disaggregation_mode: DisaggregationMode = flag("--disaggregation-mode", default="agg")
@@ -112,6 +117,9 @@ class ServingConfig:
             parse_server(self.nats_server)
         except ValueError as exc:
             check(self, False, "nats_server", str(exc))
+        check(self, self.request_plane in REQUEST_PLANES, "request_plane",
+              f"{self.request_plane!r}: choose from {', '.join(REQUEST_PLANES)}")
+        self.request_plane_config.check_security(self, self.security)
         check(self, self.kv_events_buffer >= 0, "kv_events_buffer", "must be >= 0")
         check(self, self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
               f"{self.disaggregation_mode!r}: choose from {', '.join(DISAGGREGATION_MODES)}")
@@ -125,6 +133,11 @@ class ServingConfig:
             check(self, problem is None, "lora_modules", problem or "")
             check(self, name != self.served_model_name, "lora_modules", f"{name!r} is the served model's name")
         check(self, len(set(names)) == len(names), "lora_modules", "an adapter name is given twice")
+
+    @property
+    def request_plane_config(self) -> RequestPlaneConfig:
+        """Its request plane (both fields checked by __post_init__)."""
+        return RequestPlaneConfig(kind=self.request_plane, nats_server=self.nats_server)
 
     def admission(self, metrics: WorkerMetrics | None = None) -> Admission:
         """The worker's overload control with these bounds."""
@@ -215,7 +228,9 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        help="how KV events and load metrics reach routers: zmq (each worker binds a PUB "
                             "socket) or nats (through the NATS server of --nats-server, for many hosts)")
     group.add_argument("--nats-server", default=env("TURBINE_NATS_SERVER", DEFAULT_NATS_SERVER),
-                       help="NATS server for --event-plane nats (nats://HOST:PORT)")
+                       help="NATS server of --event-plane nats and --request-plane nats (nats://HOST:PORT; env "
+                            "TURBINE_NATS_SERVER)")
+    add_request_plane_args(group, nats_server=False)
     group.add_argument("--kv-events-buffer", type=int,
                        default=env_int("TURBINE_KV_EVENTS_BUFFER", DEFAULT_REPLAY_BUFFER),
                        help="recent KV event batches kept (up to 8 MiB) to replay to a router that missed "
@@ -322,7 +337,8 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         endpoint_types=types, tool_call_parser=args.dyn_tool_call_parser,
         reasoning_parser=reasoning, custom_jinja_template=template,
         migration_limit=args.migration_limit, graceful_shutdown_timeout=args.graceful_shutdown_timeout,
-        event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
+        event_plane=args.event_plane, request_plane=args.request_plane, nats_server=nats_server,
+        kv_events_buffer=args.kv_events_buffer,
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
         security=cluster_security_from_args(args, parser),
         max_waiting_requests=args.max_waiting_requests, max_queued_prefill_tokens=args.max_queued_prefill_tokens,

@@ -111,6 +111,7 @@ class WorkerHost:
 
     async def run(self) -> int:
         cluster_auth.install(self.cfg.security.auth())  # before any plane opens
+        self.cfg.request_plane_config.install()
         stop_on_signals(self.stopping)
         try:
             snapshot = SnapshotControl.from_env()
@@ -180,9 +181,14 @@ class WorkerHost:
         cfg, engine, health = self.cfg, self.engine, self.health
         plane = None
         registry = None
+        nats_link = None
         try:
             # Before the engine: an unreachable NATS server fails the start at once.
             plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
+            if cfg.request_plane == "nats":  # (the request-plane servers share this connection)
+                from turbine.runtime.request_plane_nats import NatsLink
+
+                nats_link = await NatsLink.acquire(cfg.nats_server)
             instances = await engine.start(plane, health)
             registry = make_registry(cfg.discovery)
             await registry.backend.start()
@@ -221,6 +227,8 @@ class WorkerHost:
             await self._close_engine()  # before the plane its publishers use
             if plane is not None:
                 await plane.close()
+            if nats_link is not None:
+                await nats_link.release()
         return self.exit_code
 
     async def _load_start_adapters(self) -> bool:
