@@ -84,3 +84,37 @@ def test_a_client_that_gives_up_has_its_engine_requests_aborted(client, cluster,
         assert now["left"] - before["left"] == 1
     # The workers serve on: a short request right after.
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_workers_kv_gauges_equal_vllms_during_a_request(client, cluster):
+    """Issue 33, §2: per rank, the blocks in use and the usage share the worker exports are vLLM's own
+    (the usage is vllm:kv_cache_usage_perc, to the digit), and the model's load time is known."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def rank0(text: str, name: str) -> float:
+        [value] = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and s.labels.get("dp_rank", s.labels.get("engine")) == "0"]
+        return value
+
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 40, max_tokens=LONG,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))
+        seen = None
+        deadline = time.monotonic() + 30
+        while seen is None and time.monotonic() < deadline:
+            for w in cluster["workers"]:
+                text = http_text(f"{w.url}/metrics")
+                usage = rank0(text, "turbine_worker_kv_cache_usage_perc")
+                if usage > 0:
+                    seen = (text, usage)
+                    break
+            time.sleep(0.1)
+        assert seen is not None, "no worker showed the request's blocks"
+        text, usage = seen
+        assert usage == rank0(text, "vllm:kv_cache_usage_perc")
+        total = rank0(text, "turbine_worker_total_kv_blocks")
+        assert rank0(text, "turbine_worker_active_kv_blocks") == round(usage * (total - 1)) > 0
+        assert metric(text, "turbine_worker_model_load_seconds") > 0
+    finally:
+        stream.close()

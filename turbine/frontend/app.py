@@ -18,9 +18,12 @@ from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
-from turbine.runtime import cluster_auth
+from turbine.runtime import cluster_auth, prometheus_multiprocess
 
 MIN_REQUEST_BYTES = 1024
+# With several frontend processes a scrape reads every process's metric files, but a router's counts are
+# brought up to date only when they are exported: each process exports its own this often.
+ROUTER_METRICS_EXPORT_S = 1.0
 
 
 # Far above what one frontend process streams at speed (benchmarks/RESULTS.md, frontend ceiling),
@@ -89,13 +92,29 @@ class Frontend:
         self.client = cfg.request_plane.client(auth=auth)
         self._watch_task = None
 
+    def export_router_metrics(self) -> None:
+        """Bring the routers' metrics up to date (they count in their own structures)."""
+        for model in self.models.models.values():
+            model.router.export_metrics()
+            if model.prefill_router is not None:
+                model.prefill_router.export_metrics()
+
+    async def _export_router_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTER_METRICS_EXPORT_S)
+            self.export_router_metrics()
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         await self.registry.backend.start()
         self._watch_task = asyncio.create_task(self.models.run())
+        exporter = (asyncio.create_task(self._export_router_metrics()) if prometheus_multiprocess.enabled()
+                    else None)
         try:
             yield
         finally:
+            if exporter is not None:
+                exporter.cancel()
             self._watch_task.cancel()
             await self.client.close()
             await self.registry.backend.close()

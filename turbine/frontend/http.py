@@ -18,7 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Literal
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -160,11 +160,8 @@ class HttpApi:
         return JSONResponse(body)
 
     async def prometheus(self, request: Request):
-        for model in self.frontend.models.models.values():
-            model.router.export_metrics()
-            if model.prefill_router is not None:
-                model.prefill_router.export_metrics()
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        self.frontend.export_router_metrics()
+        return Response(self.metrics.exposition.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: Request):
         """The OpenAPI document (turbine/frontend/openapi.py); no API key: it is the same everywhere."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from dataclasses import replace
 
@@ -60,6 +61,7 @@ class WorkerEngines:
             self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer,
                                            lora_load_ms=cfg.lora_load_ms))
         self.level = 0  # sleep level, 0: awake
+        self.build_seconds = 0.0  # set by SimulatedEngines.build (turbine_worker_model_load_seconds)
 
     async def sleep(self, level: int) -> None:
         """Free the simulated KV cache: every cached block is dropped (AllBlocksCleared goes
@@ -99,8 +101,9 @@ class SimulatedWorker:
                     engine.scheduler.tiers.on_event = engine.scheduler.pool.on_event
             engine.on_step = self._load_reporter(rank)
             self._publish_load(rank, engine.scheduler)  # the idle state, re-sent until it changes (keepalive)
-        self.metrics = WorkerMetrics(labels)
-        self.metrics.total_kv_blocks.set(0 if engines.level else cfg.num_gpu_blocks)
+        self.metrics = WorkerMetrics(labels, data_parallel_size=cfg.data_parallel_size)
+        self.metrics.set_total_kv_blocks(0 if engines.level else cfg.num_gpu_blocks)
+        self.metrics.model_load_seconds.set(engines.build_seconds)
         self.gauges = EngineGauges(labels, [e.scheduler for e in self.engines])
         self.handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             self.engines, self.metrics, cfg.model_info.vocab_size, instance_id=self.instance_id,
@@ -123,11 +126,14 @@ class SimulatedWorker:
 
     async def sleep(self, level: int) -> None:
         await self.worker_engines.sleep(level)
-        self.metrics.total_kv_blocks.set(0)
+        self.metrics.set_total_kv_blocks(0)
 
     async def wake_up(self) -> None:
+        level, waking = self.worker_engines.level, time.monotonic()
         await self.worker_engines.wake_up()
-        self.metrics.total_kv_blocks.set(self.cfg.num_gpu_blocks)
+        if level == 2:  # the weights "loaded again" (the mocker has none: the wake's own time)
+            self.metrics.model_load_seconds.set(time.monotonic() - waking)
+        self.metrics.set_total_kv_blocks(self.cfg.num_gpu_blocks)
 
     # Its LoRA adapters (turbine/worker/lora.py checks them and runs the load / unload sequence).
     def lora_refusal(self) -> str | None:
@@ -162,6 +168,10 @@ class SimulatedWorker:
 
     def refresh_gauges(self) -> None:
         self.metrics.engine_unfinished.set(sum(e.scheduler.num_unfinished for e in self.engines))
+        for gauges, engine in zip(self.metrics.ranks, self.engines):
+            pool = engine.scheduler.pool
+            gauges.active_kv_blocks.set(pool.num_in_use)
+            gauges.kv_cache_usage.set(pool.num_in_use / pool.num_blocks if pool.num_blocks else 0.0)
         self.gauges.refresh()
 
     async def canary(self) -> str | None:
@@ -216,6 +226,7 @@ class SimulatedEngines:
 
     async def build(self) -> None:
         cfg, info = self.cfg, self.cfg.model_info
+        building = time.monotonic()
         if cfg.startup_time > 0:
             # As a real engine loading its model: nothing is registered until this is over.
             log.info("simulating engine start-up: %.1fs", cfg.startup_time)
@@ -223,6 +234,8 @@ class SimulatedEngines:
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
                                info.word_token_ids, reply_token_ids(cfg))
         self.built = [WorkerEngines(cfg, sampler) for _ in range(cfg.num_workers)]
+        for engines in self.built:  # the build, as a real engine's model load (with --startup-time)
+            engines.build_seconds = time.monotonic() - building
         self._tasks = [asyncio.create_task(e.run()) for w in self.built for e in w.engines]
 
     def checkpoint_refusal(self) -> str | None:

@@ -104,7 +104,9 @@ class EncodeEngine:
         import torch
 
         torch.set_num_threads(cfg.encoder_threads)
+        loading = time.monotonic()
         self.encoder = await asyncio.to_thread(ImageEncoder, cfg.model_path, dtype)
+        self.metrics.model_load_seconds.set(time.monotonic() - loading)
         directory = cfg.embedding_dir
         if directory is None:
             directory = self._own_dir = tempfile.mkdtemp(prefix="turbine-embeddings-")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -50,7 +51,8 @@ class VllmEngine:
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex[:16]
         self.metrics = WorkerMetrics({"namespace": cfg.namespace, "component": cfg.component,
-                                      "model": cfg.served_model_name, "worker_id": self.instance_id})
+                                      "model": cfg.served_model_name, "worker_id": self.instance_id},
+                                     data_parallel_size=cfg.data_parallel_size)
         self.engine: AsyncLLM | None = None
         self.events: InstanceEvents | None = None
         self.relay: VllmKvEventsRelay | None = None
@@ -94,8 +96,8 @@ class VllmEngine:
             self.relay = VllmKvEventsRelay(self.events.kv)
             cfg.engine_args.kv_events_config = self.relay.engine_config()
             self._relay_task = asyncio.create_task(self.relay.run())
-        # vLLM's stat-logger hook feeds the load reports and the worker's active-blocks gauge.
-        stat_loggers = [stat_logger_factory(self.events.load, self.metrics.active_kv_blocks)]
+        # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
+        stat_loggers = [stat_logger_factory(self.events.load, self.metrics.ranks)]
 
         if cfg.take_image_embeddings:
             # The engine's encoder-cache connector loads the embeddings encode workers made (ec_connector.py).
@@ -104,9 +106,11 @@ class VllmEngine:
             from turbine.vllm.ec_connector import engine_config
 
             cfg.engine_args.ec_transfer_config = ECTransferConfig(**engine_config())
+        building = time.monotonic()
         engine = self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
+        self.metrics.model_load_seconds.set(time.monotonic() - building)
         vcfg = engine.vllm_config
-        self.metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
+        self.metrics.set_total_kv_blocks(vcfg.cache_config.num_gpu_blocks or 0)
         loras = VllmLora(engine, cfg.model_path, cfg.served_model_name)
         handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             engine, self.metrics, on_cleared=self.relay.cleared if self.relay else None,
@@ -150,7 +154,8 @@ class VllmEngine:
             endpoint_types=[EMBEDDINGS] if self.pooling else None, kv_shared_tier=kv_shared_tier(vcfg),
             **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
-        sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))
+        sleep = VllmSleep(engine, on_change=lambda level: self.metrics.set_total_kv_blocks(0 if level else total_blocks),
+                          on_reload=self.metrics.model_load_seconds.set)
         return [Instance(server, card, sleep=sleep, lora=None if self.pooling else loras, metrics=self.metrics)]
 
     async def canary(self) -> str | None:
