@@ -28,7 +28,7 @@ from turbine.mocker.kv_tiers import KvTiers
 from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
-from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
+from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
 from turbine.worker.kv_publisher import KvEventPublisher
@@ -38,6 +38,9 @@ from turbine.runtime.status_server import Health
 from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.worker.events import InstanceEvents
+from turbine.runtime.errors import InvalidRequest
+from turbine.worker import health_check
+from turbine.worker.health_check import PayloadError
 from turbine.worker.host import Instance, WorkerHost, run_host
 from turbine.worker.snapshot import SNAPSHOT_CONTROL_DIR_ENV, RestoredIdentity
 
@@ -175,13 +178,20 @@ class SimulatedWorker:
         self.gauges.refresh()
 
     async def canary(self) -> str | None:
-        """Generate one token on each of this worker's engines (not counted as served requests)."""
+        """The health check's payload (turbine/worker/health_check.py) through the role's checks on each of
+        this worker's engines (not counted as served requests)."""
         if self.worker_engines.level:
             return None  # asleep: its cache is gone and nothing is routed here
+        payload = self.cfg.health_check_payload
+        source = f" (the {health_check.FLAG} payload)" if payload is not None else ""
         for rank, engine in enumerate(self.engines):
-            req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
-                                  stop=StopConditions(max_tokens=1), dp_rank=rank)
-            seqs = self.handlers.sequences(req)
+            try:
+                req = health_check.generate_request(payload, bos=self.cfg.model_info.bos_token_id or health_check.DEFAULT_BOS,
+                                                    text_mode=False, dp_rank=rank)
+                seqs = self.handlers.sequences(req)
+            except (PayloadError, InvalidRequest) as exc:
+                message = exc.error.message if isinstance(exc, InvalidRequest) else str(exc)
+                return f"worker {self.instance_id}: canary generate refused{source}: {message}"
             outputs = engine.submit(seqs)
             try:
                 async with asyncio.timeout(CANARY_TIMEOUT_S):

@@ -52,7 +52,6 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from turbine.protocol import errors as codes
 from turbine.protocol.errors import WorkerError
 from turbine.protocol.frames import CANCEL, CHUNK, END, ERROR, REQUEST, Batch, Frame
 from turbine.runtime import codec

@@ -9,7 +9,7 @@ import platform
 from dataclasses import dataclass
 
 from turbine.config import check, flag
-from turbine.flag_sources import add_config_arg, env_errors, with_config_file
+from turbine.flag_sources import add_config_arg, env_errors, env_forms, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
 from turbine.vllm.compat import EC_CONSUMER_RELEASES, VLLM_VERSION, release_of
@@ -61,9 +61,19 @@ class WorkerConfig(ServingConfig):
     # with the engines, and OpenMP's spin-waiting over busy cores made the test model's vision tower 60x slower
     # with 2 threads than with 1 on the 2-core host (91 ms vs 1.5 ms a picture).
     encoder_threads: int = flag("--encoder-threads", default=1)
+    # The first loopback port of the KV-event relay (rank r's engine publishes on it + r); None: any free run.
+    kv_events_port: int | None = flag("--kv-events-port", default=None)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.kv_events_port is not None:
+            last = self.kv_events_port + self.data_parallel_size - 1
+            check(self, 1024 <= self.kv_events_port and last <= 65535, "kv_events_port",
+                  f"{self.kv_events_port}: must be between 1024 and {65535 - self.data_parallel_size + 1} (the relay "
+                  f"takes {self.data_parallel_size} port(s) from it, one per data-parallel rank)")
+            relays = getattr(self.engine_args, "enable_prefix_caching", True) and not self.is_decode
+            check(self, relays and not self.multimodal_encode_worker, "kv_events_port",
+                  "this worker relays no KV events (a decode or encode worker, or prefix caching off): drop it")
         if self.multimodal_encode_worker:
             check(self, not (self.enable_multimodal or self.take_image_embeddings or self.use_vllm_tokenizer)
                   and self.disaggregation_mode == "agg" and getattr(self.engine_args, "runner", None) != "pooling"
@@ -158,10 +168,16 @@ def _build_parser():
                         help="--connector kvbm: directory of the shared tier, which several workers (of one host, or "
                              "of hosts on a shared filesystem) read and write: a prefix one worker computed is "
                              "loaded by the others. Written by atomic rename, read checksummed")
+    parser.add_argument("--kv-events-port", type=int, default=None,
+                        help="first loopback port the relay of the engine's KV events binds (data-parallel rank r's "
+                             "engine publishes on it + r; 1024-65535); default: any free run")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
                              "tokenizer the frontend cannot load). KV-aware routing falls back to load only")
+    # Every flag Turbine adds has its environment variable by the naming rule (TURBINE_<FLAG>); vLLM's own
+    # engine flags, added next, are vLLM's.
+    env_forms(list(parser._actions))
     parser = AsyncEngineArgs.add_cli_args(parser)
     # vLLM's parser has --log-level and --otlp-traces-endpoint: they serve Turbine too.
     add_logging_args(parser, level=False)
@@ -225,7 +241,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    use_vllm_tokenizer=args.use_vllm_tokenizer, enable_multimodal=args.enable_multimodal,
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
-                   embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads)
+                   embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
+                   kv_events_port=args.kv_events_port)
 
 
 def cpu_dtype_default(cpuinfo: str | None = None) -> str | None:

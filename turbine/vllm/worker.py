@@ -24,9 +24,9 @@ from turbine.runtime.status_server import Health
 from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
-from turbine.vllm.canary import engine_canary
+from turbine.vllm.canary import generate_canary, pooling_canary
 from turbine.vllm.compat import unfinished_requests, unknown_release_warning
-from turbine.vllm.embed import EmbedHandlers, pooling_canary
+from turbine.vllm.embed import EmbedHandlers
 from turbine.vllm.images import measured_placeholder
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
@@ -59,6 +59,7 @@ class VllmEngine:
         self._relay_task: asyncio.Task | None = None
         self._server: RequestPlaneServer | None = None
         self.pooling = False
+        self._handlers = None  # the role's generate handlers, or the pooling worker's embed handlers (the canary)
 
     async def build(self) -> None:
         """Nothing: start() builds the engine, after the event plane its relay and load reports need."""
@@ -93,7 +94,7 @@ class VllmEngine:
         self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=ranks,
                                      kv_events=relays or cfg.is_decode, kv_events_buffer=cfg.kv_events_buffer)
         if relays:
-            self.relay = VllmKvEventsRelay(self.events.kv)
+            self.relay = VllmKvEventsRelay(self.events.kv, port=cfg.kv_events_port)
             cfg.engine_args.kv_events_config = self.relay.engine_config()
             self._relay_task = asyncio.create_task(self.relay.run())
         # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
@@ -132,9 +133,10 @@ class VllmEngine:
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
         self.pooling = vcfg.model_config.runner_type == "pooling"
         if self.pooling:
-            embed = EmbedHandlers(engine, self.metrics, on_success=health.succeeded)
+            embed = self._handlers = EmbedHandlers(engine, self.metrics, on_success=health.succeeded)
             server.register(EMBED_ENDPOINT, EmbedRequest, embed.embed)
         else:
+            self._handlers = handlers
             server.register(cfg.endpoint, GenerateRequest, handlers.generate)
         server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, handlers.clear_kv_blocks)
         self.events.serve_replay(server)
@@ -159,7 +161,11 @@ class VllmEngine:
         return [Instance(server, card, sleep=sleep, lora=None if self.pooling else loras, metrics=self.metrics)]
 
     async def canary(self) -> str | None:
-        return await (pooling_canary(self.engine) if self.pooling else engine_canary(self.engine))
+        payload = self.cfg.health_check_payload
+        if self.pooling:
+            return await pooling_canary(self._handlers, self.engine, payload)
+        return await generate_canary(self._handlers, self.engine, payload, self.cfg.use_vllm_tokenizer,
+                                     self.engine.vllm_config.parallel_config.data_parallel_size)
 
     def failure(self) -> str | None:
         return "engine is dead" if self.engine.errored else None

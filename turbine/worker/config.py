@@ -34,6 +34,7 @@ from turbine.protocol.encode import IMAGE_ENCODE
 from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
+from turbine.worker import health_check
 from turbine.worker.admission import Admission
 from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
 from turbine.worker.worker_metrics import WorkerMetrics
@@ -88,6 +89,9 @@ class ServingConfig:
     # LoRA adapters loaded at start, (name, source URI) pairs (turbine/worker/lora.py); those
     # loaded at run time are not brought back by a restart.
     lora_modules: tuple[tuple[str, str], ...] = flag("--lora-modules", default=())
+    # The health canary's request (turbine/worker/health_check.py), a JSON object of request fields;
+    # None: the role's default.
+    health_check_payload: dict | None = flag(health_check.FLAG, default=None)
 
     def __post_init__(self):
         for name in ("namespace", "component", "endpoint"):
@@ -133,6 +137,11 @@ class ServingConfig:
             check(self, problem is None, "lora_modules", problem or "")
             check(self, name != self.served_model_name, "lora_modules", f"{name!r} is the served model's name")
         check(self, len(set(names)) == len(names), "lora_modules", "an adapter name is given twice")
+        if self.health_check_payload is not None:
+            try:
+                health_check.check_payload(self.health_check_payload)
+            except health_check.PayloadError as exc:
+                check(self, False, "health_check_payload", str(exc))
 
     @property
     def request_plane_config(self) -> RequestPlaneConfig:
@@ -231,6 +240,11 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        help="NATS server of --event-plane nats and --request-plane nats (nats://HOST:PORT; env "
                             "TURBINE_NATS_SERVER)")
     add_request_plane_args(group, nats_server=False)
+    group.add_argument(health_check.FLAG, default=env(health_check.ENV),
+                       help="the request the health canary sends through this worker's own path, as JSON or @FILE: "
+                            "a generate request's fields (token_ids, text, sampling, stop, ...) or, for a pooling "
+                            "worker, an embed request's (inputs); default one greedy token after the tokenizer's "
+                            f"BOS token (text mode: the text \"{health_check.TEXT_PROMPT}\") (env {health_check.ENV})")
     group.add_argument("--kv-events-buffer", type=int,
                        default=env_int("TURBINE_KV_EVENTS_BUFFER", DEFAULT_REPLAY_BUFFER),
                        help="recent KV event batches kept (up to 8 MiB) to replay to a router that missed "
@@ -343,7 +357,15 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         security=cluster_security_from_args(args, parser),
         max_waiting_requests=args.max_waiting_requests, max_queued_prefill_tokens=args.max_queued_prefill_tokens,
         lora_modules=lora_modules_from_args(getattr(args, "lora_modules", None), parser),
+        health_check_payload=health_check_payload_from_args(args, parser),
     )
+
+
+def health_check_payload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict | None:
+    try:
+        return health_check.read_payload(args.health_check_payload)
+    except health_check.PayloadError as exc:
+        parser.error(f"{health_check.FLAG} (or {health_check.ENV}): {exc}")
 
 
 def checked(cls, parser: argparse.ArgumentParser, **fields):

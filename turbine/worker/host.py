@@ -210,10 +210,12 @@ class WorkerHost:
                 await server.start()
             await controls.register_all()
             health.set_ready(engine.canary, failure=engine.failure)
+            first_check = asyncio.create_task(self._first_health_check())
             monitor = asyncio.create_task(engine.died())
             monitor.add_done_callback(self._engine_died)
             engine.serving()
             await self.stopping.wait()
+            first_check.cancel()
             monitor.remove_done_callback(self._engine_died)
             monitor.cancel()
             health.set_not_ready()
@@ -230,6 +232,15 @@ class WorkerHost:
             if nats_link is not None:
                 await nats_link.release()
         return self.exit_code
+
+    async def _first_health_check(self) -> None:
+        """The canary once at start, so that a payload the engine refuses is in the log at once (and
+        /health answers 503 naming why until the canary passes)."""
+        status, reason = await self.health.check()
+        if status == "healthy":
+            log.info("health check passed (the canary went through the worker's request path)")
+        elif reason is not None:
+            log.warning("health check failed at start: %s; /health answers 503 until it passes", reason)
 
     async def _load_start_adapters(self) -> bool:
         for name, uri in self.cfg.lora_modules:

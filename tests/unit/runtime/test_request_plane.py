@@ -15,12 +15,11 @@ import msgspec
 import pytest
 
 from turbine.protocol.discovery import InstanceRecord
-from turbine.protocol.frames import CHUNK, END, REQUEST, Batch, Frame
+from turbine.protocol.frames import CHUNK, END, REQUEST, Frame
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
 from turbine.protocol import errors as codes
 from turbine.protocol.errors import WorkerError
 from turbine.runtime.errors import ConnectFailed, InvalidRequest, PeerDisconnected, RemoteError, RequestFailed
-from turbine.runtime import request_plane_nats
 from turbine.runtime.request_plane import (
     RequestPlaneClient,
     RequestPlaneServer,
