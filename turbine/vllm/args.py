@@ -17,6 +17,19 @@ from turbine.vllm.connectors import ConnectorError, KvbmTiers, check_kvbm_flags,
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
+# Dynamo's vLLM backend maps these load formats to worker classes of other NVIDIA packages; vLLM has no
+# loader of these names, so without a refusal the flag would reach vLLM's loader and fail deep inside it.
+LOAD_FORMATS_REFUSED = {
+    "gms": "--load-format gms (GPU memory service: one process holds the weights in GPU memory and the engines "
+           "map them, for fast restarts and failover) is not built in Turbine: it needs a GPU and NVIDIA's "
+           "gpu_memory_service package, neither of which this build has or was tried with; load the weights "
+           "with vLLM's own formats (auto, safetensors, ...)",
+    "mx-source": "--load-format mx-source (ModelExpress peer-to-peer weight loading) is not built in Turbine; "
+                 "use vLLM's own formats (auto, safetensors, ...)",
+    "mx-target": "--load-format mx-target (ModelExpress peer-to-peer weight loading) is not built in Turbine; "
+                 "use vLLM's own formats (auto, safetensors, ...)",
+}
+
 KV_EVENTS_CONFIG_REFUSED = (
     "--kv-events-config is not supported: Turbine relays the engine's KV events to its KV routers "
     "itself (over --event-plane), and a KV events config of your own would replace that relay and "
@@ -223,6 +236,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                      f"encoder-cache connector interface); this is vLLM {VLLM_VERSION}")
     if serving.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    if (refusal := LOAD_FORMATS_REFUSED.get(str(args.load_format))) is not None:
+        parser.error(refusal)
     _configure_connector(args, parser, serving)
     if args.enable_sleep_mode and (reason := platform_sleep_refusal()):
         parser.error(f"--enable-sleep-mode: {reason}")
