@@ -16,6 +16,7 @@ from turbine.frontend.media import MediaConfig
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
+from turbine.frontend.pools import PooledDiscovery, PoolConfig, PoolRouter, check_pools
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
 from turbine.runtime import cluster_auth, prometheus_multiprocess
@@ -63,6 +64,8 @@ class FrontendConfig:
     processes: int = flag("--frontend-processes", default=1)
     # One INFO line per HTTP request on the logger turbine.access (method, path, status, duration).
     access_log: bool = flag("--access-log", default=True)
+    # The global router (pools.py): the deployments it routes over; empty: this frontend's discovery alone.
+    pools: tuple[PoolConfig, ...] = flag("--pool", default=())
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
@@ -77,6 +80,11 @@ class FrontendConfig:
         check(self, self.processes == 1 or self.http_port != 0, "processes",
               "several processes need a fixed --http-port (0 would give each its own port)")
         self.request_plane.check_security(self, self.security)
+        if self.pools:
+            check(self, (problem := check_pools(self.pools)) is None, "pools", problem or "")
+            check(self, self.router.mode == "kv", "pools",
+                  "the pools are chosen by the KV router's cost: add --router-mode kv")
+            check(self, self.namespace is None, "pools", "each pool names its namespace: drop --namespace")
 
 
 class Frontend:
@@ -87,10 +95,17 @@ class Frontend:
         cfg.request_plane.install()  # and their clients (missed KV events) this
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
-        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
-                                 cfg.namespace, cfg.busy, cfg.request_plane)
+        self.pooled = PooledDiscovery(cfg.pools, cfg.discovery, self.registry) if cfg.pools else None
+        self.models = ModelTable(self.pooled or self.registry, self._router_for, cfg.namespace, cfg.busy,
+                                 cfg.request_plane)
         self.client = cfg.request_plane.client(auth=auth)
         self._watch_task = None
+
+    def _router_for(self, card):
+        router = make_router(self.cfg.router, card, self.metrics.router)
+        if self.pooled is None:
+            return router
+        return PoolRouter(router, self.pooled.pool_of, tuple(p.name for p in self.cfg.pools), card.name, self.metrics)
 
     def export_router_metrics(self) -> None:
         """Bring the routers' metrics up to date (they count in their own structures)."""
@@ -107,6 +122,8 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         await self.registry.backend.start()
+        if self.pooled is not None:
+            await self.pooled.start()
         self._watch_task = asyncio.create_task(self.models.run())
         exporter = (asyncio.create_task(self._export_router_metrics()) if prometheus_multiprocess.enabled()
                     else None)
@@ -117,6 +134,8 @@ class Frontend:
                 exporter.cancel()
             self._watch_task.cancel()
             await self.client.close()
+            if self.pooled is not None:
+                await self.pooled.close()
             await self.registry.backend.close()
 
     def app(self):

@@ -20,6 +20,7 @@ from turbine.frontend.disagg import DisaggConfig
 from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.frontend.media import MediaConfig
 from turbine.frontend.migration import MigrationConfig
+from turbine.frontend.pools import POOL_FLAG, parse_pool
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.logging_setup import add_logging_args
 from turbine.router.config import add_kv_router_args
@@ -78,6 +79,12 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    default=env_bool("TURBINE_ACCESS_LOG", True),
                    help="one line per HTTP request on the logger turbine.access: client, method, path, status, "
                         "duration, request id (env TURBINE_ACCESS_LOG=0 turns it off; default on)")
+    gr = parser.add_argument_group("Turbine global router (one endpoint over several deployments)")
+    gr.add_argument(POOL_FLAG, action="append", default=None, metavar="NAME=NAMESPACE[@DISCOVERY]",
+                    help="a pool of workers to route over, given twice or more: the workers of NAMESPACE in this "
+                         "frontend's discovery, or in another (@file:DIR, @etcd:HOST:PORT[,HOST:PORT]); each request "
+                         "goes to the pool holding the cheapest worker by the KV router's cost (needs --router-mode "
+                         "kv), and fails over to the others when a pool has no live worker")
     mm = parser.add_argument_group("Turbine frontend: images in chats (image_url parts; models whose workers run "
                                    "with --enable-multimodal)")
     mm.add_argument("--max-image-bytes", type=int, default=env_int("TURBINE_MAX_IMAGE_BYTES", MediaConfig.max_image_bytes),
@@ -134,6 +141,10 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
 
 def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
     router = router_config_from_args(args, parser)
+    try:
+        pools = tuple(parse_pool(value, args.discovery_ttl) for value in args.pool or ())
+    except ValueError as exc:
+        parser.error(f"{POOL_FLAG} {exc}")
     with config_errors_to(parser):
         return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
                               namespace=args.namespace, api_key=args.api_key,
@@ -145,7 +156,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               busy=BusyConfig(requests=args.busy_threshold_requests,
                                               prompt_tokens=args.busy_threshold_prompt_tokens,
                                               queue_size=args.busy_queue_size),
-                              processes=args.frontend_processes, access_log=args.access_log,
+                              processes=args.frontend_processes, access_log=args.access_log, pools=pools,
                               media=MediaConfig(max_image_bytes=args.max_image_bytes,
                                                 max_image_pixels=args.max_image_pixels,
                                                 max_images=args.max_images_per_request,

@@ -157,6 +157,10 @@ class HttpApi:
         encode = {name: len(m.encode_instances) for name, m in served.items() if m.encode_instances}
         if encode:
             body["encode_workers"] = encode  # models whose images are encoded apart (encode.py)
+        pools = {name: m.router.workers_per_pool() for name, m in served.items()
+                 if hasattr(m.router, "workers_per_pool") and m.lora_name is None}
+        if pools:
+            body["pools"] = pools  # the global router (--pool): each pool's live workers per model
         return JSONResponse(body)
 
     async def prometheus(self, request: Request):

@@ -78,6 +78,11 @@ class FrontendMetrics:
         self.queue_full = Counter("turbine_frontend_queue_full_rejections",
                                   "requests answered 503 'overloaded' because --busy-queue-size requests waited",
                                   ["model"], registry=r)
+        # The global router (--pool, pools.py): requests routed to each pool, and each pool's live workers.
+        self.pool_requests = Counter("turbine_frontend_pool_requests", "requests routed to each pool (--pool)",
+                                     ["model", "pool"], registry=r)
+        self.pool_workers = Gauge("turbine_frontend_pool_workers", "live workers of the model in each pool (--pool)",
+                                  ["model", "pool"], registry=r, multiprocess_mode="livemostrecent")
         self._models: dict[str, ModelMetrics] = {}
         self.exposition = Exposition(r)  # the /metrics text: this registry, or every frontend process's
 
