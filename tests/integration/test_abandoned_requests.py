@@ -96,7 +96,7 @@ def test_the_workers_kv_gauges_equal_vllms_during_a_request(client, cluster):
                    if s.name == name and s.labels.get("dp_rank", s.labels.get("engine")) == "0"]
         return value
 
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 40, max_tokens=LONG,
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 20, max_tokens=LONG,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
     try:
         next(iter(stream))

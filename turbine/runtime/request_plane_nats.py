@@ -116,6 +116,7 @@ class NatsLink:
     order; `blocked` is a future while the queue is over HIGH_WATER_BYTES."""
 
     _shared: dict[tuple[int, str], NatsLink] = {}
+    _connecting: dict[tuple[int, str], asyncio.Lock] = {}
 
     def __init__(self, client: Client, server: str):
         self.server = server
@@ -137,16 +138,17 @@ class NatsLink:
         except ValueError as exc:
             raise EventPlaneError(f"--nats-server: {exc}") from None
         key = (id(asyncio.get_running_loop()), server)
-        link = cls._shared.get(key)
-        if link is None or link.client.is_closed:
-            try:
-                client = await connect_nats(server, "request plane")
-            except EventPlaneError as exc:
-                raise EventPlaneError(f"--nats-server (request plane): {exc}") from None
-            link = cls._shared[key] = cls(client, server)
-            logger.info("request plane: NATS at %s", server)
-        link.refs += 1
-        return link
+        async with cls._connecting.setdefault(key, asyncio.Lock()):  # parts of a process starting together
+            link = cls._shared.get(key)
+            if link is None or link.client.is_closed:
+                try:
+                    client = await connect_nats(server, "request plane")
+                except EventPlaneError as exc:
+                    raise EventPlaneError(f"--nats-server (request plane): {exc}") from None
+                link = cls._shared[key] = cls(client, server)
+                logger.info("request plane: NATS at %s", server)
+            link.refs += 1
+            return link
 
     async def release(self) -> None:
         self.refs -= 1
@@ -276,7 +278,8 @@ class Mailbox:
     def send(self, peer: _Peer, frame: Frame) -> None:
         """Queue `frame` for `peer`, sent at the end of this loop turn (at once past the limit).
         FrameTooLarge if it cannot fit in one NATS message."""
-        size = len(frame.payload) + len(frame.error) + len(frame.endpoint) + FRAME_OVERHEAD
+        size = (len(frame.payload) + len(frame.error) + len(frame.endpoint) + len(frame.traceparent)
+                + len(frame.tracestate) + FRAME_OVERHEAD)
         if size > self.limit:
             raise _too_large(size, self.limit, self.link.max_payload)
         if peer.out_bytes + size > self.limit:
