@@ -42,7 +42,7 @@ from frontend_overhead import (  # noqa: E402  (re-exported for the other benchm
     versions,
 )
 
-__all__ = ["REPO_ROOT", "Proc", "default_aiperf", "default_dynamo_python", "shared_path", "default_model", "find_export", "fmt", "free_port", "http_get_json",
+__all__ = ["REPO_ROOT", "Proc", "start_nats", "default_aiperf", "default_dynamo_python", "shared_path", "default_model", "find_export", "fmt", "free_port", "http_get_json",
            "http_post_json", "log", "median", "parse_export", "parse_int_list", "run_aiperf", "tail",
            "versions", "Stack", "aiperf_point", "wait_quiet", "read_cards", "proc_cpu_s", "ratio",
            "StreamError", "sse_chunks", "record_usage", "checkout_env", "turbine_origin"]
@@ -191,6 +191,28 @@ class Stack:
 
     def logs_tail(self, n: int = 30) -> str:
         return "\n".join(f"--- {p.log_path} ---\n{tail(p.log_path, n)}" for p in self.procs)
+
+
+def start_nats(stack: Stack, timeout: float = 15.0) -> str:
+    """A private nats-server (Debian's nats-server) as one of `stack`'s processes, so its CPU is recorded
+    with the stack's and it stops with it; returns its URL for TURBINE_NATS_SERVER."""
+    import shutil
+    import socket
+
+    binary = shutil.which("nats-server")
+    if binary is None:
+        raise RuntimeError("nats-server not found: apt-get install -y nats-server")
+    port = free_port()
+    stack.spawn("nats", [binary, "-a", "127.0.0.1", "-p", str(port)], dict(os.environ))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                if conn.recv(4) == b"INFO":
+                    return f"nats://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nats-server did not start on port {port}")
 
 
 def turbine_env(discovery_dir: str, **extra: str) -> dict[str, str]:

@@ -34,6 +34,12 @@ how many long prompts were prefilled locally anyway (prefill workers saturated).
   .venv/bin/python benchmarks/disagg.py --part mocker --repeats 2
   .venv/bin/python benchmarks/disagg.py --part vllm --repeats 2
   .venv/bin/python benchmarks/disagg.py --part crossover --repeats 3
+
+--request-planes tcp,nats (mocker, vllm): instead of aggregated vs disaggregated, the disaggregated setup of
+each pair once per request plane (every process of the stack on it; nats through a private nats-server
+that is one of the stack's processes, its CPU recorded), alternating as above:
+
+  .venv/bin/python benchmarks/disagg.py --part vllm --request-planes tcp,nats --repeats 2
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, StreamError, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
+    REPO_ROOT, Stack, StreamError, start_nats, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
     record_usage, sse_chunks, tail,
     turbine_env, versions, wait_quiet)
 from common import _is_pytest  # noqa: E402
@@ -266,17 +272,22 @@ def start_setup(a, setup: dict, run_dir: Path, tag: str) -> Stack:
     process per role with --num-workers; vLLM: one process per worker."""
     st = Stack(setup["name"], run_dir, tag)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
+    plane = setup.get("plane")  # --request-planes: every process of the stack on it
+    plane_env = {} if plane is None else {"TURBINE_REQUEST_PLANE": plane}
+    if plane == "nats":
+        plane_env["TURBINE_NATS_SERVER"] = start_nats(st)
     st.discovery_dir = disc
     st.worker_ports = {}
     roles = ([("agg", setup["workers"], [])] if setup["kind"] == "agg" else
              [("prefill", setup["prefill"], ["--disaggregation-mode", "prefill"]),
               ("decode", setup["decode"], ["--disaggregation-mode", "decode"])])
     st.argv = {}
+    st.workers_started = []  # (the i-th worker's cores: cpu_bind_env)
     for role, count, flags in roles:
         if a.part == "mocker":
             port = free_port()
             argv = [*mocker_base(a), "--num-workers", str(count), *flags, "--system-port", str(port)]
-            st.spawn(role, [a.python, *argv], turbine_env(disc))
+            st.spawn(role, [a.python, *argv], turbine_env(disc, **plane_env))
             st.worker_ports[role] = [port]
             st.argv[role] = argv
         else:
@@ -285,7 +296,9 @@ def start_setup(a, setup: dict, run_dir: Path, tag: str) -> Stack:
             for k in range(count):
                 port = free_port()
                 argv = [*vllm_base(a), *flags, *conn, "--system-port", str(port)]
-                env = {"VLLM_CPU_KVCACHE_SPACE": a.kvcache_space, **cpu_bind_env(a, len(st.procs))}
+                env = {"VLLM_CPU_KVCACHE_SPACE": a.kvcache_space, **cpu_bind_env(a, len(st.workers_started)),
+                       **plane_env}
+                st.workers_started.append(role)
                 st.spawn(f"{role}{k}", [a.python, *argv], turbine_env(disc, **env))
                 st.env = {**getattr(st, "env", {}), f"{role}{k}": env}
                 st.worker_ports[role].append(port)
@@ -294,13 +307,13 @@ def start_setup(a, setup: dict, run_dir: Path, tag: str) -> Stack:
     prefill = 0 if setup["kind"] == "agg" else setup["prefill"]
     fe = frontend_argv(st.port, *setup.get("frontend_args", []), *a.frontend_args.split())
     st.argv["frontend"] = fe
-    st.spawn("frontend", [a.python, *fe], turbine_env(disc))
+    st.spawn("frontend", [a.python, *fe], turbine_env(disc, **plane_env))
     st.second_url = None
     if setup.get("second_frontend_args") is not None:  # crossover: a second frontend on the same workers
         st.second_port = free_port()
         fe2 = frontend_argv(st.second_port, *setup["second_frontend_args"])
         st.argv["frontend_local"] = fe2
-        st.spawn("frontend_local", [a.python, *fe2], turbine_env(disc))
+        st.spawn("frontend_local", [a.python, *fe2], turbine_env(disc, **plane_env))
         st.second_url = f"http://127.0.0.1:{st.second_port}"
     try:
         st.wait_ready(ready_check(st, decode, prefill), a.startup_timeout)
@@ -350,9 +363,14 @@ def parse_pairs(text: str) -> list[tuple[int, int, int]]:
 
 
 def setups_for(a) -> list[list[dict]]:
-    """Groups of setups compared with each other: [agg N, disagg P+D] per pair."""
+    """Groups of setups compared with each other: [agg N, disagg P+D] per pair (--request-planes: [disagg P+D
+    on each plane])."""
     groups = []
     for n, p, d in a.pairs:
+        if a.request_planes:
+            groups.append([{"name": f"{p}P{d}D-{plane}", "kind": "disagg", "prefill": p, "decode": d,
+                            "group": f"{n} workers", "plane": plane} for plane in a.request_planes])
+            continue
         groups.append([{"name": f"agg{n}", "kind": "agg", "workers": n, "group": f"{n} workers"},
                        {"name": f"{p}P{d}D", "kind": "disagg", "prefill": p, "decode": d, "group": f"{n} workers"}])
     return groups
@@ -447,7 +465,7 @@ def part_load(a, run_dir: Path, checkpoint=lambda result, table: None) -> tuple[
     runs, failures = [], 0
     for rep in range(a.repeats):
         for gi, group in enumerate(groups):
-            n_workers = group[0]["workers"]
+            n_workers = group[0].get("workers") or group[0]["prefill"] + group[0]["decode"]
             for rate in rates:
                 # Rates are per 2 workers: a fleet of N gets N/2 times the rate (the same load per worker).
                 eff = rate * n_workers / 2
@@ -589,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the frontend's default, passed on only to count long prompts prefilled on the decode "
                         "worker; change the frontend with --frontend-args")
     g.add_argument("--frontend-args", default="", help="extra turbine.frontend flags (every frontend of mocker/vllm)")
+    g.add_argument("--request-planes", default=None,
+                   help="comma-separated request planes (tcp,nats): compare the disaggregated setup on each instead "
+                        "of aggregated vs disaggregated")
     g = p.add_argument_group("load (mocker, vllm)")
     g.add_argument("--rates", default=None,
                    help="comma-separated requests/s offered to 2 workers (a 4-worker pair gets twice as much); "
@@ -646,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     a.rates = [float(x) for x in (a.rates or ("0.5,0.8" if mock else "0.12")).split(",")]
     a.requests = a.requests or (100 if mock else 16)
     a.lengths = [int(x) for x in a.lengths.split(",")]
+    a.request_planes = [x for x in (a.request_planes or "").split(",") if x]
+    if any(x not in ("tcp", "nats") for x in a.request_planes):
+        parser.error(f"--request-planes {','.join(a.request_planes)}: choose from tcp, nats")
     a.model = a.model or default_model(a.python)
     a.out = a.out or str(REPO_ROOT / "benchmarks" / "results" / f"disagg-{a.part}-{parser._today}.json")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -31,6 +31,12 @@ side by side, `turbine-key` (frontend and mocker share TURBINE_CLUSTER_KEY) and 
 both with the KV router (so the event plane's signatures are checked), the built-in load below,
 alternating point by point (ABBA over repeats); the CPU seconds of both processes are recorded.
 
+--request-planes: instead, the NATS request plane against the TCP one: two stacks up side by side,
+`turbine-nats` (frontend and mocker with TURBINE_REQUEST_PLANE=nats, through a private nats-server that
+is one of the stack's processes) and `turbine` (tcp), the built-in load below, alternating point by
+point (ABBA over repeats); the CPU seconds of every process (the nats-server's too) are recorded, and
+what NATS costs per request is the difference of the stacks' total CPU per request.
+
 --tools: instead, the cost of tool calling. One Turbine stack (the mocker with --reply-text, so that
 every answer is the same hermes tool call, and --dyn-tool-call-parser hermes) serves two systems
 that alternate point by point (ABBA over repeats): `turbine` (requests without tools: the reply
@@ -67,7 +73,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT, Stack, aiperf_point, checkout_env, default_aiperf, default_dynamo_python, default_model, fmt,
+    REPO_ROOT, Stack, aiperf_point, start_nats, checkout_env, default_aiperf, default_dynamo_python, default_model, fmt,
     free_port, log, median, parse_int_list, proc_cpu_s, ratio, shared_path, start_turbine, turbine_origin, versions,
     wait_quiet)
 
@@ -534,26 +540,88 @@ KEY_SYSTEMS = ("turbine-key", "turbine")
 def run_cluster_key(a) -> int:
     """Two stacks up side by side (KV router, so that the event plane's signatures are checked on
     every load report and KV event), the same load on each, point by point, ABBA over repeats."""
-    import asyncio
     import secrets
+
+    def env_of(system: str, st: Stack) -> dict[str, str]:
+        return {"TURBINE_CLUSTER_KEY": secrets.token_hex(32)} if system == "turbine-key" else {}
+
+    return run_side_by_side(a, KEY_SYSTEMS, env_of, ["--router-mode", "kv"], "cluster_key")
+
+
+PLANE_SYSTEMS = ("turbine-nats", "turbine")
+
+
+def run_request_planes(a) -> int:
+    """The NATS request plane vs TCP: two stacks up side by side, the NATS one with its own nats-server."""
+    def env_of(system: str, st: Stack) -> dict[str, str]:
+        if system == "turbine-nats":
+            return {"TURBINE_REQUEST_PLANE": "nats", "TURBINE_NATS_SERVER": start_nats(st)}
+        return {"TURBINE_REQUEST_PLANE": "tcp"}
+
+    return run_side_by_side(a, PLANE_SYSTEMS, env_of, [], "request_planes", cost_of="turbine-nats")
+
+
+def _cpu_ms_per_request_all(r: dict) -> dict[str, float]:
+    n = r["metrics"].get("requests") or r["requests"]
+    cpu = r.get("cpu_s") or {}
+    out = {k: v * 1000 / n for k, v in cpu.items() if v is not None}
+    out["total"] = sum(out.values())
+    return out
+
+
+def cpu_cost_table(runs: list[dict], concs: list[int], systems: tuple[str, str]) -> tuple[dict, str]:
+    """Per concurrency: each process's CPU ms per request (medians over repeats), and the first
+    system's total minus the second's (per repeat, and its median): what the first costs per request."""
+    first, second = systems
+    rows, lines = {}, ["| C | system | frontend | worker | nats-server | **total CPU ms/request** |",
+                       "|---:|---|---:|---:|---:|---:|"]
+    for c in concs:
+        row = {}
+        for s in systems:
+            per = [_cpu_ms_per_request_all(r) for r in runs if r["system"] == s and r["concurrency"] == c and r["ok"]]
+            row[s] = {k: median([p.get(k) for p in per if p.get(k) is not None])
+                      for k in ("frontend", "worker", "nats", "total")}
+            t = row[s]
+            lines.append(f"| {c} | {s} | {fmt(t['frontend'], 2)} | {fmt(t['worker'], 2)} | {fmt(t['nats'], 2)} "
+                         f"| **{fmt(t['total'], 2)}** |")
+        diffs = []
+        for rep in sorted({r["repeat"] for r in runs}):
+            pair = {r["system"]: r for r in runs if r["repeat"] == rep and r["concurrency"] == c and r["ok"]}
+            if first in pair and second in pair:
+                diffs.append(_cpu_ms_per_request_all(pair[first])["total"]
+                             - _cpu_ms_per_request_all(pair[second])["total"])
+        row["extra_total_ms_per_request"] = median(diffs)
+        row["per_repeat_extra_ms"] = diffs
+        rows[str(c)] = row
+    lines += ["", f"{first} − {second}, total CPU ms per request (median; per repeat):", ""]
+    lines += [f"- C = {c}: **{fmt(r['extra_total_ms_per_request'], 2)}** ({', '.join(fmt(x, 2) for x in r['per_repeat_extra_ms'])})"
+              for c, r in rows.items()]
+    return rows, "\n".join(lines)
+
+
+def run_side_by_side(a, systems: tuple[str, str], env_of, frontend_args: list[str], label: str,
+                     cost_of: str | None = None) -> int:
+    """Two Turbine stacks (a frontend and a --speedup-ratio 0 mocker each) up side by side, `env_of(system,
+    stack)` giving each its environment; the built-in load on each, point by point, ABBA over repeats."""
+    import asyncio
 
     a.model = a.model or default_model(a.python)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-key-{stamp}").resolve()
+    run_dir = Path(a.work_dir or f"/tmp/turbine-frontend-ceiling-{label}-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     stacks: dict[str, Stack] = {}
     runs, started = [], time.time()
     try:
-        for s in KEY_SYSTEMS:
+        for s in systems:
             st = stacks[s] = Stack(s, run_dir, s)
-            env = {"TURBINE_CLUSTER_KEY": secrets.token_hex(32)} if s == "turbine-key" else {}
+            env = env_of(s, st)
             start_turbine(st, a.python, ["-m", "turbine.mocker", "--model", a.model, "--served-model-name", SERVED,
                                          "--speedup-ratio", "0", "--system-port", str(free_port()),
                                          *a.turbine_mocker_args.split()],
-                          frontend_args=["--router-mode", "kv"], env=env)
+                          frontend_args=frontend_args, env=env)
             _ready_or_stop(st, lambda: st.models_ready(SERVED, True), a.startup_timeout)
         for rep in range(a.repeats):
-            order = KEY_SYSTEMS if (a.order == "abab" or rep % 2 == 0) else KEY_SYSTEMS[::-1]
+            order = systems if (a.order == "abab" or rep % 2 == 0) else systems[::-1]
             for c in a.concurrency:
                 for s in order:
                     st = stacks[s]
@@ -571,16 +639,21 @@ def run_cluster_key(a) -> int:
     finally:
         for st in stacks.values():
             st.stop()
-    summary = summarize(runs, a.concurrency, list(KEY_SYSTEMS))
-    table = markdown(summary, runs, list(KEY_SYSTEMS))
+    summary = summarize(runs, a.concurrency, list(systems))
+    table = markdown(summary, runs, list(systems))
+    cost = None
+    if cost_of is not None:
+        cost, cost_table = cpu_cost_table(runs, a.concurrency, (cost_of, next(s for s in systems if s != cost_of)))
+        table = f"{table}\n\nCPU per request by process:\n\n{cost_table}"
     print(table)
-    out = Path(a.out.replace("frontend_ceiling-", "frontend_ceiling_cluster_key-"))
+    out = Path(a.out.replace("frontend_ceiling-", f"frontend_ceiling_{label}-"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "benchmark": "turbine_frontend_ceiling_cluster_key", "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "benchmark": f"turbine_frontend_ceiling_{label}", "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv],
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "config": vars(a), "summary": summary, "runs": runs, "markdown": table}, indent=2, default=str) + "\n")
+        "config": vars(a), "summary": summary, "cpu_cost": cost, "runs": runs, "markdown": table},
+        indent=2, default=str) + "\n")
     log(f"wrote {out}")
     return 0 if all(r["ok"] for r in runs) else 1
 
@@ -638,6 +711,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --responses: the frontend's --response-store")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222",
                    help="with --responses --response-store nats: a NATS server with JetStream")
+    p.add_argument("--request-planes", action="store_true",
+                   help="measure the NATS request plane instead: turbine-nats (frontend and mocker on "
+                        "--request-plane nats, through a private nats-server) vs turbine (tcp), two stacks up side "
+                        "by side, built-in load (no aiperf); reports CPU per request of every process")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_ceiling-{today}.json"))
     return p
 
@@ -651,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_responses(a)
     if a.cluster_key:
         return run_cluster_key(a)
+    if a.request_planes:
+        return run_request_planes(a)
     if a.systems is None:
         a.systems = "turbine,turbine-base,dynamo" if a.turbine_baseline else "turbine,dynamo"
     systems = [s for s in a.systems.split(",") if s]

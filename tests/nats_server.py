@@ -15,8 +15,9 @@ NATS_HINT = "install Debian's nats-server (apt-get install -y nats-server)"
 
 
 class NatsServer:
-    def __init__(self, log_path: Path, jetstream_dir: Path | None = None) -> None:
-        """`jetstream_dir`: JetStream on, its file storage there (kept across restarts)."""
+    def __init__(self, log_path: Path, jetstream_dir: Path | None = None, max_payload: int | None = None) -> None:
+        """`jetstream_dir`: JetStream on, its file storage there (kept across restarts). `max_payload`: the
+        largest message it takes (nats-server's default: 1 MiB)."""
         self.binary = shutil.which("nats-server")
         if self.binary is None:
             raise RuntimeError(f"nats-server binary not found: {NATS_HINT}")
@@ -25,11 +26,16 @@ class NatsServer:
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.jetstream_dir = jetstream_dir
+        self.config: Path | None = None
+        if max_payload is not None:
+            self.config = log_path.with_suffix(".conf")
+            self.config.write_text(f"max_payload: {max_payload}\n")
 
     def start(self, timeout: float = 10.0) -> None:
         with open(self.log_path, "ab") as log:
             js = ["-js", "-sd", str(self.jetstream_dir)] if self.jetstream_dir is not None else []
-            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port), *js],
+            config = ["-c", str(self.config)] if self.config is not None else []
+            self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port), *js, *config],
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self._ready():

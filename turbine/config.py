@@ -13,12 +13,14 @@ import contextlib
 import os
 from dataclasses import dataclass, field, fields
 
-from turbine.flag_sources import env_bool, env_float, env_str
+from turbine.flag_sources import env_bool, env_choice, env_float, env_str
 from turbine.runtime.discovery import default_file_dir
+from turbine.runtime.event_plane import DEFAULT_NATS_SERVER
 from turbine.runtime.discovery.endpoints import EndpointError, etcd_grpc_target
 
 DEFAULT_NAMESPACE = "turbine"
 DISCOVERY_BACKENDS = ("file", "etcd")
+REQUEST_PLANES = ("tcp", "nats")
 
 
 class ConfigError(ValueError):
@@ -210,3 +212,83 @@ def cluster_security_from_args(args: argparse.Namespace, parser: argparse.Argume
                                      cluster_key_file=args.cluster_key_file or None,
                                      tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
                                      tls_ca=args.tls_ca or None, insecure=getattr(args, "insecure", False))
+
+
+@dataclass(frozen=True)
+class RequestPlaneConfig:
+    """The request plane this process serves and calls on: "tcp" (each server listens on its own
+    port; turbine/runtime/request_plane.py) or "nats" (through the NATS server `nats_server`;
+    turbine/runtime/request_plane_nats.py). Every process of a deployment uses the same one: a
+    frontend or router never calls an instance registered on the other (its address says which)."""
+
+    kind: str = flag("--request-plane", default="tcp")
+    nats_server: str = flag("--nats-server", default=DEFAULT_NATS_SERVER)
+
+    def __post_init__(self):
+        from turbine.runtime.event_plane_nats import parse_server
+
+        check(self, self.kind in REQUEST_PLANES, "kind", f"{self.kind!r}: choose from {', '.join(REQUEST_PLANES)}")
+        try:
+            parse_server(self.nats_server)
+        except ValueError as exc:
+            check(self, False, "nats_server", str(exc))
+
+    def check_security(self, config: object, security: ClusterSecurityConfig) -> None:
+        """TLS files are the TCP plane's: with nats they would do nothing, so they are refused."""
+        check(config, self.kind == "tcp" or security.tls_cert is None, "security",
+              "--tls-cert/--tls-key/--tls-ca secure the tcp request plane; with --request-plane nats use the "
+              "NATS server's own TLS and --cluster-key (every message is signed)")
+
+    def serves(self, address: str) -> bool:
+        """Whether an instance registered at `address` is on this plane."""
+        return address.startswith("nats://") == (self.kind == "nats")
+
+    def server(self, host: str = "127.0.0.1", port: int = 0, **kwargs):
+        """A request-plane server on this plane (`host`/`port`: the tcp plane's listener)."""
+        if self.kind == "nats":
+            from turbine.runtime.request_plane_nats import NatsRequestPlaneServer
+
+            return NatsRequestPlaneServer(self.nats_server, **kwargs)
+        from turbine.runtime.request_plane import RequestPlaneServer
+
+        return RequestPlaneServer(host=host, port=port, **kwargs)
+
+    def client(self, **kwargs):
+        """A request-plane client on this plane."""
+        if self.kind == "nats":
+            from turbine.runtime.request_plane_nats import NatsRequestPlaneClient
+
+            return NatsRequestPlaneClient(self.nats_server, **kwargs)
+        from turbine.runtime.request_plane import RequestPlaneClient
+
+        return RequestPlaneClient(**kwargs)
+
+    def install(self) -> None:
+        """Make this the plane of the clients that parts of this process make for themselves (a KV
+        router fetching missed events: `request_plane.new_client()`). Entry points call it once."""
+        from turbine.runtime import request_plane
+
+        request_plane.install_client_factory(self.client)
+
+
+def add_request_plane_args(group, nats_server: bool = True) -> None:
+    """`--request-plane`, and `--nats-server` unless the parser has it already (a worker's, shared
+    with its event plane)."""
+    group.add_argument("--request-plane", choices=REQUEST_PLANES,
+                       default=env_choice("TURBINE_REQUEST_PLANE", REQUEST_PLANES, "tcp"),
+                       help="how requests reach workers: tcp (each worker listens on a port of its own) or nats "
+                            "(through the NATS server of --nats-server: hosts need reach only it); every process "
+                            "of a deployment must use the same (env TURBINE_REQUEST_PLANE)")
+    if nats_server:
+        group.add_argument("--nats-server", default=env_str("TURBINE_NATS_SERVER", DEFAULT_NATS_SERVER),
+                           help="NATS server (nats://HOST:PORT) of --request-plane nats (env TURBINE_NATS_SERVER)")
+
+
+def request_plane_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RequestPlaneConfig:
+    from turbine.runtime.event_plane_nats import parse_server
+
+    nats_server = args.nats_server
+    with contextlib.suppress(ValueError):  # RequestPlaneConfig names the flag
+        nats_server = parse_server(nats_server)
+    with config_errors_to(parser):
+        return RequestPlaneConfig(kind=args.request_plane, nats_server=nats_server)

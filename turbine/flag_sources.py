@@ -51,6 +51,16 @@ def env_float(name: str, default: float | None) -> float | None:
         raise EnvVarError(name, value, "a number") from None
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of `choices` from `name`; unset or empty: `default`."""
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value not in choices:
+        raise EnvVarError(name, value, f"one of {', '.join(choices)}")
+    return value
+
+
 def env_bool(name: str, default: bool = False) -> bool:
     value = os.environ.get(name)
     if value is None:
@@ -61,6 +71,49 @@ def env_bool(name: str, default: bool = False) -> bool:
     if word in TRUE_WORDS:
         return True
     raise EnvVarError(name, value, "1/true/yes/on or 0/false/no/off")
+
+
+ENV_PREFIX = "TURBINE_"
+
+
+def env_name(option: str) -> str:
+    """The naming rule of flags' environment variables: "--kv-events-port" -> "TURBINE_KV_EVENTS_PORT"."""
+    return ENV_PREFIX + option.lstrip("-").upper().replace("-", "_")
+
+
+def env_forms(actions) -> None:
+    """Give each flag among `actions` (argparse actions: a process's own flags) its environment variable by
+    the naming rule, as a default the command line and a --config file override. A value that cannot be
+    read raises EnvVarError naming the variable (env_errors turns it into one line). Flags whose default
+    already came from the environment under another name keep it (documented aliases)."""
+    for action in actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or longs[0] in ("--help", "--config"):
+            continue
+        name = env_name(longs[0])
+        value = os.environ.get(name)
+        if value is None or value.strip() == "":
+            continue
+        action.default = _env_value(action, name, value)
+
+
+def _env_value(action, name: str, value: str):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
+        on = env_bool(name)
+        return (not on) if isinstance(action, argparse._StoreFalseAction) else on
+    if action.nargs == 0:  # other switches (e.g. store_const): not settable from a word
+        raise EnvVarError(name, value, f"nothing: {action.option_strings[0]} takes no value")
+    words = value.replace(",", " ").split() if action.nargs in ("+", "*") else [value]
+    out = []
+    for word in words:
+        try:
+            item = action.type(word) if callable(action.type) else word
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            raise EnvVarError(name, value, f"a value for {action.option_strings[0]}") from None
+        if action.choices is not None and item not in action.choices:
+            raise EnvVarError(name, value, f"one of {', '.join(map(str, action.choices))}")
+        out.append(item)
+    return out if action.nargs in ("+", "*") else out[0]
 
 
 @contextlib.contextmanager

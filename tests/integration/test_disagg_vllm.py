@@ -22,6 +22,7 @@ from openai import OpenAI
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
 from tests.integration.procs import (
     base_env,
+    http_json,
     http_text,
     instances_of,
     metric,
@@ -293,6 +294,21 @@ def test_structured_outputs_go_through_the_prefill_worker_too(pd):
     assert info.value.body["param"] == "guided_json"
 
 
+def test_the_canaries_go_the_roles_way_and_the_prefill_keeps_no_blocks(pd):
+    """Issue 33, §3: each worker's /health runs its canary through its role's handler (the prefill worker's
+    as a prefill); the prefill worker's KV is freed when the canary ends, not pinned for a decode worker
+    that never comes (NIXL's lease would free it only after 30 s, and log it as expired)."""
+    wait_until(lambda: no_blocks_held(pd["prefill"], pd["decode"]), 30, "idle engines at the start")
+    time.sleep(11)  # no request for longer than RECENT_SUCCESS_S: /health runs the canary
+    for role in ("prefill", "decode"):
+        status, body = http_json(f"{pd[role].url}/health", timeout=30)
+        assert (status, body) == (200, {"status": "healthy"}), (role, body)
+    wait_until(lambda: no_blocks_held(pd["prefill"]), 10, "the prefill canary's blocks freed", [pd["prefill"]])
+    log = pd["prefill"].log_path.read_text(errors="replace")
+    assert "health check passed" in log
+    assert "Releasing expired KV blocks for request canary-" not in log
+
+
 def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):
     """Last in this module: the prefill worker does not come back."""
     long_prompt = " ".join(PROMPTS) * 4
@@ -319,4 +335,3 @@ def test_prefill_worker_death_mid_prefill_falls_back_to_local_prefill(pd):
     wait_until(lambda: prefill_workers_of(pd["disagg"], MODEL) == 0, 30, "the frontend drops the dead prefill worker")
     r = client(pd["disagg"]).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"
-

@@ -104,3 +104,10 @@ def test_the_pooling_model_serves_no_generation(oai):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="does not serve completions"):
         oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+def test_the_pooling_workers_canary_embeds_through_its_handler(pooling, tmp_path_factory):
+    """Issue 33, §3: a pooling worker's canary embeds (the tokenizer's BOS token) through its embed handler:
+    its start-up check passed."""
+    log = next(p for p in tmp_path_factory.getbasetemp().rglob("pooling-worker.log"))
+    assert "health check passed" in log.read_text(errors="replace")

@@ -1,6 +1,7 @@
 """KV-aware routing with the nats event plane (a real NATS server: $TURBINE_TEST_NATS, default
 nats://127.0.0.1:4222), on simulated workers; a frontend that starts after the workers cached
-blocks learns them from the workers (recovery) before it routes anything."""
+blocks learns them from the workers (recovery, over the request plane) before it routes anything. On
+both request planes (`plane`: TCP, and NATS too)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,15 @@ WORKERS = 2
 SYSTEM = "You are a careful assistant who answers briefly. " * 30  # several 16-token blocks
 
 
+@pytest.fixture(scope="module", params=["tcp", "nats"])
+def plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, nats_url):
-    root = tmp_path_factory.mktemp("kv-nats")
-    env = base_env(str(root / "discovery"))
+def fleet(tmp_path_factory, nats_url, plane):
+    root = tmp_path_factory.mktemp(f"kv-nats-{plane}")
+    env = {**base_env(str(root / "discovery")), "TURBINE_REQUEST_PLANE": plane, "TURBINE_NATS_SERVER": nats_url}
     mockers = start_mocker("nats-mockers", env, root, "--num-workers", str(WORKERS), "--speedup-ratio", "0",
                            "--block-size", "16", "--event-plane", "nats", "--nats-server", nats_url)
     kv = start_frontend("nats-kv-frontend", env, root, "--router-mode", "kv")

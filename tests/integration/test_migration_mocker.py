@@ -2,7 +2,8 @@
 can be killed): a worker SIGKILLed or SIGTERMed mid-stream, its streams go on elsewhere and
 the client sees one unbroken stream; with migration off, a clean SSE error event. Aggregated
 (round-robin and KV-routed) and disaggregated. Every answer is one repeated token
-(--reply-text), so the text of a migrated stream must equal an unbroken one exactly."""
+(--reply-text), so the text of a migrated stream must equal an unbroken one exactly. Each case runs on
+both request planes (TCP and NATS: `plane`)."""
 
 from __future__ import annotations
 
@@ -103,12 +104,22 @@ def streaming(streams: list[Stream], procs) -> None:
     wait_until(lambda: all(len(s.pieces) >= 3 for s in streams), 60, "every stream under way", procs)
 
 
+def plane_env(env: dict, plane: str, nats_url: str) -> dict:
+    """Every process of the deployment on `plane` (through the environment, as an operator might)."""
+    return {**env, "TURBINE_REQUEST_PLANE": plane, "TURBINE_NATS_SERVER": nats_url}
+
+
+@pytest.fixture(scope="module", params=["tcp", "nats"])
+def plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, plane, nats_url):
     """Two workers whose cards allow 2 migrations; frontends: `card` (no flag: the cards'
     limit), `off` (--migration-limit 0 overrides the cards), `kv` (KV-routed, limit 2)."""
-    root = tmp_path_factory.mktemp("migration-mocker")
-    env = base_env(str(root / "discovery"))
+    root = tmp_path_factory.mktemp(f"migration-mocker-{plane}")
+    env = plane_env(base_env(str(root / "discovery")), plane, nats_url)
     workers = [start_mocker(f"worker{i}", env, root, *MOCKER, "--migration-limit", "2") for i in (1, 2)]
     frontends = {"card": start_frontend("fe-card", env, root),
                  "off": start_frontend("fe-off", env, root, "--migration-limit", "0"),
@@ -180,10 +191,10 @@ def test_sigterm_after_the_grace_period_migrates_what_still_runs(fleet):
         leaving.stop(signal.SIGKILL)
 
 
-def test_disaggregated_stream_is_prefilled_again_after_its_decode_worker_dies(tmp_path):
+def test_disaggregated_stream_is_prefilled_again_after_its_decode_worker_dies(tmp_path, plane, nats_url):
     """The continuation of a disaggregated request goes through a prefill worker again (its
     prompt, with the tokens so far, is long) and decodes on the other decode worker."""
-    env = base_env(str(tmp_path / "discovery"))
+    env = plane_env(base_env(str(tmp_path / "discovery")), plane, nats_url)
     prefill = start_mocker("prefill", env, tmp_path, "--is-prefill-worker", "--block-size", "16")
     decode = [start_mocker(f"decode{i}", env, tmp_path, "--is-decode-worker", *MOCKER) for i in (1, 2)]
     frontend = start_frontend("fe-disagg", env, tmp_path, "--migration-limit", "1", "--max-local-prefill-length", "0")

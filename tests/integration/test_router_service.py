@@ -1,6 +1,6 @@
 """The standalone KV router (`python -m turbine.router`) as a real process beside a simulated
 fleet: it finds the workers in discovery, registers itself, and answers best_worker over the
-request plane from the workers' real KV events and load reports."""
+request plane from the workers' real KV events and load reports. On both request planes (`plane`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tests.integration.procs import _start, base_env, http_text, start_mocker, stop_all, wait_until, worker_ready
-from turbine.config import DiscoveryConfig, make_registry
+from turbine.config import DiscoveryConfig, RequestPlaneConfig, make_registry
 from turbine.model.prepare import DEFAULT_MODEL
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StatusReply, StopConditions
 from turbine.protocol.router import (
@@ -39,10 +39,15 @@ def router_series(text: str, name: str) -> dict[str, float]:
     return out
 
 
+@pytest.fixture(scope="module", params=["tcp", "nats"])
+def plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    root = tmp_path_factory.mktemp("router-service")
-    env = base_env(str(root / "discovery"))
+def fleet(tmp_path_factory, plane, nats_url):
+    root = tmp_path_factory.mktemp(f"router-service-{plane}")
+    env = {**base_env(str(root / "discovery")), "TURBINE_REQUEST_PLANE": plane, "TURBINE_NATS_SERVER": nats_url}
     mockers = start_mocker("rs-mockers", env, root, "--num-workers", str(WORKERS), "--speedup-ratio", "0",
                            "--block-size", str(BS), "--num-gpu-blocks", str(GPU_BLOCKS))
     router = _start("rs-router", env, root, "turbine.router", "--system-port")
@@ -51,7 +56,7 @@ def fleet(tmp_path_factory):
         wait_until(lambda: worker_ready(mockers), 60, "mockers ready", procs)
         wait_until(lambda: "serving best_worker" in router.log_path.read_text(errors="replace"), 30,
                    "router registered", procs)
-        yield {"env": env, "router": router, "mockers": mockers}
+        yield {"env": env, "router": router, "mockers": mockers, "plane": RequestPlaneConfig(plane, nats_url)}
     finally:
         stop_all(procs)
 
@@ -93,7 +98,7 @@ async def generate(rp, router: str, reply: BestWorkerReply, request_id: str, tok
 
 def test_best_worker_follows_cached_prefixes_and_survives_bad_requests(fleet):
     async def scenario():
-        rp = RequestPlaneClient()
+        rp = fleet["plane"].client()
         try:
             router = await router_address(fleet["env"])
             # The router registers before its discovery watch has seen the workers: wait for them.

@@ -97,3 +97,12 @@ def test_logprobs_refused_by_name(client, text_worker):
     with pytest.raises(openai.BadRequestError, match="text mode") as exc:
         client.completions.create(model=TEXT_MODEL, prompt=PROMPT, max_tokens=4, logprobs=2)
     assert exc.value.body["param"] == "logprobs"
+
+
+def test_the_health_canary_is_sent_as_text(text_worker):
+    """Issue 33, §3: the text-mode worker's canary goes through its text path (the text "Test"): its
+    handler refuses token ids, so token ids would have kept /health at 503."""
+    assert "health check passed" in text_worker.log_path.read_text(errors="replace")
+    from tests.integration.procs import http_json
+
+    assert http_json(f"{text_worker.url}/health", timeout=30) == (200, {"status": "healthy"})

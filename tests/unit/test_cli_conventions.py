@@ -117,10 +117,10 @@ def test_the_help_check_sees_a_flag_without_help(monkeypatch):
 
 # --------------------------------------------------------------------------- environment errors
 def env_variables() -> dict[str, str]:
-    """Every TURBINE_* variable read as an int, a float or a bool, from the source: name -> kind."""
+    """Every TURBINE_* variable read as an int, a float, a bool or a choice, from the source: name -> kind."""
     found = {}
     for path in (ROOT / "turbine").rglob("*.py"):
-        for kind, name in re.findall(r'env_(int|float|bool)\(\s*"(TURBINE_[A-Z0-9_]+)"', path.read_text()):
+        for kind, name in re.findall(r'(?<!\w)env_(int|float|bool|choice)\(\s*"(TURBINE_[A-Z0-9_]+)"', path.read_text()):
             found[name] = kind
     return found
 

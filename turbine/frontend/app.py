@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from turbine.config import ClusterSecurityConfig, DiscoveryConfig, check, flag, make_registry
+from turbine.config import ClusterSecurityConfig, DiscoveryConfig, RequestPlaneConfig, check, flag, make_registry
 from turbine.frontend.busy_queue import BusyConfig
 from turbine.frontend.disagg import DisaggConfig
 from turbine.frontend.http import HttpApi
@@ -16,15 +16,18 @@ from turbine.frontend.media import MediaConfig
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ModelTable
+from turbine.frontend.pools import PooledDiscovery, PoolConfig, PoolRouter, check_pools
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.frontend.response_routes import BackgroundRuns
 from turbine.frontend.state_store import StoreConfig, make_kv
 from turbine.frontend.stored_responses import Records
 from turbine.router.policy import RouterConfig, make_router
-from turbine.runtime import cluster_auth
-from turbine.runtime.request_plane import RequestPlaneClient
+from turbine.runtime import cluster_auth, prometheus_multiprocess
 
 MIN_REQUEST_BYTES = 1024
+# With several frontend processes a scrape reads every process's metric files, but a router's counts are
+# brought up to date only when they are exported: each process exports its own this often.
+ROUTER_METRICS_EXPORT_S = 1.0
 
 
 # Far above what one frontend process streams at speed (benchmarks/RESULTS.md, frontend ceiling),
@@ -52,6 +55,8 @@ class FrontendConfig:
     ignore_unknown_fields: bool = flag("--ignore-unknown-fields", default=False)
     # How it proves itself to workers and routers, and checks their events.
     security: ClusterSecurityConfig = ClusterSecurityConfig()
+    # How it reaches workers: tcp or nats (workers registered on the other plane are not routed to).
+    request_plane: RequestPlaneConfig = RequestPlaneConfig()
     # Overload control: generation requests held at once (more get 503), and the Retry-After
     # (seconds) of every 503 'overloaded' answer.
     max_inflight_requests: int = flag("--max-inflight-requests", default=DEFAULT_MAX_INFLIGHT_REQUESTS)
@@ -65,6 +70,8 @@ class FrontendConfig:
     access_log: bool = flag("--access-log", default=True)
     # Stored responses and conversations (/v1/responses with store, /v1/conversations).
     store: StoreConfig = StoreConfig()
+    # The global router (pools.py): the deployments it routes over; empty: this frontend's discovery alone.
+    pools: tuple[PoolConfig, ...] = flag("--pool", default=())
 
     def __post_init__(self):
         check(self, 0 <= self.http_port <= 65535, "http_port", "must be between 0 and 65535")
@@ -80,6 +87,12 @@ class FrontendConfig:
         check(self, self.processes == 1 or self.http_port != 0, "processes",
               "several processes need a fixed --http-port (0 would give each its own port)")
         object.__setattr__(self, "store", self.store.resolved(self.processes))
+        self.request_plane.check_security(self, self.security)
+        if self.pools:
+            check(self, (problem := check_pools(self.pools)) is None, "pools", problem or "")
+            check(self, self.router.mode == "kv", "pools",
+                  "the pools are chosen by the KV router's cost: add --router-mode kv")
+            check(self, self.namespace is None, "pools", "each pool names its namespace: drop --namespace")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -91,28 +104,56 @@ class Frontend:
         self.cfg = cfg
         auth = cfg.security.auth()
         cluster_auth.install(auth)  # the routers' event subscribers take it from there
+        cfg.request_plane.install()  # and their clients (missed KV events) this
         self.metrics = FrontendMetrics()
         self.registry = make_registry(cfg.discovery)
-        self.models = ModelTable(self.registry, lambda card: make_router(cfg.router, card, self.metrics.router),
-                                 cfg.namespace, cfg.busy)
-        self.client = RequestPlaneClient(auth=auth)
+        self.pooled = PooledDiscovery(cfg.pools, cfg.discovery, self.registry) if cfg.pools else None
+        self.models = ModelTable(self.pooled or self.registry, self._router_for, cfg.namespace, cfg.busy,
+                                 cfg.request_plane)
+        self.client = cfg.request_plane.client(auth=auth)
         self.kv = make_kv(cfg.store, self.metrics.response_store)
         self.records = Records(self.kv) if self.kv is not None else None
         self.background = BackgroundRuns()
         self._watch_task = None
 
+    def _router_for(self, card):
+        router = make_router(self.cfg.router, card, self.metrics.router)
+        if self.pooled is None:
+            return router
+        return PoolRouter(router, self.pooled.pool_of, tuple(p.name for p in self.cfg.pools), card.name, self.metrics)
+
+    def export_router_metrics(self) -> None:
+        """Bring the routers' metrics up to date (they count in their own structures)."""
+        for model in self.models.models.values():
+            model.router.export_metrics()
+            if model.prefill_router is not None:
+                model.prefill_router.export_metrics()
+
+    async def _export_router_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTER_METRICS_EXPORT_S)
+            self.export_router_metrics()
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         await self.registry.backend.start()
+        if self.pooled is not None:
+            await self.pooled.start()
         self._watch_task = asyncio.create_task(self.models.run())
+        exporter = (asyncio.create_task(self._export_router_metrics()) if prometheus_multiprocess.enabled()
+                    else None)
         try:
             yield
         finally:
+            if exporter is not None:
+                exporter.cancel()
             self._watch_task.cancel()
             await self.background.close()
             if self.kv is not None:
                 await self.kv.close()
             await self.client.close()
+            if self.pooled is not None:
+                await self.pooled.close()
             await self.registry.backend.close()
 
     def app(self):

@@ -7,9 +7,11 @@ import argparse
 from turbine.config import (
     add_cluster_security_args,
     add_discovery_args,
+    add_request_plane_args,
     cluster_security_from_args,
     config_errors_to,
     discovery_config_from_args,
+    request_plane_from_args,
 )
 from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
 from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
@@ -18,6 +20,7 @@ from turbine.frontend.disagg import DisaggConfig
 from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.frontend.media import MediaConfig
 from turbine.frontend.migration import MigrationConfig
+from turbine.frontend.pools import POOL_FLAG, parse_pool
 from turbine.frontend.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.frontend.state_store import STORE_KINDS, StoreConfig
 from turbine.logging_setup import add_logging_args
@@ -79,6 +82,12 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
                    default=env_bool("TURBINE_ACCESS_LOG", True),
                    help="one line per HTTP request on the logger turbine.access: client, method, path, status, "
                         "duration, request id (env TURBINE_ACCESS_LOG=0 turns it off; default on)")
+    gr = parser.add_argument_group("Turbine global router (one endpoint over several deployments)")
+    gr.add_argument(POOL_FLAG, action="append", default=None, metavar="NAME=NAMESPACE[@DISCOVERY]",
+                    help="a pool of workers to route over, given twice or more: the workers of NAMESPACE in this "
+                         "frontend's discovery, or in another (@file:DIR, @etcd:HOST:PORT[,HOST:PORT]); each request "
+                         "goes to the pool holding the cheapest worker by the KV router's cost (needs --router-mode "
+                         "kv), and fails over to the others when a pool has no live worker")
     mm = parser.add_argument_group("Turbine frontend: images in chats (image_url parts; models whose workers run "
                                    "with --enable-multimodal)")
     mm.add_argument("--max-image-bytes", type=int, default=env_int("TURBINE_MAX_IMAGE_BYTES", MediaConfig.max_image_bytes),
@@ -159,6 +168,10 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
 
 def frontend_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrontendConfig:
     router = router_config_from_args(args, parser)
+    try:
+        pools = tuple(parse_pool(value, args.discovery_ttl) for value in args.pool or ())
+    except ValueError as exc:
+        parser.error(f"{POOL_FLAG} {exc}")
     with config_errors_to(parser):
         return FrontendConfig(http_host=args.http_host, http_port=args.http_port, router=router,
                               namespace=args.namespace, api_key=args.api_key,
@@ -170,7 +183,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                               busy=BusyConfig(requests=args.busy_threshold_requests,
                                               prompt_tokens=args.busy_threshold_prompt_tokens,
                                               queue_size=args.busy_queue_size),
-                              processes=args.frontend_processes, access_log=args.access_log,
+                              processes=args.frontend_processes, access_log=args.access_log, pools=pools,
                               media=MediaConfig(max_image_bytes=args.max_image_bytes,
                                                 max_image_pixels=args.max_image_pixels,
                                                 max_images=args.max_images_per_request,
@@ -180,6 +193,7 @@ def frontend_config_from_args(args: argparse.Namespace, parser: argparse.Argumen
                                                 frontend_decoding=args.frontend_decoding),
                               discovery=discovery_config_from_args(args, parser),
                               security=cluster_security_from_args(args, parser),
+                              request_plane=request_plane_from_args(args, parser),
                               disagg=DisaggConfig(max_local_prefill_length=args.max_local_prefill_length,
                                                   prefill_timeout_s=args.prefill_timeout,
                                                   image_embedding_transport=args.image_embedding_transport,
@@ -200,6 +214,7 @@ def build_parser(prog: str = "python -m turbine.frontend") -> argparse.ArgumentP
         add_frontend_args(parser)
         add_discovery_args(parser)
         add_cluster_security_args(parser, listens=False)  # its internal-plane side is client only
+        add_request_plane_args(parser.add_argument_group("Turbine request plane"))
         add_logging_args(parser)
         add_tracing_args(parser)
     return parser

@@ -7,6 +7,7 @@ little-endian bytes, as OpenAI sends them)."""
 from __future__ import annotations
 
 import array
+import asyncio
 import base64
 import sys
 from typing import Any, Literal
@@ -50,8 +51,9 @@ def _inputs(value: str | list[Any]) -> list[str | list[int]]:
     return value
 
 
-async def embeddings(body: bytes, models: ModelTable, client) -> bytes:
-    """The JSON response body; RequestError for anything wrong."""
+async def embeddings(body: bytes, models: ModelTable, client, metrics=None) -> bytes:
+    """The JSON response body; RequestError for anything wrong. `metrics`: the frontend's
+    FrontendMetrics (a client that leaves before the answer is counted there)."""
     req = decode_request(body, EmbeddingRequest)
     if req.dimensions is not None:
         raise RequestError("dimensions: reducing the embedding's dimensions is not supported", param="dimensions")
@@ -85,11 +87,16 @@ async def embeddings(body: bytes, models: ModelTable, client) -> bytes:
 
     # Routed on load alone (no token ids: a batch of inputs has no one prefix to follow).
     routing = GenerateRequest(request_id=request_id, model=model.name, token_ids=[])
-    out = await on_some_worker(
-        model.instances, model.router, routing, attempt,
-        retry=lambda exc: isinstance(exc, (ConnectFailed, PeerDisconnected)),
-        none_left=lambda tried: RequestError(f"no live worker for model {model.name!r}", param="model",
-                                             status=503, type_="service_unavailable"))
+    try:
+        out = await on_some_worker(
+            model.instances, model.router, routing, attempt,
+            retry=lambda exc: isinstance(exc, (ConnectFailed, PeerDisconnected)),
+            none_left=lambda tried: RequestError(f"no live worker for model {model.name!r}", param="model",
+                                                 status=503, type_="service_unavailable"))
+    except asyncio.CancelledError:  # the client left (http.py's watch): the worker's stream was cancelled
+        if metrics is not None:
+            metrics.of(model.name).disconnects.inc()
+        raise
     if len(out.embeddings) != len(token_lists):
         raise RequestError("the worker returned a wrong number of embeddings", status=502, type_="worker_error")
     data = [{"object": "embedding", "index": i, "embedding": _encoded(vec, req.encoding_format)}

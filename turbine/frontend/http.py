@@ -4,16 +4,21 @@ A generation request runs the stages in order:
 
     preprocess (body -> Prepared) -> dispatch (workers' outputs) -> postprocess (Deltas)
     -> format (chat or completions, JSON or SSE)
+
+Every request that makes a worker work (generation and embeddings) runs under a ClientWatch
+(disconnect.py): a client that leaves before its answer is complete cancels it, which aborts its
+engine requests, streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from typing import TYPE_CHECKING, Literal
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -24,6 +29,7 @@ from turbine import tracing
 from turbine.frontend import anthropic, request_id
 from turbine.frontend.batch import BatchRun
 from turbine.frontend.deltas import Delta
+from turbine.frontend.disconnect import ClientWatch
 from turbine.frontend.embeddings import embeddings
 from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
@@ -40,6 +46,7 @@ from turbine.frontend.structured import WORKER_PARAM
 from turbine.frontend.utility_routes import UtilityRoutes
 from turbine.logging_setup import request_id_var
 from turbine.protocol import errors as codes
+from turbine.runtime.errors import FrameTooLarge
 
 if TYPE_CHECKING:
     from turbine.frontend.app import Frontend
@@ -52,6 +59,10 @@ access_log = logging.getLogger("turbine.access")
 GENERATION_ROUTES: dict[str, Kind | Literal["responses", "messages"]] = {
     "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
     "/v1/messages": "messages"}
+EMBEDDINGS_ROUTE = "/v1/embeddings"
+# The status written in the access log and counted in turbine_frontend_requests for a request whose
+# client left before its answer was complete (nginx's "client closed request").
+CLIENT_LEFT = 499
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
@@ -73,7 +84,6 @@ class HttpApi:
         and Starlette's middleware would wrap every one of those writes twice."""
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/live", self.live, methods=["GET"]),
@@ -90,7 +100,7 @@ class HttpApi:
                 return await others(scope, receive, send)
             obs = _Observed(scope, self.cfg.access_log)
             try:
-                kind = GENERATION_ROUTES.get(scope["path"])
+                kind = "embeddings" if scope["path"] == EMBEDDINGS_ROUTE else GENERATION_ROUTES.get(scope["path"])
                 if obs.refusal is not None:
                     response = obs.refusal
                 elif kind is None:  # Starlette's routes: one or two writes, seen through a wrapper
@@ -103,17 +113,23 @@ class HttpApi:
                     response = self._error(Overloaded(f"the server holds {self.inflight.limit} requests already "
                                                       f"(--max-inflight-requests); retry later"))
                 else:
-                    request = Request(scope, receive)
+                    watch = ClientWatch(receive)
+                    request = Request(scope, watch.receive)
                     try:  # held until the answer's last byte is sent
+                        work = self.embeddings(request) if kind == "embeddings" else self.generate(request, kind)
                         try:
-                            response = await self.generate(request, kind)
+                            response = await watch.run(work)
                         except Exception as exc:
                             response = await self._internal_error(request, exc)
+                        if response is None:  # the client left first: its work was cancelled
+                            obs.status = CLIENT_LEFT
+                            return
                         if kind == "messages" and response.status_code >= 400:
                             response = anthropic.anthropic_error(response)
                         obs.respond(response)  # a generation answer's writes go straight to the server
-                        await response(scope, receive, send)
+                        await response(scope, watch.receive, send)
                     finally:
+                        watch.close()
                         self.inflight.leave()
                     return
                 if kind == "messages":
@@ -151,14 +167,15 @@ class HttpApi:
         encode = {name: len(m.encode_instances) for name, m in served.items() if m.encode_instances}
         if encode:
             body["encode_workers"] = encode  # models whose images are encoded apart (encode.py)
+        pools = {name: m.router.workers_per_pool() for name, m in served.items()
+                 if hasattr(m.router, "workers_per_pool") and m.lora_name is None}
+        if pools:
+            body["pools"] = pools  # the global router (--pool): each pool's live workers per model
         return JSONResponse(body)
 
     async def prometheus(self, request: Request):
-        for model in self.frontend.models.models.values():
-            model.router.export_metrics()
-            if model.prefill_router is not None:
-                model.prefill_router.export_metrics()
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        self.frontend.export_router_metrics()
+        return Response(self.metrics.exposition.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: Request):
         """The OpenAPI document (turbine/frontend/openapi.py); no API key: it is the same everywhere."""
@@ -221,6 +238,14 @@ class HttpApi:
             response = await (run.stream() if prepared.stream else run.whole())
             self.metrics.requests.labels(model_name, kind, str(response.status_code)).inc()
             return response
+        except FrameTooLarge as exc:  # e.g. over the NATS server's max_payload (--request-plane nats)
+            self.metrics.requests.labels(model_name, kind, "413").inc()
+            return self._error(RequestError(f"the request is too large to send to a worker: {exc}", status=413))
+        except asyncio.CancelledError:  # the client left before the answer (a stream: before its first token)
+            if prepared is not None:
+                self.metrics.of(model_name).disconnects.inc()
+                self.metrics.requests.labels(model_name, kind, str(CLIENT_LEFT)).inc()
+            raise
         except RequestError as exc:
             if isinstance(exc, WorkerFailed):
                 log.warning("request failed on its worker: %s", exc)
@@ -252,8 +277,11 @@ class HttpApi:
         try:
             if (denied := self._auth(request)) is not None:
                 return denied
-            body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client)
+            body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client,
+                                    self.metrics)
             return Response(body, media_type="application/json")
+        except FrameTooLarge as exc:
+            return self._error(RequestError(f"the request is too large to send to a worker: {exc}", status=413))
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
 

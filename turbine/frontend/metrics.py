@@ -1,10 +1,13 @@
-"""Frontend Prometheus metrics (own registry, so tests and embedding stay isolated)."""
+"""Frontend Prometheus metrics (own registry, so tests and embedding stay isolated). With
+--frontend-processes N they add up across the processes (turbine/runtime/prometheus_multiprocess.py):
+every gauge here declares how it combines."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from turbine.router.metrics import RouterMetrics
+from turbine.runtime.prometheus_multiprocess import Exposition
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Tokens per request: powers of two up to 128k (a planner reads _sum / _count for the mean).
@@ -17,7 +20,8 @@ class FrontendMetrics:
         r = self.registry
         self.requests = Counter("turbine_frontend_requests", "HTTP requests by model, endpoint and status",
                                 ["model", "endpoint", "status"], registry=r)
-        self.inflight = Gauge("turbine_frontend_inflight_requests", "requests being served", ["model"], registry=r)
+        self.inflight = Gauge("turbine_frontend_inflight_requests", "requests being served", ["model"], registry=r,
+                              multiprocess_mode="livesum")
         self.ttft = Histogram("turbine_frontend_time_to_first_token_seconds", "time to first token",
                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("turbine_frontend_inter_token_latency_seconds", "time between output tokens",
@@ -73,14 +77,20 @@ class FrontendMetrics:
         # (0 for a request that did not wait), and those refused because the queue was full.
         self.queued = Gauge("turbine_frontend_queued_requests",
                             "requests waiting at the frontend for a worker below the busy thresholds",
-                            ["model"], registry=r)
+                            ["model"], registry=r, multiprocess_mode="livesum")
         self.queue_wait = Histogram("turbine_frontend_queue_wait_seconds",
                                     "time a request waited for a worker below the busy thresholds",
                                     ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_full = Counter("turbine_frontend_queue_full_rejections",
                                   "requests answered 503 'overloaded' because --busy-queue-size requests waited",
                                   ["model"], registry=r)
+        # The global router (--pool, pools.py): requests routed to each pool, and each pool's live workers.
+        self.pool_requests = Counter("turbine_frontend_pool_requests", "requests routed to each pool (--pool)",
+                                     ["model", "pool"], registry=r)
+        self.pool_workers = Gauge("turbine_frontend_pool_workers", "live workers of the model in each pool (--pool)",
+                                  ["model", "pool"], registry=r, multiprocess_mode="livemostrecent")
         self._models: dict[str, ModelMetrics] = {}
+        self.exposition = Exposition(r)  # the /metrics text: this registry, or every frontend process's
 
     def of(self, model: str) -> ModelMetrics:
         """The model's bound metrics (made on first use)."""

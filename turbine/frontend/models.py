@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from turbine.config import RequestPlaneConfig
 from turbine.frontend.busy_queue import BusyConfig, BusyQueue
 from turbine.frontend.decode_cache import DecodeCaches
 from turbine.router.policy import Router
@@ -49,8 +50,11 @@ class ServedModel:
 class ModelTable:
     """Rebuilt from every discovery snapshot; lookups are plain dict reads on the hot path."""
 
-    def __init__(self, registry, make_router, namespace: str | None = None, busy: BusyConfig = BusyConfig()):
+    def __init__(self, registry, make_router, namespace: str | None = None, busy: BusyConfig = BusyConfig(),
+                 request_plane: RequestPlaneConfig = RequestPlaneConfig()):
         self.registry = registry
+        self.request_plane = request_plane
+        self._other_plane: set[str] = set()  # instances on another request plane, warned about once
         self.busy = busy
         self._busy_queues: dict[str, BusyQueue] = {}  # model -> its queue (kept across snapshots, as routers)
         self.make_router = make_router
@@ -61,6 +65,17 @@ class ModelTable:
         self._routers: dict[str | tuple[str, str], Router] = {}
         self._decode_caches: dict[str, DecodeCaches] = {}  # model -> its decode workers' prompts
 
+    def _on_our_plane(self, rec: InstanceRecord) -> bool:
+        """Whether we can call the instance (its address is on our request plane); warns once if not."""
+        if self.request_plane.serves(rec.address):
+            return True
+        if rec.instance_id not in self._other_plane:
+            self._other_plane.add(rec.instance_id)
+            other = "tcp" if self.request_plane.kind == "nats" else "nats"
+            log.warning("instance %s (%s/%s) serves on the %s request plane, this frontend on %s (--request-plane): "
+                        "not routed to", rec.instance_id, rec.namespace, rec.component, other, self.request_plane.kind)
+        return False
+
     async def run(self) -> None:
         async for instances, cards in self.registry.watch():
             try:
@@ -70,7 +85,7 @@ class ModelTable:
 
     async def _apply(self, instances: list[InstanceRecord], cards: list[ModelCard]) -> None:
         busy = self.busy
-        by_path = {rec.path: rec for rec in instances}
+        by_path = {rec.path: rec for rec in instances if self._on_our_plane(rec)}
         models: dict[str, ServedModel] = {}
         prefill: list[tuple[ModelCard, InstanceRecord]] = []
         encoders: list[tuple[ModelCard, InstanceRecord]] = []

@@ -1,7 +1,9 @@
 """Runs the frontend app under uvicorn (which handles SIGTERM/SIGINT gracefully): in this process,
 or with --frontend-processes N in N child processes that each listen on the same port with
 SO_REUSEPORT (the kernel spreads new connections over them), so the HTTP, SSE and detokenizing work
-of one port can use N cores."""
+of one port can use N cores. Their metrics add up: the parent gives them one Prometheus multiprocess
+directory (turbine/runtime/prometheus_multiprocess.py), so a scrape that any of them answers counts
+every process's requests."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import socket
 import uvicorn
 
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.runtime.prometheus_multiprocess import MultiprocessDir
 
 log = logging.getLogger("turbine.frontend")
 
@@ -72,6 +75,7 @@ def _run_processes(cfg: FrontendConfig) -> int:
     except OSError as exc:
         log.error("--http-port %d on %s: %s", cfg.http_port, cfg.http_host, exc)
         return 1
+    metrics_dir = MultiprocessDir()  # in the environment before the children import prometheus_client
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: nothing of this one's state is shared
     procs = [ctx.Process(target=_serve_one, args=(cfg, i), name=f"turbine-frontend-{i}", daemon=False)
              for i in range(cfg.processes)]
@@ -96,6 +100,7 @@ def _run_processes(cfg: FrontendConfig) -> int:
                 dead = next(p for p in live if p.sentinel == sentinel)
                 dead.join()
                 live.remove(dead)
+                metrics_dir.process_ended(dead.pid)
                 if not stopping:
                     log.error("frontend process %s exited (code %s): stopping the others", dead.name, dead.exitcode)
                     code = 1
@@ -105,6 +110,7 @@ def _run_processes(cfg: FrontendConfig) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         guard.close()
+        metrics_dir.close()
 
 
 def main(argv: list[str] | None = None) -> int:

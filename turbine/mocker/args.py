@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from turbine.config import check, flag
-from turbine.flag_sources import add_config_arg, env_errors, with_config_file
+from turbine.flag_sources import add_config_arg, env_errors, env_forms, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.mocker.kv_tiers import DEFAULT_DISK_BANDWIDTH_GB_S, DEFAULT_HOST_BANDWIDTH_GB_S, TierSpec
 from turbine.mocker.kv_transfer import DEFAULT_BANDWIDTH_GB_S, KvTransferModel
@@ -238,14 +238,17 @@ def _build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--kv-disk-bandwidth", type=float, default=None, metavar="GB_PER_S",
                        help=f"loading from the disk tier, in GB/s (default {DEFAULT_DISK_BANDWIDTH_GB_S:g}, measured "
                             "from the page cache)")
+    before = len(p._actions)
     add_logging_args(p)
     add_tracing_args(p)
+    observability = p._actions[before:]  # their variables are their own (TURBINE_LOG_LEVEL, OTEL_*)
     hooks = p.add_argument_group("test hooks")
     hooks.add_argument("--kv-events-drop-after", type=int, default=None, metavar="N",
                        help="publish only the first N KV event batches, then drop the rest silently while "
                             "still announcing the publisher (0: none at all); for testing routers' "
                             "missing-events warnings, never for serving")
     add_serving_args(p)
+    env_forms([a for a in p._actions if a not in observability])  # TURBINE_<FLAG> for every flag
     return p
 
 

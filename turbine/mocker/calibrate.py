@@ -37,10 +37,13 @@ import msgspec
 from turbine.config import (
     add_cluster_security_args,
     add_discovery_args,
+    add_request_plane_args,
     cluster_security_from_args,
     discovery_config_from_args,
     make_registry,
+    request_plane_from_args,
 )
+from turbine.flag_sources import env_errors
 from turbine.mocker.model_info import read_model_info
 from turbine.mocker.timing import TimingProfile, attention_pairs
 from turbine.planner.profile import (
@@ -53,7 +56,7 @@ from turbine.planner.profile import (
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions
 from turbine.runtime.errors import RemoteError
-from turbine.runtime.request_plane import RequestPlaneClient
+from turbine.runtime.request_plane import new_client
 
 COEFFICIENTS = ("step_base_ms", "prefill_ms_per_token", "prefill_ms_per_token_pair", "decode_ms_per_seq",
                 "decode_ms_per_kv_token")
@@ -119,7 +122,7 @@ class Prober:
     def __init__(self, record: InstanceRecord, vocab_size: int):
         self.record = record
         self.vocab_size = vocab_size
-        self.client = RequestPlaneClient()
+        self.client = new_client()
         self.rng = random.Random(0)
 
     def _prompt(self, length: int) -> list[int]:
@@ -275,6 +278,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser(prog: str = "turbine mocker calibrate") -> argparse.ArgumentParser:
+    with env_errors(prog):  # a bad TURBINE_* value: one line naming it
+        return _build_parser(prog)
+
+
+def _build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Measure a running worker and write its engine profile (JSON): "
                                                        "the planner's performance model and the mocker's --profile.")
     p.add_argument("--model", required=True, help="served model name of the worker to measure")
@@ -297,6 +305,7 @@ def build_parser(prog: str = "turbine mocker calibrate") -> argparse.ArgumentPar
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request")
     add_discovery_args(p)
     add_cluster_security_args(p, listens=False)
+    add_request_plane_args(p.add_argument_group("Turbine request plane"))
     return p
 
 
@@ -313,6 +322,7 @@ def main(argv: list[str] | None = None, prog: str = "turbine mocker calibrate") 
     from turbine.runtime import cluster_auth
 
     cluster_auth.install(cluster_security_from_args(args, parser).auth())  # to reach the worker's request plane
+    request_plane_from_args(args, parser).install()
     try:
         profile = asyncio.run(calibrate(args))
     except (LookupError, ValueError, RuntimeError) as exc:

@@ -19,6 +19,7 @@ class ModelInfo:
     max_position_embeddings: int | None
     kv_bytes_per_token: int | None = None  # None: the config does not say
     word_token_ids: tuple[int, ...] = ()  # tokens that are one whole lowercase word after a space
+    bos_token_id: int | None = None  # the model config's (the health check's default prompt)
 
 
 # A space marker (byte-level BPE's "Ġ", SentencePiece's "▁") and a lowercase word: a run of
@@ -42,6 +43,7 @@ def read_model_info(folder: str) -> ModelInfo:
     return ModelInfo(vocab_size=vocab, eos_token_ids=eos_ids, special_token_ids=special,
                      max_position_embeddings=config.get("max_position_embeddings"),
                      kv_bytes_per_token=kv_bytes_per_token(config),
+                     bos_token_id=config.get("bos_token_id") if isinstance(config.get("bos_token_id"), int) else None,
                      word_token_ids=tuple(sorted(i for text, i in tokenizer.get_vocab().items()
                                                  if i < vocab and _WORD_TOKEN.fullmatch(text))))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from dataclasses import replace
 
@@ -27,17 +28,19 @@ from turbine.mocker.kv_tiers import KvTiers
 from turbine.mocker.metrics import EngineGauges
 from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
-from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest, StopConditions
+from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest
 from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
 from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.worker.lora_slots import LoraSlots
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
-from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
 from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.worker.events import InstanceEvents
+from turbine.runtime.errors import InvalidRequest
+from turbine.worker import health_check
+from turbine.worker.health_check import PayloadError
 from turbine.worker.host import Instance, WorkerHost, run_host
 from turbine.worker.snapshot import SNAPSHOT_CONTROL_DIR_ENV, RestoredIdentity
 
@@ -61,6 +64,7 @@ class WorkerEngines:
             self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer,
                                            lora_load_ms=cfg.lora_load_ms))
         self.level = 0  # sleep level, 0: awake
+        self.build_seconds = 0.0  # set by SimulatedEngines.build (turbine_worker_model_load_seconds)
 
     async def sleep(self, level: int) -> None:
         """Free the simulated KV cache: every cached block is dropped (AllBlocksCleared goes
@@ -100,13 +104,14 @@ class SimulatedWorker:
                     engine.scheduler.tiers.on_event = engine.scheduler.pool.on_event
             engine.on_step = self._load_reporter(rank)
             self._publish_load(rank, engine.scheduler)  # the idle state, re-sent until it changes (keepalive)
-        self.metrics = WorkerMetrics(labels)
-        self.metrics.total_kv_blocks.set(0 if engines.level else cfg.num_gpu_blocks)
+        self.metrics = WorkerMetrics(labels, data_parallel_size=cfg.data_parallel_size)
+        self.metrics.set_total_kv_blocks(0 if engines.level else cfg.num_gpu_blocks)
+        self.metrics.model_load_seconds.set(engines.build_seconds)
         self.gauges = EngineGauges(labels, [e.scheduler for e in self.engines])
         self.handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             self.engines, self.metrics, cfg.model_info.vocab_size, instance_id=self.instance_id,
             on_success=health.succeeded, admission=cfg.admission(self.metrics))
-        self.server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        self.server = cfg.request_plane_config.server(cfg.host, cfg.port)
         self.server.register(cfg.endpoint, GenerateRequest, self.handlers.generate)
         self.server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, self.handlers.clear_kv_blocks)
         self.events.serve_replay(self.server)
@@ -124,11 +129,14 @@ class SimulatedWorker:
 
     async def sleep(self, level: int) -> None:
         await self.worker_engines.sleep(level)
-        self.metrics.total_kv_blocks.set(0)
+        self.metrics.set_total_kv_blocks(0)
 
     async def wake_up(self) -> None:
+        level, waking = self.worker_engines.level, time.monotonic()
         await self.worker_engines.wake_up()
-        self.metrics.total_kv_blocks.set(self.cfg.num_gpu_blocks)
+        if level == 2:  # the weights "loaded again" (the mocker has none: the wake's own time)
+            self.metrics.model_load_seconds.set(time.monotonic() - waking)
+        self.metrics.set_total_kv_blocks(self.cfg.num_gpu_blocks)
 
     # Its LoRA adapters (turbine/worker/lora.py checks them and runs the load / unload sequence).
     def lora_refusal(self) -> str | None:
@@ -163,16 +171,27 @@ class SimulatedWorker:
 
     def refresh_gauges(self) -> None:
         self.metrics.engine_unfinished.set(sum(e.scheduler.num_unfinished for e in self.engines))
+        for gauges, engine in zip(self.metrics.ranks, self.engines):
+            pool = engine.scheduler.pool
+            gauges.active_kv_blocks.set(pool.num_in_use)
+            gauges.kv_cache_usage.set(pool.num_in_use / pool.num_blocks if pool.num_blocks else 0.0)
         self.gauges.refresh()
 
     async def canary(self) -> str | None:
-        """Generate one token on each of this worker's engines (not counted as served requests)."""
+        """The health check's payload (turbine/worker/health_check.py) through the role's checks on each of
+        this worker's engines (not counted as served requests)."""
         if self.worker_engines.level:
             return None  # asleep: its cache is gone and nothing is routed here
+        payload = self.cfg.health_check_payload
+        source = f" (the {health_check.FLAG} payload)" if payload is not None else ""
         for rank, engine in enumerate(self.engines):
-            req = GenerateRequest(request_id=f"canary-{uuid.uuid4().hex[:8]}", model="", token_ids=[1],
-                                  stop=StopConditions(max_tokens=1), dp_rank=rank)
-            seqs = self.handlers.sequences(req)
+            try:
+                req = health_check.generate_request(payload, bos=self.cfg.model_info.bos_token_id or health_check.DEFAULT_BOS,
+                                                    text_mode=False, dp_rank=rank)
+                seqs = self.handlers.sequences(req)
+            except (PayloadError, InvalidRequest) as exc:
+                message = exc.error.message if isinstance(exc, InvalidRequest) else str(exc)
+                return f"worker {self.instance_id}: canary generate refused{source}: {message}"
             outputs = engine.submit(seqs)
             try:
                 async with asyncio.timeout(CANARY_TIMEOUT_S):
@@ -217,6 +236,7 @@ class SimulatedEngines:
 
     async def build(self) -> None:
         cfg, info = self.cfg, self.cfg.model_info
+        building = time.monotonic()
         if cfg.startup_time > 0:
             # As a real engine loading its model: nothing is registered until this is over.
             log.info("simulating engine start-up: %.1fs", cfg.startup_time)
@@ -224,6 +244,8 @@ class SimulatedEngines:
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids, cfg.natural_output_len,
                                info.word_token_ids, reply_token_ids(cfg))
         self.built = [WorkerEngines(cfg, sampler) for _ in range(cfg.num_workers)]
+        for engines in self.built:  # the build, as a real engine's model load (with --startup-time)
+            engines.build_seconds = time.monotonic() - building
         self._tasks = [asyncio.create_task(e.run()) for w in self.built for e in w.engines]
 
     def checkpoint_refusal(self) -> str | None:

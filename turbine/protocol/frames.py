@@ -34,3 +34,22 @@ class Frame(msgspec.Struct, omit_defaults=True, kw_only=True):
     traceparent: str = ""
     tracestate: str = ""
     v: int = WIRE_VERSION
+
+
+class Batch(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The NATS request plane's message (turbine/runtime/request_plane_nats.py): the frames one peer
+    sent another during one turn of its event loop, as one NATS message on the receiver's subject
+    "<its prefix>.in". A batch with no frames is a heartbeat."""
+
+    sender: str  # the sender's subject prefix ("turbine.rpc.<hex>"): where the answers go
+    # Counts the sender's batches to this receiver, from 1: a gap means batches were lost on the way.
+    seq: int
+    frames: list[Frame] = msgspec.field(default_factory=list)
+    # Set when this peer lost batches from the receiver: every stream the receiver opened in a batch
+    # numbered below this is gone here (and is to be failed there).
+    reset_below: int = 0
+    # A heartbeat that asks for one back when the receiver has no stream open with the sender (so a
+    # lost last batch shows as a gap at once, not after the peer's silence timeout).
+    ping: bool = False
+    sent_at: float = 0.0  # the sender's clock (Unix seconds): with a cluster key, stale batches are dropped
+    v: int = WIRE_VERSION

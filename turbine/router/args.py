@@ -7,8 +7,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from turbine.config import DEFAULT_NAMESPACE, ClusterSecurityConfig, DiscoveryConfig, check, config_errors_to, flag
-from turbine.config import add_cluster_security_args, add_discovery_args, cluster_security_from_args
-from turbine.config import discovery_config_from_args
+from turbine.config import RequestPlaneConfig, add_cluster_security_args, add_discovery_args, add_request_plane_args
+from turbine.config import cluster_security_from_args, discovery_config_from_args, request_plane_from_args
 from turbine.flag_sources import add_config_arg, env_errors, env_int, env_str, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.router.config import KvRouterConfig, add_kv_router_args, kv_router_config_from_args
@@ -29,6 +29,8 @@ class RouterServiceConfig:
     request_ttl_s: float = flag("--router-request-ttl", default=DEFAULT_REQUEST_TTL_S)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     security: ClusterSecurityConfig = field(default_factory=ClusterSecurityConfig)
+    # The plane it serves best_worker on and fetches workers' missed KV events over.
+    request_plane: RequestPlaneConfig = field(default_factory=RequestPlaneConfig)
 
     def __post_init__(self):
         ns = self.namespace
@@ -39,6 +41,7 @@ class RouterServiceConfig:
             check(self, port is None or 0 <= port <= 65535, name, f"{port}: must be between 0 and 65535")
         check(self, self.request_ttl_s > 0, "request_ttl_s", "must be > 0")
         self.security.check_listen(self, "host", self.host)
+        self.request_plane.check_security(self, self.security)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_kv_router_args(g)
     add_discovery_args(p)
     add_cluster_security_args(p)
+    add_request_plane_args(p.add_argument_group("Turbine request plane"))
     add_logging_args(p)
     add_tracing_args(p)
     return p
@@ -82,8 +86,9 @@ def parse_router_args(argv: list[str] | None = None) -> RouterServiceConfig:
     kv = kv_router_config_from_args(args, parser)
     discovery = discovery_config_from_args(args, parser)
     security = cluster_security_from_args(args, parser)
+    request_plane = request_plane_from_args(args, parser)
     with config_errors_to(parser):
         return RouterServiceConfig(namespace=args.namespace, host=args.host, port=args.port,
                                    system_host=args.system_host, system_port=args.system_port, kv=kv,
                                    request_ttl_s=args.router_request_ttl, discovery=discovery,
-                                   security=security)
+                                   security=security, request_plane=request_plane)

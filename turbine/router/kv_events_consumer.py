@@ -31,7 +31,7 @@ from turbine.router.kv_recovery import Recovered, fetch_missed
 from turbine.runtime.codec import decode
 from turbine.runtime.errors import DecodeError
 from turbine.runtime.event_plane import KV_EVENTS_TOPIC
-from turbine.runtime.request_plane import RequestPlaneClient
+from turbine.runtime.request_plane import RequestPlaneClient, new_client
 
 log = logging.getLogger("turbine.router")
 
@@ -53,7 +53,7 @@ class KvEventsConsumer:
         self._sub.on(KV_EVENTS_TOPIC, self.handle)
         self._sub.on_resubscribed(self.resubscribed)
         self._own_client = client is None
-        self._client = client or RequestPlaneClient()
+        self._client = client or new_client()
         self._retry_s = retry_s
         self._timeout_s = timeout_s
         self._address_of: dict[str, str] = {}  # instance id -> its publisher's address

@@ -1,6 +1,9 @@
 """The KV router's Prometheus metrics, in a registry the host process owns (the frontend's,
 or the standalone router's). Per-worker series are labelled with the worker's instance id
-(with "/RANK" for data-parallel ranks above 0)."""
+(with "/RANK" for data-parallel ranks above 0). Several frontend processes (each its own router)
+add up (turbine/runtime/prometheus_multiprocess.py): a gauge of what every router sees alike (a
+worker's reports, the index of its blocks) is the latest any process set; one of what each router
+holds itself (blocks it sent that no report includes yet) is summed."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ class RouterMetrics:
                                           ["model"], buckets=(1e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2),
                                           registry=r)
         self.indexed_blocks = Gauge("turbine_router_indexed_blocks", "blocks the kv router knows a worker holds",
-                                    ["model", "worker"], registry=r)
+                                    ["model", "worker"], registry=r, multiprocess_mode="livemostrecent")
         # Cumulative counts kept by the router's parts, advanced to their value at scrape time (`advance`).
         self.events = Counter("turbine_router_kv_events_applied", "KV events applied to the index", ["model"],
                               registry=r)
@@ -36,19 +39,20 @@ class RouterMetrics:
                                       ["model", "worker", "kind"], registry=r)
         self.worker_active_blocks = Gauge("turbine_router_worker_kv_active_blocks",
                                           "KV blocks in use, as the worker last reported", ["model", "worker"],
-                                          registry=r)
+                                          registry=r, multiprocess_mode="livemostrecent")
         self.worker_total_blocks = Gauge("turbine_router_worker_kv_total_blocks",
                                          "KV blocks of the worker, as it last reported", ["model", "worker"],
-                                         registry=r)
+                                         registry=r, multiprocess_mode="livemostrecent")
         self.worker_waiting = Gauge("turbine_router_worker_waiting_requests",
                                     "requests queued on the worker, as it last reported", ["model", "worker"],
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livemostrecent")
         self.worker_running = Gauge("turbine_router_worker_running_requests",
                                     "requests running on the worker, as it last reported", ["model", "worker"],
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livemostrecent")
         self.worker_pending_blocks = Gauge("turbine_router_worker_pending_blocks",
                                            "KV blocks of requests the router sent to the worker that its "
-                                           "reports do not include yet", ["model", "worker"], registry=r)
+                                           "reports do not include yet", ["model", "worker"], registry=r,
+                                           multiprocess_mode="livesum")
         self.lora_decisions = Counter("turbine_router_lora_decisions",
                                       "decisions for LoRA adapter requests, by whether the chosen worker had the "
                                       "adapter active (in its slots, or with a request of it from this router)",

@@ -55,8 +55,9 @@ class RouterService:
 
     # -- discovery --------------------------------------------------------------------
     def apply(self, instances: list[InstanceRecord], cards: list[ModelCard]) -> None:
-        """A discovery snapshot: rebuild the pools, and tell each router its live workers."""
-        by_path = {rec.path: rec for rec in instances}
+        """A discovery snapshot: rebuild the pools, and tell each router its live workers (those on its
+        request plane: the others could not be called by whoever asks it)."""
+        by_path = {rec.path: rec for rec in instances if self.cfg.request_plane.serves(rec.address)}
         pools: dict[PoolKey, dict[str, InstanceRecord]] = {}
         pool_cards: dict[PoolKey, dict[str, ModelCard]] = {}
         holders: dict[PoolKey, dict[str, set[str]]] = {}
@@ -184,10 +185,8 @@ class RouterService:
         from turbine.config import make_registry
         from turbine.runtime.lifecycle import drain_and_stop
         from turbine.runtime.registration import advertised_address, unregister
-        from turbine.runtime.request_plane import RequestPlaneServer
-
         cfg = self.cfg
-        server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        server = cfg.request_plane.server(cfg.host, cfg.port)
         server.register(BEST_WORKER, BestWorkerRequest, self.best_worker)
         server.register(FIRST_TOKEN, RequestNotice, self.first_token)
         server.register(FINISHED, RequestNotice, self.finished)
@@ -237,6 +236,7 @@ async def serve(cfg: RouterServiceConfig) -> int:
     from turbine.runtime import cluster_auth
 
     cluster_auth.install(cfg.security.auth())  # before any plane opens
+    cfg.request_plane.install()  # its routers fetch workers' missed KV events on it
     stopping = asyncio.Event()
     stop_on_signals(stopping)
     service = RouterService(cfg, RouterMetrics(REGISTRY))  # its own process: the default registry

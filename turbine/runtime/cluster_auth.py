@@ -43,6 +43,7 @@ WARN_EVERY_S = 10.0
 
 _REQUEST_PLANE = b"turbine request-plane v1"
 _EVENT_PLANE = b"turbine event-plane v1"
+_NATS_REQUEST_PLANE = b"turbine request-plane nats v1"
 
 
 def _derive(key: bytes, label: bytes) -> bytes:
@@ -81,6 +82,7 @@ class ClusterAuth:
         self.tls = tls
         self._request_key = _derive(key, _REQUEST_PLANE) if key else b""
         self._event_key = _derive(key, _EVENT_PLANE) if key else b""
+        self._nats_request_key = _derive(key, _NATS_REQUEST_PLANE) if key else b""
         self._persons: dict[bytes, bytes] = {}  # topic -> BLAKE2b personalization (at most 16 bytes)
         self._server_ssl: ssl.SSLContext | None = None
         self._client_ssl: ssl.SSLContext | None = None
@@ -141,26 +143,42 @@ class ClusterAuth:
     # -- event plane ------------------------------------------------------------------
     def sign(self, topic: bytes, payload: bytes) -> bytes:
         """`payload` with its signature appended (unchanged without a key)."""
-        if not self._event_key:
-            return payload
-        return payload + self._event_mac(topic, payload)
-
-    def _event_mac(self, topic: bytes, payload: bytes | memoryview) -> bytes:
-        person = self._persons.get(topic)
-        if person is None:
-            person = self._persons[topic] = topic if len(topic) <= 16 else blake2b(topic, digest_size=16).digest()
-        return blake2b(payload, key=self._event_key, person=person, digest_size=MAC_BYTES).digest()
+        return self._signed(self._event_key, topic, payload)
 
     def verified(self, topic: bytes, signed: bytes) -> bytes | None:
         """The payload if its signature is right (or there is no key), else None."""
-        if not self._event_key:
+        return self._verified(self._event_key, topic, signed)
+
+    # -- request plane over NATS: messages signed as events are, under a key of their own --
+    def sign_batch(self, subject: bytes, payload: bytes) -> bytes:
+        """A NATS request-plane message to `subject`, signed (unchanged without a key)."""
+        return self._signed(self._nats_request_key, subject, payload)
+
+    def verified_batch(self, subject: bytes, signed: bytes) -> bytes | None:
+        """The payload of a NATS request-plane message that arrived on `subject`, if its signature is
+        right (or there is no key), else None."""
+        return self._verified(self._nats_request_key, subject, signed)
+
+    def _signed(self, key: bytes, topic: bytes, payload: bytes) -> bytes:
+        if not key:
+            return payload
+        return payload + self._mac_of(key, topic, payload)
+
+    def _verified(self, key: bytes, topic: bytes, signed: bytes) -> bytes | None:
+        if not key:
             return signed
         if len(signed) < MAC_BYTES:
             return None
         payload, mac = signed[:-MAC_BYTES], signed[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, self._event_mac(topic, payload)):
+        if not hmac.compare_digest(mac, self._mac_of(key, topic, payload)):
             return None
         return payload
+
+    def _mac_of(self, key: bytes, topic: bytes, payload: bytes | memoryview) -> bytes:
+        person = self._persons.get(topic)
+        if person is None:
+            person = self._persons[topic] = topic if len(topic) <= 16 else blake2b(topic, digest_size=16).digest()
+        return blake2b(payload, key=key, person=person, digest_size=MAC_BYTES).digest()
 
 
 _current = ClusterAuth()

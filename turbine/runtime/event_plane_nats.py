@@ -59,7 +59,7 @@ def parse_address(address: str) -> tuple[str, str]:
     return parse_server(address), prefix
 
 
-async def _connect(server: str, what: str, reconnected: Callable[[], None] | None = None) -> Client:
+async def connect_nats(server: str, what: str, reconnected: Callable[[], None] | None = None) -> Client:
     """Connected, or EventPlaneError after CONNECT_TIMEOUT_S; reconnects forever afterwards,
     then calls `reconnected` (the server has our subscriptions again by then)."""
     last_error: list[BaseException] = []
@@ -111,7 +111,7 @@ class NatsConnection:
     async def open(cls, server: str) -> NatsConnection:
         try:
             server = parse_server(server)
-            client = await _connect(server, "publishing events")
+            client = await connect_nats(server, "publishing events")
         except (ValueError, EventPlaneError) as exc:
             raise EventPlaneError(f"--nats-server: {exc}") from None
         log.info("event plane: NATS at %s", server)
@@ -221,7 +221,7 @@ class NatsEventSubscriber:
         delay = RETRY_S[0]
         while True:
             try:
-                return await _connect(server, "following events", lambda: self._resubscribed(server))
+                return await connect_nats(server, "following events", lambda: self._resubscribed(server))
             except EventPlaneError as exc:
                 log.warning("%s (KV events of its workers are not followed); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)

@@ -24,6 +24,8 @@ def advertised_host(host: str) -> str:
 
 
 def advertised_address(bound: str) -> str:
+    if "://" in bound:  # a NATS request plane's address names the NATS server and a subject: as it is
+        return bound
     host, _, port = bound.rpartition(":")
     return f"{advertised_host(host)}:{port}"
 

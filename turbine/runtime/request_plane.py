@@ -1,4 +1,5 @@
-"""Request plane: typed request -> stream-of-responses calls over TCP.
+"""Request plane: typed request -> stream-of-responses calls over TCP (over NATS:
+request_plane_nats.py, the same server and stream classes on another transport).
 
 Many streams are multiplexed on one connection per (client, server address). Wire format
 and frame kinds are defined in `turbine.protocol.frames`. Both sides use asyncio Protocols
@@ -811,3 +812,18 @@ class RequestPlaneClient:
     def _forget(self, conn: _ClientConnection) -> None:
         if self._conns.get(conn.address) is conn:
             del self._conns[conn.address]
+
+
+# The clients that parts of a process make for themselves (a KV router fetching missed events) are on
+# the process's request plane: its entry point installs the factory (RequestPlaneConfig.install).
+_client_factory: Callable[..., RequestPlaneClient] = RequestPlaneClient
+
+
+def install_client_factory(factory: Callable[..., RequestPlaneClient]) -> None:
+    global _client_factory
+    _client_factory = factory
+
+
+def new_client(**kwargs: Any) -> RequestPlaneClient:
+    """A client on this process's request plane (TCP unless its entry point installed another)."""
+    return _client_factory(**kwargs)

@@ -10,13 +10,26 @@ import platform
 from dataclasses import dataclass
 
 from turbine.config import check, flag
-from turbine.flag_sources import add_config_arg, env_errors, env_str, with_config_file
+from turbine.flag_sources import add_config_arg, env_errors, env_forms, with_config_file
 from turbine.logging_setup import add_logging_args
 from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
 from turbine.vllm.compat import EC_CONSUMER_RELEASES, VLLM_VERSION, release_of
 from turbine.vllm.connectors import ConnectorError, KvbmTiers, check_kvbm_flags, kv_transfer_config, parse_connectors
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
+
+# Dynamo's vLLM backend maps these load formats to worker classes of other NVIDIA packages; vLLM has no
+# loader of these names, so without a refusal the flag would reach vLLM's loader and fail deep inside it.
+LOAD_FORMATS_REFUSED = {
+    "gms": "--load-format gms (GPU memory service: one process holds the weights in GPU memory and the engines "
+           "map them, for fast restarts and failover) is not built in Turbine: it needs a GPU and NVIDIA's "
+           "gpu_memory_service package, neither of which this build has or was tried with; load the weights "
+           "with vLLM's own formats (auto, safetensors, ...)",
+    "mx-source": "--load-format mx-source (ModelExpress peer-to-peer weight loading) is not built in Turbine; "
+                 "use vLLM's own formats (auto, safetensors, ...)",
+    "mx-target": "--load-format mx-target (ModelExpress peer-to-peer weight loading) is not built in Turbine; "
+                 "use vLLM's own formats (auto, safetensors, ...)",
+}
 
 KV_EVENTS_CONFIG_REFUSED = (
     "--kv-events-config is not supported: Turbine relays the engine's KV events to its KV routers "
@@ -62,9 +75,19 @@ class WorkerConfig(ServingConfig):
     # with the engines, and OpenMP's spin-waiting over busy cores made the test model's vision tower 60x slower
     # with 2 threads than with 1 on the 2-core host (91 ms vs 1.5 ms a picture).
     encoder_threads: int = flag("--encoder-threads", default=1)
+    # The first loopback port of the KV-event relay (rank r's engine publishes on it + r); None: any free run.
+    kv_events_port: int | None = flag("--kv-events-port", default=None)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.kv_events_port is not None:
+            last = self.kv_events_port + self.data_parallel_size - 1
+            check(self, 1024 <= self.kv_events_port and last <= 65535, "kv_events_port",
+                  f"{self.kv_events_port}: must be between 1024 and {65535 - self.data_parallel_size + 1} (the relay "
+                  f"takes {self.data_parallel_size} port(s) from it, one per data-parallel rank)")
+            relays = getattr(self.engine_args, "enable_prefix_caching", True) and not self.is_decode
+            check(self, relays and not self.multimodal_encode_worker, "kv_events_port",
+                  "this worker relays no KV events (a decode or encode worker, or prefix caching off): drop it")
         if self.multimodal_encode_worker:
             check(self, not (self.enable_multimodal or self.take_image_embeddings or self.use_vllm_tokenizer)
                   and self.disaggregation_mode == "agg" and getattr(self.engine_args, "runner", None) != "pooling"
@@ -159,16 +182,22 @@ def _build_parser():
                         help="--connector kvbm: directory of the shared tier, which several workers (of one host, or "
                              "of hosts on a shared filesystem) read and write: a prefix one worker computed is "
                              "loaded by the others. Written by atomic rename, read checksummed")
+    parser.add_argument("--kv-events-port", type=int, default=None,
+                        help="first loopback port the relay of the engine's KV events binds (data-parallel rank r's "
+                             "engine publishes on it + r; 1024-65535); default: any free run")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
                              "tokenizer the frontend cannot load). KV-aware routing falls back to load only")
-    parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default=env_str("TURBINE_JSON_WHITESPACE", "compact"),
+    parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default="compact",
                         help="whitespace in structured JSON outputs (forced tool calls, response_format json_schema / "
                              "json_object, guided_json): compact (none between tokens: a small model cannot run away "
                              "in newlines until max_tokens; measured in benchmarks/json_whitespace.py) or any (JSON's "
                              "free whitespace, vLLM's default). Engine-wide: vLLM's grammar backends read it from the "
                              "engine's config, not per request (env TURBINE_JSON_WHITESPACE; default compact)")
+    # Every flag Turbine adds has its environment variable by the naming rule (TURBINE_<FLAG>); vLLM's own
+    # engine flags, added next, are vLLM's.
+    env_forms(list(parser._actions))
     parser = AsyncEngineArgs.add_cli_args(parser)
     # vLLM's parser has --log-level and --otlp-traces-endpoint: they serve Turbine too.
     add_logging_args(parser, level=False)
@@ -214,6 +243,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                      f"encoder-cache connector interface); this is vLLM {VLLM_VERSION}")
     if serving.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    if (refusal := LOAD_FORMATS_REFUSED.get(str(args.load_format))) is not None:
+        parser.error(refusal)
     _configure_connector(args, parser, serving)
     if args.enable_sleep_mode and (reason := platform_sleep_refusal()):
         parser.error(f"--enable-sleep-mode: {reason}")
@@ -233,7 +264,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    use_vllm_tokenizer=args.use_vllm_tokenizer, enable_multimodal=args.enable_multimodal,
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
-                   embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads)
+                   embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
+                   kv_events_port=args.kv_events_port)
 
 
 JSON_WHITESPACE = ("compact", "any")

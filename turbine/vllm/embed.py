@@ -16,9 +16,6 @@ from turbine.protocol.embed import EmbedOutput, EmbedRequest
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.worker.worker_metrics import WorkerMetrics
 
-CANARY_TIMEOUT_S = 10.0
-
-
 
 class EmbedHandlers:
     def __init__(self, engine, metrics: WorkerMetrics, on_success=None):
@@ -29,31 +26,50 @@ class EmbedHandlers:
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.get_vocab_size()
 
-    async def embed(self, req: EmbedRequest, ctx) -> AsyncIterator[EmbedOutput]:
+    def _check(self, req: EmbedRequest) -> None:
+        """InvalidRequest unless every input can be embedded here."""
         if not req.inputs or not all(req.inputs):
-            self.metrics.error("invalid_request")
             raise InvalidRequest("input: every input must have at least one token")
         for ids in req.inputs:
             if len(ids) > self.max_model_len:
-                self.metrics.error("invalid_request")
                 raise InvalidRequest(f"input: an input has {len(ids)} tokens; the context length is "
                                      f"{self.max_model_len}")
             if min(ids) < 0 or max(ids) >= self.vocab_size:
-                self.metrics.error("invalid_request")
                 raise InvalidRequest(f"input: token id outside the vocabulary (size {self.vocab_size})")
+
+    async def _vectors(self, req: EmbedRequest) -> list[bytes]:
+        try:
+            return await asyncio.gather(*(self._one(ids, f"{req.request_id}-{i}-{uuid.uuid4().hex[:8]}")
+                                          for i, ids in enumerate(req.inputs)))
+        except ValueError as exc:  # vLLM's input validation
+            raise InvalidRequest(str(exc)) from exc
+
+    async def embed(self, req: EmbedRequest, ctx) -> AsyncIterator[EmbedOutput]:
+        try:
+            self._check(req)
+        except InvalidRequest:
+            self.metrics.error("invalid_request")
+            raise
         self.metrics.inflight.inc()
         try:
-            vectors = await asyncio.gather(*(self._one(ids, f"{req.request_id}-{i}-{uuid.uuid4().hex[:8]}")
-                                             for i, ids in enumerate(req.inputs)))
-        except ValueError as exc:  # vLLM's input validation
+            vectors = await self._vectors(req)
+        except InvalidRequest:
             self.metrics.error("invalid_request")
-            raise InvalidRequest(str(exc)) from exc
+            raise
+        except asyncio.CancelledError:  # the caller cancelled or went away: each input was aborted (_one)
+            self.metrics.cancellations.inc()
+            raise
         finally:
             self.metrics.inflight.dec()
         self.metrics.request_done("success")
         if self.on_success is not None:
             self.on_success()
         yield EmbedOutput(embeddings=vectors, prompt_tokens=sum(len(ids) for ids in req.inputs))
+
+    async def canary(self, req: EmbedRequest) -> list[bytes]:
+        """The health canary: `req` through this handler's checks and the engine, not counted as served."""
+        self._check(req)
+        return await self._vectors(req)
 
     async def _one(self, ids: list[int], engine_id: str) -> bytes:
         finished = False
@@ -68,18 +84,3 @@ class EmbedHandlers:
         finally:
             if not finished:  # cancelled or failed: free the engine's blocks now
                 await self.engine.abort(engine_id)
-
-
-async def pooling_canary(engine) -> str | None:
-    """None when the engine pooled a one-token input, else the reason it did not."""
-    request_id = f"canary-{uuid.uuid4().hex[:8]}"
-    try:
-        async with asyncio.timeout(CANARY_TIMEOUT_S):
-            async for _ in engine.encode({"prompt_token_ids": [1]}, PoolingParams(task="embed"), request_id):
-                pass
-    except TimeoutError:
-        await engine.abort(request_id)
-        return f"canary embed did not finish in {CANARY_TIMEOUT_S:.0f}s"
-    except Exception as exc:
-        return f"canary embed failed: {type(exc).__name__}: {exc}"
-    return None

@@ -104,7 +104,9 @@ class EncodeEngine:
         import torch
 
         torch.set_num_threads(cfg.encoder_threads)
+        loading = time.monotonic()
         self.encoder = await asyncio.to_thread(ImageEncoder, cfg.model_path, dtype)
+        self.metrics.model_load_seconds.set(time.monotonic() - loading)
         directory = cfg.embedding_dir
         if directory is None:
             directory = self._own_dir = tempfile.mkdtemp(prefix="turbine-embeddings-")
@@ -113,7 +115,7 @@ class EncodeEngine:
         log.info("encode worker: %s vision tower in %s on %s, embedding cache %.0f MiB, files in %s",
                  self.encoder.spec.architecture, dtype, self.encoder.device, cfg.embedding_cache_mb, directory)
         self.on_success = health.succeeded
-        server = self._server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        server = self._server = cfg.request_plane_config.server(cfg.host, cfg.port)
         server.register(ENCODE_ENDPOINT, EncodeRequest, self.encode)
         card = cfg.model_card(self.instance_id, engine="encoder", tokenizer_path=tokenizer_folder(cfg.model_path),
                               context_length=0, kv_block_size=0, total_kv_blocks=0, max_num_seqs=0,

@@ -345,6 +345,26 @@ class Handlers:
                 self.metrics.cancellations.inc()
                 await self.engine.abort(engine_id)
 
+    async def canary(self, req: GenerateRequest):
+        """Run `req` as this role runs a request (its checks and its role's sampling) without counting it as
+        served or admitting it; returns the engine's last output. InvalidRequest (or vLLM's own error) if
+        refused."""
+        req, prompt, params = await self._prepared(req)
+        self._canary_params(params)
+        engine_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+        outputs, engine_id = await self._outputs(req, prompt, params, engine_id)
+        last, finished = None, False
+        try:
+            async for out in outputs:
+                last, finished = out, out.finished
+        finally:
+            if not finished:
+                await self.engine.abort(engine_id)
+        return last
+
+    def _canary_params(self, params: SamplingParams) -> None:
+        """What the role changes in its canary's sampling."""
+
     async def clear_kv_blocks(self, req: ClearKvBlocksRequest, ctx) -> AsyncIterator[StatusReply]:
         try:
             if self.multimodal:  # the images' encoder outputs are cached state too
@@ -380,6 +400,14 @@ class PrefillHandlers(Handlers):
 
     def _finished(self, chunk: GenerateOutput, out) -> None:
         chunk.kv_transfer_params = out.kv_transfer_params
+
+    def _canary_params(self, params: SamplingParams) -> None:
+        """The canary is a prefill (this role's checks, one token) whose KV is not kept for a decode worker:
+        none would pull it, and vLLM cannot release such blocks itself (its NIXL connector refuses to hand
+        them to its own engine), so they would stay pinned until the connector's lease ran out (30 s in
+        0.32, VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, in older releases): freed when the prefill ends."""
+        extra = {k: v for k, v in (params.extra_args or {}).items() if k != "kv_transfer_params"}
+        params.extra_args = extra or None
 
 
 class DecodeHandlers(Handlers):

@@ -7,7 +7,9 @@ republished as a numbered Turbine KvEventBatch.
 
 With data parallelism each rank's engine publishes on the endpoint's port + its rank, so the
 relay binds a run of consecutive ports, one per rank, and republishes each rank's batches
-through that rank's own publisher (own event ids, own replay buffer and cache state).
+through that rank's own publisher (own event ids, own replay buffer and cache state). The run
+starts at --kv-events-port when given (a firewall or a port plan may want it known), else
+wherever a run is free.
 
 The `--connector kvbm` tiers' consolidated events come the same way (vLLM publishes a connector's
 `take_events` with the engine's): their `medium` is "turbine.kvbm/<tier>", and they are relayed as
@@ -26,6 +28,7 @@ from vllm.distributed import kv_events as vllm_events
 
 from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.router.hashing import media_key
+from turbine.runtime.event_plane import EventPlaneError
 from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
@@ -101,14 +104,18 @@ def _media_items(keys, lora_name: str | None) -> list[tuple[str, int]] | None:
 
 
 class VllmKvEventsRelay:
-    def __init__(self, publishers: list[KvEventPublisher]):
-        """`publishers[r]` republishes data-parallel rank r's events."""
+    def __init__(self, publishers: list[KvEventPublisher], port: int | None = None):
+        """`publishers[r]` republishes data-parallel rank r's events; `port`: the first port of the run
+        (--kv-events-port; None: any free run). EventPlaneError naming the flag if it is taken."""
         assert [p.dp_rank for p in publishers] == list(range(len(publishers)))
         self.publishers = publishers
         self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = _bind_port_run(self._sock, len(publishers))
+        if port is None:
+            port = _bind_port_run(self._sock, len(publishers))
+        else:
+            _bind_given_run(self._sock, port, len(publishers))
         self.engine_endpoint = f"tcp://127.0.0.1:{port}"  # what vLLM's publisher (rank 0) connects to
 
     @property
@@ -153,6 +160,16 @@ class VllmKvEventsRelay:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _bind_given_run(sock, port: int, count: int) -> None:
+    for p in range(port, port + count):
+        try:
+            sock.bind(f"tcp://127.0.0.1:{p}")
+        except zmq.ZMQError as exc:
+            sock.close()
+            ports = f"{port}" if count == 1 else f"{port}-{port + count - 1} (one per data-parallel rank)"
+            raise EventPlaneError(f"--kv-events-port {port}: cannot bind 127.0.0.1:{p} of {ports}: {exc}") from None
 
 
 def _bind_port_run(sock, count: int, attempts: int = 50) -> int:

@@ -19,11 +19,11 @@ class LoadMetricsStatLogger(StatLoggerBase):
     """One per engine (data-parallel rank): turns SchedulerStats into LoadMetrics updates."""
 
     def __init__(self, vllm_config, engine_index: int = 0, publisher: LoadMetricsPublisher | None = None,
-                 active_blocks_gauge=None):
+                 rank_gauges=None):
         self.vllm_config = vllm_config
         self.engine_index = engine_index  # the data-parallel rank
         self.publisher = publisher
-        self.active_blocks_gauge = active_blocks_gauge  # the worker's /metrics (a rank-0 view)
+        self.gauges = rank_gauges  # this rank's KV gauges on the worker's /metrics (worker_metrics.RankGauges)
         # vLLM keeps the active adapters in an LRU of max_loras GPU slots inside the engine core
         # (its model runner's LRUCacheWorkerLoRAManager), in another process, and its stats do not
         # carry the slots. What the stats carry is the adapters of the running requests
@@ -41,8 +41,9 @@ class LoadMetricsStatLogger(StatLoggerBase):
         total = self.vllm_config.cache_config.num_gpu_blocks or 0
         usable = max(total - 1, 0)  # vLLM's usage leaves out its null block
         active = round(scheduler_stats.kv_cache_usage * usable)
-        if self.active_blocks_gauge is not None and self.engine_index == 0:
-            self.active_blocks_gauge.set(active)
+        if self.gauges is not None:
+            self.gauges.active_kv_blocks.set(active)
+            self.gauges.kv_cache_usage.set(scheduler_stats.kv_cache_usage)  # what vLLM's own gauge shows
         slots = self.lora_slots
         if slots is not None:
             running = [name for name, n in (scheduler_stats.running_lora_adapters or {}).items() if n > 0]
@@ -63,9 +64,11 @@ class LoadMetricsStatLogger(StatLoggerBase):
         pass
 
 
-def stat_logger_factory(publisher: LoadMetricsPublisher | None, active_blocks_gauge=None):
-    """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: (vllm_config, engine_index) -> logger."""
+def stat_logger_factory(publisher: LoadMetricsPublisher | None, rank_gauges=None):
+    """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: (vllm_config, engine_index) -> logger.
+    `rank_gauges`: the worker's KV gauges of each data-parallel rank (WorkerMetrics.ranks)."""
     def make(vllm_config, engine_index: int = 0) -> LoadMetricsStatLogger:
-        return LoadMetricsStatLogger(vllm_config, engine_index, publisher, active_blocks_gauge)
+        gauges = rank_gauges[engine_index] if rank_gauges is not None and engine_index < len(rank_gauges) else None
+        return LoadMetricsStatLogger(vllm_config, engine_index, publisher, gauges)
 
     return make

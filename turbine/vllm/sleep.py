@@ -11,6 +11,8 @@ refused (`sleep_refusal`), never accepted and left inert."""
 
 from __future__ import annotations
 
+import time
+
 NO_SLEEP_MODE_PLATFORM = ("vLLM's {platform} platform has no sleep mode (vLLM sleeps on CUDA, ROCm and XPU only; "
                           "on CPU --enable-sleep-mode is refused and CPUWorker.sleep() frees nothing)")
 NO_SLEEP_MODE_FLAG = "the engine was started without --enable-sleep-mode"
@@ -63,9 +65,10 @@ async def wake_engine(engine, reload_weights: bool = False) -> None:
 class VllmSleep:
     """The engine's sleep as the worker host uses it (turbine/worker/sleep.py's EngineSleep)."""
 
-    def __init__(self, engine, on_change=None):
+    def __init__(self, engine, on_change=None, on_reload=None):
         self.engine = engine
         self.on_change = on_change  # told the sleep level (0: awake), e.g. for the KV gauge
+        self.on_reload = on_reload  # told the seconds a wake from level 2 took (the weights loaded again)
         self.level = 0
 
     def sleep_refusal(self, level: int = 1) -> str | None:
@@ -79,7 +82,10 @@ class VllmSleep:
             self.on_change(level)
 
     async def wake_up(self) -> None:
+        waking = time.monotonic()
         await wake_engine(self.engine, reload_weights=self.level == 2)
+        if self.level == 2 and self.on_reload is not None:
+            self.on_reload(time.monotonic() - waking)
         self.level = 0
         if self.on_change is not None:
             self.on_change(0)

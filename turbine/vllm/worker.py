@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -23,9 +24,9 @@ from turbine.runtime.status_server import Health
 from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
-from turbine.vllm.canary import engine_canary
+from turbine.vllm.canary import generate_canary, pooling_canary
 from turbine.vllm.compat import unfinished_requests, unknown_release_warning
-from turbine.vllm.embed import EmbedHandlers, pooling_canary
+from turbine.vllm.embed import EmbedHandlers
 from turbine.vllm.images import measured_placeholder
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
@@ -50,13 +51,15 @@ class VllmEngine:
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex[:16]
         self.metrics = WorkerMetrics({"namespace": cfg.namespace, "component": cfg.component,
-                                      "model": cfg.served_model_name, "worker_id": self.instance_id})
+                                      "model": cfg.served_model_name, "worker_id": self.instance_id},
+                                     data_parallel_size=cfg.data_parallel_size)
         self.engine: AsyncLLM | None = None
         self.events: InstanceEvents | None = None
         self.relay: VllmKvEventsRelay | None = None
         self._relay_task: asyncio.Task | None = None
         self._server: RequestPlaneServer | None = None
         self.pooling = False
+        self._handlers = None  # the role's generate handlers, or the pooling worker's embed handlers (the canary)
 
     async def build(self) -> None:
         """Nothing: start() builds the engine, after the event plane its relay and load reports need."""
@@ -91,11 +94,11 @@ class VllmEngine:
         self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=ranks,
                                      kv_events=relays or cfg.is_decode, kv_events_buffer=cfg.kv_events_buffer)
         if relays:
-            self.relay = VllmKvEventsRelay(self.events.kv)
+            self.relay = VllmKvEventsRelay(self.events.kv, port=cfg.kv_events_port)
             cfg.engine_args.kv_events_config = self.relay.engine_config()
             self._relay_task = asyncio.create_task(self.relay.run())
-        # vLLM's stat-logger hook feeds the load reports and the worker's active-blocks gauge.
-        stat_loggers = [stat_logger_factory(self.events.load, self.metrics.active_kv_blocks)]
+        # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
+        stat_loggers = [stat_logger_factory(self.events.load, self.metrics.ranks)]
 
         if cfg.take_image_embeddings:
             # The engine's encoder-cache connector loads the embeddings encode workers made (ec_connector.py).
@@ -104,9 +107,11 @@ class VllmEngine:
             from turbine.vllm.ec_connector import engine_config
 
             cfg.engine_args.ec_transfer_config = ECTransferConfig(**engine_config())
+        building = time.monotonic()
         engine = self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
+        self.metrics.model_load_seconds.set(time.monotonic() - building)
         vcfg = engine.vllm_config
-        self.metrics.total_kv_blocks.set(vcfg.cache_config.num_gpu_blocks or 0)
+        self.metrics.set_total_kv_blocks(vcfg.cache_config.num_gpu_blocks or 0)
         loras = VllmLora(engine, cfg.model_path, cfg.served_model_name)
         handlers = HANDLERS_OF_ROLE[cfg.disaggregation_mode](
             engine, self.metrics, on_cleared=self.relay.cleared if self.relay else None,
@@ -124,13 +129,14 @@ class VllmEngine:
         # prompts as the engine holds them (as the KV events give them) and checks max_tokens against them.
         placeholder = None if image_token is None else measured_placeholder(engine.renderer, image_token)
         handlers.image_placeholder = placeholder
-        server = RequestPlaneServer(host=cfg.host, port=cfg.port)
+        server = cfg.request_plane_config.server(cfg.host, cfg.port)
         # A pooling model (--runner pooling, or a model that is one) embeds and does not generate.
         self.pooling = vcfg.model_config.runner_type == "pooling"
         if self.pooling:
-            embed = EmbedHandlers(engine, self.metrics, on_success=health.succeeded)
+            embed = self._handlers = EmbedHandlers(engine, self.metrics, on_success=health.succeeded)
             server.register(EMBED_ENDPOINT, EmbedRequest, embed.embed)
         else:
+            self._handlers = handlers
             server.register(cfg.endpoint, GenerateRequest, handlers.generate)
         server.register(CLEAR_KV_BLOCKS, ClearKvBlocksRequest, handlers.clear_kv_blocks)
         self.events.serve_replay(server)
@@ -150,11 +156,16 @@ class VllmEngine:
             endpoint_types=[EMBEDDINGS] if self.pooling else None, kv_shared_tier=kv_shared_tier(vcfg),
             **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
-        sleep = VllmSleep(engine, on_change=lambda level: self.metrics.total_kv_blocks.set(0 if level else total_blocks))
+        sleep = VllmSleep(engine, on_change=lambda level: self.metrics.set_total_kv_blocks(0 if level else total_blocks),
+                          on_reload=self.metrics.model_load_seconds.set)
         return [Instance(server, card, sleep=sleep, lora=None if self.pooling else loras, metrics=self.metrics)]
 
     async def canary(self) -> str | None:
-        return await (pooling_canary(self.engine) if self.pooling else engine_canary(self.engine))
+        payload = self.cfg.health_check_payload
+        if self.pooling:
+            return await pooling_canary(self._handlers, self.engine, payload)
+        return await generate_canary(self._handlers, self.engine, payload, self.cfg.use_vllm_tokenizer,
+                                     self.engine.vllm_config.parallel_config.data_parallel_size)
 
     def failure(self) -> str | None:
         return "engine is dead" if self.engine.errored else None

@@ -14,9 +14,12 @@ from typing import Literal, get_args
 
 from turbine.config import (
     DEFAULT_NAMESPACE,
+    REQUEST_PLANES,
     ClusterSecurityConfig,
     DiscoveryConfig,
+    RequestPlaneConfig,
     add_cluster_security_args,
+    add_request_plane_args,
     add_discovery_args,
     check,
     cluster_security_from_args,
@@ -31,6 +34,7 @@ from turbine.protocol.encode import IMAGE_ENCODE
 from turbine.protocol.discovery import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, ModelCard
 from turbine.runtime.event_plane import DEFAULT_NATS_SERVER, EVENT_PLANES
 from turbine.runtime.event_plane_nats import parse_server
+from turbine.worker import health_check
 from turbine.worker.admission import Admission
 from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
 from turbine.worker.worker_metrics import WorkerMetrics
@@ -69,7 +73,9 @@ class ServingConfig:
     graceful_shutdown_timeout: float = flag("--graceful-shutdown-timeout", default=30.0)
     # How load reports and KV events reach routers.
     event_plane: EventPlaneKind = flag("--event-plane", default="zmq")
-    nats_server: str = flag("--nats-server", default=DEFAULT_NATS_SERVER)  # with --event-plane nats
+    # How requests reach it: "tcp" (its --host/--port) or "nats" (RequestPlaneConfig).
+    request_plane: str = flag("--request-plane", default="tcp")
+    nats_server: str = flag("--nats-server", default=DEFAULT_NATS_SERVER)  # with --event-plane / --request-plane nats
     # Recent KV event batches kept for routers that missed some.
     kv_events_buffer: int = flag("--kv-events-buffer", default=DEFAULT_REPLAY_BUFFER)
     disaggregation_mode: DisaggregationMode = flag("--disaggregation-mode", default="agg")
@@ -83,6 +89,9 @@ class ServingConfig:
     # LoRA adapters loaded at start, (name, source URI) pairs (turbine/worker/lora.py); those
     # loaded at run time are not brought back by a restart.
     lora_modules: tuple[tuple[str, str], ...] = flag("--lora-modules", default=())
+    # The health canary's request (turbine/worker/health_check.py), a JSON object of request fields;
+    # None: the role's default.
+    health_check_payload: dict | None = flag(health_check.FLAG, default=None)
 
     def __post_init__(self):
         for name in ("namespace", "component", "endpoint"):
@@ -112,6 +121,9 @@ class ServingConfig:
             parse_server(self.nats_server)
         except ValueError as exc:
             check(self, False, "nats_server", str(exc))
+        check(self, self.request_plane in REQUEST_PLANES, "request_plane",
+              f"{self.request_plane!r}: choose from {', '.join(REQUEST_PLANES)}")
+        self.request_plane_config.check_security(self, self.security)
         check(self, self.kv_events_buffer >= 0, "kv_events_buffer", "must be >= 0")
         check(self, self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
               f"{self.disaggregation_mode!r}: choose from {', '.join(DISAGGREGATION_MODES)}")
@@ -125,6 +137,16 @@ class ServingConfig:
             check(self, problem is None, "lora_modules", problem or "")
             check(self, name != self.served_model_name, "lora_modules", f"{name!r} is the served model's name")
         check(self, len(set(names)) == len(names), "lora_modules", "an adapter name is given twice")
+        if self.health_check_payload is not None:
+            try:
+                health_check.check_payload(self.health_check_payload)
+            except health_check.PayloadError as exc:
+                check(self, False, "health_check_payload", str(exc))
+
+    @property
+    def request_plane_config(self) -> RequestPlaneConfig:
+        """Its request plane (both fields checked by __post_init__)."""
+        return RequestPlaneConfig(kind=self.request_plane, nats_server=self.nats_server)
 
     def admission(self, metrics: WorkerMetrics | None = None) -> Admission:
         """The worker's overload control with these bounds."""
@@ -215,7 +237,14 @@ def add_serving_args(parser: argparse.ArgumentParser, reasoning_parser_alias: bo
                        help="how KV events and load metrics reach routers: zmq (each worker binds a PUB "
                             "socket) or nats (through the NATS server of --nats-server, for many hosts)")
     group.add_argument("--nats-server", default=env("TURBINE_NATS_SERVER", DEFAULT_NATS_SERVER),
-                       help="NATS server for --event-plane nats (nats://HOST:PORT)")
+                       help="NATS server of --event-plane nats and --request-plane nats (nats://HOST:PORT; env "
+                            "TURBINE_NATS_SERVER)")
+    add_request_plane_args(group, nats_server=False)
+    group.add_argument(health_check.FLAG, default=env(health_check.ENV),
+                       help="the request the health canary sends through this worker's own path, as JSON or @FILE: "
+                            "a generate request's fields (token_ids, text, sampling, stop, ...) or, for a pooling "
+                            "worker, an embed request's (inputs); default one greedy token after the tokenizer's "
+                            f"BOS token (text mode: the text \"{health_check.TEXT_PROMPT}\") (env {health_check.ENV})")
     group.add_argument("--kv-events-buffer", type=int,
                        default=env_int("TURBINE_KV_EVENTS_BUFFER", DEFAULT_REPLAY_BUFFER),
                        help="recent KV event batches kept (up to 8 MiB) to replay to a router that missed "
@@ -322,12 +351,21 @@ def serving_fields_from_args(args: argparse.Namespace, parser: argparse.Argument
         endpoint_types=types, tool_call_parser=args.dyn_tool_call_parser,
         reasoning_parser=reasoning, custom_jinja_template=template,
         migration_limit=args.migration_limit, graceful_shutdown_timeout=args.graceful_shutdown_timeout,
-        event_plane=args.event_plane, nats_server=nats_server, kv_events_buffer=args.kv_events_buffer,
+        event_plane=args.event_plane, request_plane=args.request_plane, nats_server=nats_server,
+        kv_events_buffer=args.kv_events_buffer,
         disaggregation_mode=mode, kv_transfer_timeout=args.kv_transfer_timeout,
         security=cluster_security_from_args(args, parser),
         max_waiting_requests=args.max_waiting_requests, max_queued_prefill_tokens=args.max_queued_prefill_tokens,
         lora_modules=lora_modules_from_args(getattr(args, "lora_modules", None), parser),
+        health_check_payload=health_check_payload_from_args(args, parser),
     )
+
+
+def health_check_payload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict | None:
+    try:
+        return health_check.read_payload(args.health_check_payload)
+    except health_check.PayloadError as exc:
+        parser.error(f"{health_check.FLAG} (or {health_check.ENV}): {exc}")
 
 
 def checked(cls, parser: argparse.ArgumentParser, **fields):

@@ -111,6 +111,7 @@ class WorkerHost:
 
     async def run(self) -> int:
         cluster_auth.install(self.cfg.security.auth())  # before any plane opens
+        self.cfg.request_plane_config.install()
         stop_on_signals(self.stopping)
         try:
             snapshot = SnapshotControl.from_env()
@@ -180,9 +181,14 @@ class WorkerHost:
         cfg, engine, health = self.cfg, self.engine, self.health
         plane = None
         registry = None
+        nats_link = None
         try:
             # Before the engine: an unreachable NATS server fails the start at once.
             plane = await WorkerEventPlane.open(cfg.event_plane, cfg.host, cfg.nats_server)
+            if cfg.request_plane == "nats":  # (the request-plane servers share this connection)
+                from turbine.runtime.request_plane_nats import NatsLink
+
+                nats_link = await NatsLink.acquire(cfg.nats_server)
             instances = await engine.start(plane, health)
             registry = make_registry(cfg.discovery)
             await registry.backend.start()
@@ -204,10 +210,12 @@ class WorkerHost:
                 await server.start()
             await controls.register_all()
             health.set_ready(engine.canary, failure=engine.failure)
+            first_check = asyncio.create_task(self._first_health_check())
             monitor = asyncio.create_task(engine.died())
             monitor.add_done_callback(self._engine_died)
             engine.serving()
             await self.stopping.wait()
+            first_check.cancel()
             monitor.remove_done_callback(self._engine_died)
             monitor.cancel()
             health.set_not_ready()
@@ -221,7 +229,18 @@ class WorkerHost:
             await self._close_engine()  # before the plane its publishers use
             if plane is not None:
                 await plane.close()
+            if nats_link is not None:
+                await nats_link.release()
         return self.exit_code
+
+    async def _first_health_check(self) -> None:
+        """The canary once at start, so that a payload the engine refuses is in the log at once (and
+        /health answers 503 naming why until the canary passes)."""
+        status, reason = await self.health.check()
+        if status == "healthy":
+            log.info("health check passed (the canary went through the worker's request path)")
+        elif reason is not None:
+            log.warning("health check failed at start: %s; /health answers 503 until it passes", reason)
 
     async def _load_start_adapters(self) -> bool:
         for name, uri in self.cfg.lora_modules:

@@ -16,10 +16,20 @@ _cancellations = Counter("turbine_worker_cancellations", "generate requests abor
 _inflight = Gauge("turbine_worker_inflight_requests", "generate requests in flight", LABELS)
 _engine_unfinished = Gauge("turbine_worker_engine_unfinished_requests", "requests the engine still holds",
                            LABELS)
-_total_kv_blocks = Gauge("turbine_worker_total_kv_blocks", "KV cache blocks", LABELS)
+# Per data-parallel rank: each rank's engine has its own KV cache.
+_RANKED = (*LABELS, "dp_rank")
+_total_kv_blocks = Gauge("turbine_worker_total_kv_blocks", "KV cache blocks of each data-parallel rank's engine "
+                         "(0 while it sleeps)", _RANKED)
 _active_kv_blocks = Gauge("turbine_worker_active_kv_blocks",
                           "KV cache blocks held by requests (cached blocks free for reuse not counted), "
-                          "as of the engine's last step", LABELS)
+                          "as of the engine's last step", _RANKED)
+_kv_cache_usage = Gauge("turbine_worker_kv_cache_usage_perc",
+                        "share of the KV cache held by requests, 0 to 1, as of the engine's last step: the vLLM "
+                        "worker's is vLLM's own vllm:kv_cache_usage_perc (a fraction despite its name), the "
+                        "mocker's its blocks in use over its blocks", _RANKED)
+_model_load_seconds = Gauge("turbine_worker_model_load_seconds",
+                            "seconds the last engine build took (weights loaded, KV cache allocated), or the last "
+                            "wake from a level-2 sleep (weights loaded again)", LABELS)
 _overload_rejections = Counter("turbine_worker_overload_rejections",
                                "requests refused as overloaded, by the bound they hit "
                                "(waiting_requests or queued_prefill_tokens)", [*LABELS, "bound"])
@@ -36,20 +46,35 @@ _images = Counter("turbine_worker_images", "images received, by form: file (the 
                   "(decoded by the frontend: its --frontend-decoding)", [*LABELS, "form"])
 
 
-class WorkerMetrics:
-    """The series of one instance; `labels` has exactly the keys of LABELS."""
+class RankGauges:
+    """One data-parallel rank's KV gauges."""
 
-    def __init__(self, labels: dict[str, str]):
+    def __init__(self, values: list[str], rank: int):
+        self.total_kv_blocks = _total_kv_blocks.labels(*values, str(rank))
+        self.active_kv_blocks = _active_kv_blocks.labels(*values, str(rank))
+        self.kv_cache_usage = _kv_cache_usage.labels(*values, str(rank))
+
+
+class WorkerMetrics:
+    """The series of one instance; `labels` has exactly the keys of LABELS; `data_parallel_size`: its
+    engines (ranks), each with its own KV gauges (`ranks[i]`)."""
+
+    def __init__(self, labels: dict[str, str], data_parallel_size: int = 1):
         self._values = [labels[name] for name in LABELS]
         self.cancellations = _cancellations.labels(*self._values)
         self.inflight = _inflight.labels(*self._values)
         self.engine_unfinished = _engine_unfinished.labels(*self._values)
-        self.total_kv_blocks = _total_kv_blocks.labels(*self._values)
-        self.active_kv_blocks = _active_kv_blocks.labels(*self._values)
+        self.ranks = [RankGauges(self._values, rank) for rank in range(data_parallel_size)]
+        self.model_load_seconds = _model_load_seconds.labels(*self._values)
         self.waiting_requests = _waiting_requests.labels(*self._values)
         self.queued_prefill_tokens = _queued_prefill_tokens.labels(*self._values)
         self.lora_engine_loads = _lora_engine_loads.labels(*self._values)
         self.loras_loaded = _loras_loaded.labels(*self._values)
+
+    def set_total_kv_blocks(self, blocks: int) -> None:
+        """Every rank's (they are built alike; 0 while the engines sleep)."""
+        for rank in self.ranks:
+            rank.total_kv_blocks.set(blocks)
 
     def request_done(self, outcome: str) -> None:
         _requests.labels(*self._values, outcome).inc()

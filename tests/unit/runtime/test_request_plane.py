@@ -1,3 +1,7 @@
+"""The request plane's behaviour, the same test cases on both planes (TCP and NATS: the `plane`
+parameter of the `server` and `client` fixtures, with the real nats-server the tests use); what only
+one plane has (bytes on a socket, messages on a subject) is tested on that plane below."""
+
 import asyncio
 import logging
 import os
@@ -5,6 +9,7 @@ import signal
 import socket
 import struct
 import time
+import uuid
 
 import msgspec
 import pytest
@@ -21,6 +26,7 @@ from turbine.runtime.request_plane import (
     StreamContext,
     encode_frame,
 )
+from turbine.runtime.request_plane_nats import NatsRequestPlaneClient, NatsRequestPlaneServer
 
 # pyproject runs async fixtures on the session loop; run these tests on it too.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -91,9 +97,29 @@ async def handlers():
     return Handlers()
 
 
+PLANES = ["tcp", "nats"]
+
+
+def new_server(plane: str, nats_url: str, **kw) -> RequestPlaneServer:
+    if plane == "nats":
+        return NatsRequestPlaneServer(nats_url, max_frame_bytes=MAX_FRAME, **kw)
+    return RequestPlaneServer(max_frame_bytes=MAX_FRAME, **kw)
+
+
+def new_client(plane: str, nats_url: str) -> RequestPlaneClient:
+    if plane == "nats":
+        return NatsRequestPlaneClient(nats_url, max_frame_bytes=MAX_FRAME, connect_timeout=2.0)
+    return RequestPlaneClient(max_frame_bytes=MAX_FRAME, connect_timeout=2.0)
+
+
+@pytest.fixture(params=PLANES)
+def plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-async def server(handlers):
-    srv = RequestPlaneServer(max_frame_bytes=MAX_FRAME)
+async def server(handlers, plane, nats_url):
+    srv = new_server(plane, nats_url)
     srv.register("generate", GenerateRequest, handlers.generate)
     srv.register("lockstep", GenerateRequest, handlers.lockstep_gen)
     srv.register("hang", GenerateRequest, handlers.hang)
@@ -109,8 +135,8 @@ async def server(handlers):
 
 
 @pytest.fixture
-async def client():
-    c = RequestPlaneClient(max_frame_bytes=MAX_FRAME, connect_timeout=2.0)
+async def client(plane, nats_url):
+    c = new_client(plane, nats_url)
     yield c
     await c.close()
 
@@ -124,6 +150,19 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def tcp_server(handlers, nats_url):
+    """For what only the TCP plane has (bytes on a socket)."""
+    async for srv in server.__wrapped__(handlers, "tcp", nats_url):
+        yield srv
+
+
+@pytest.fixture
+async def tcp_client(nats_url):
+    async for c in client.__wrapped__("tcp", nats_url):
+        yield c
 
 
 # ---------------------------------------------------------------- streaming
@@ -145,19 +184,27 @@ async def test_many_streams_multiplexed_on_one_connection(server, client, handle
     assert len(server._connections) == 1
 
 
-async def test_frames_sent_in_one_loop_turn_leave_in_one_write(server, client):
+async def test_frames_sent_in_one_loop_turn_leave_in_one_write(server, client, plane):
+    """TCP: one system call; NATS: one message."""
     async def burst(r: GenerateRequest, ctx: StreamContext):
         for i in range(50):
             yield GenerateOutput(token_ids=[i])  # no await: all 50 chunks and the end in one turn
 
     server.register("burst", GenerateRequest, burst)
     await collect(client.stream(server.address, "generate", req("connect", n=1), GenerateOutput))
-    [conn] = server._connections
-    writes, write = [], conn._transport.write
-    conn._transport.write = lambda data: (writes.append(len(data)), write(data))[1]
+    writes = []
+    if plane == "tcp":
+        [conn] = server._connections
+        write = conn._transport.write
+        conn._transport.write = lambda data: (writes.append(len(data)), write(data))[1]
+    else:
+        link = server._mailbox.link  # (this process's client shares it: only the server's messages count)
+        publish, mine = link.publish, f"{server._mailbox.prefix}."
+        link.publish = lambda subject, data, reply, **kw: (reply.startswith(mine) and writes.append(len(data)),
+                                                           publish(subject, data, reply, **kw))[1]
     items = await collect(client.stream(server.address, "burst", req("b"), GenerateOutput))
     assert items == [GenerateOutput(token_ids=[i]) for i in range(50)]
-    assert len(writes) == 1  # one system call, not 51
+    assert len(writes) == 1  # not 51
 
 
 async def test_interleaved_generate_streams_keep_their_own_chunks(server, client):
@@ -207,12 +254,13 @@ async def test_client_disconnect_cancels_all_its_handlers(server, client, handle
     assert handlers.finalized == {"d0": True, "d1": True, "d2": True}
 
 
-async def test_server_stop_fails_open_streams_promptly_and_pool_reconnects(server, client, handlers):
+async def test_server_stop_fails_open_streams_promptly_and_pool_reconnects(server, client, handlers, plane,
+                                                                           nats_url):
     streams = [client.stream(server.address, "hang", req(f"s{i}"), GenerateOutput) for i in range(5)]
     async with asyncio.timeout(5):
         for s in streams:
             await anext(s)
-    port = server.port
+    port = getattr(server, "port", None)
     await server.stop()
     start = time.monotonic()
     for s in streams:
@@ -221,8 +269,8 @@ async def test_server_stop_fails_open_streams_promptly_and_pool_reconnects(serve
                 await anext(s)
     assert time.monotonic() - start < 1.0
 
-    # A new server on the same address: the dropped connection is replaced, not reused.
-    again = RequestPlaneServer(port=port)
+    # A new server (TCP: on the same address, so the dropped connection is replaced, not reused).
+    again = RequestPlaneServer(port=port) if plane == "tcp" else new_server(plane, nats_url)
     again.register("generate", GenerateRequest, handlers.generate)
     await again.start()
     try:
@@ -249,16 +297,17 @@ async def test_server_stop_with_an_error_ends_open_streams_with_it(server, clien
 
 
 CHILD_SERVER = """
-import asyncio
+import asyncio, sys
 from turbine.protocol.generate import GenerateOutput, GenerateRequest
 from turbine.runtime.request_plane import RequestPlaneServer
+from turbine.runtime.request_plane_nats import NatsRequestPlaneServer
 
 async def hang(r, ctx):
     yield GenerateOutput(token_ids=[0])
     await asyncio.Event().wait()
 
 async def main():
-    s = RequestPlaneServer()
+    s = RequestPlaneServer() if sys.argv[1] == "tcp" else NatsRequestPlaneServer(sys.argv[2])
     s.register("hang", GenerateRequest, hang)
     await s.start()
     print(s.address, flush=True)
@@ -268,8 +317,8 @@ asyncio.run(main())
 """
 
 
-async def test_server_process_killed_gives_peer_disconnected_on_all_streams(client, python_child):
-    proc, address = await python_child(CHILD_SERVER)
+async def test_server_process_killed_gives_peer_disconnected_on_all_streams(client, python_child, plane, nats_url):
+    proc, address = await python_child(CHILD_SERVER, plane, nats_url)
     streams = [client.stream(address, "hang", req(f"k{i}"), GenerateOutput) for i in range(5)]
     async with asyncio.timeout(10):
         for s in streams:
@@ -282,7 +331,8 @@ async def test_server_process_killed_gives_peer_disconnected_on_all_streams(clie
                 await anext(s)
     assert time.monotonic() - start < 1.5
     proc.wait()
-    # The pool dropped the dead connection: the next stream tries a fresh connect.
+    # TCP: the pool dropped the dead connection, the next stream tries a fresh connect; NATS: nobody
+    # subscribes to its subject. Either way nothing was served: ConnectFailed.
     with pytest.raises(ConnectFailed):
         await anext(client.stream(address, "hang", req("late"), GenerateOutput))
 
@@ -338,12 +388,21 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_connect_failed(client):
-    stream = client.stream(f"127.0.0.1:{closed_port()}", "generate", req("x"), GenerateOutput)
+def nobody_there(plane: str) -> str:
+    """An address on `plane` that nothing serves."""
+    if plane == "tcp":
+        return f"127.0.0.1:{closed_port()}"
+    return f"nats://127.0.0.1:4222/turbine.rpc.{uuid.uuid4().hex}"
+
+
+async def test_connect_failed(client, plane):
+    stream = client.stream(nobody_there(plane), "generate", req("x"), GenerateOutput)
     with pytest.raises(ConnectFailed):
-        await anext(stream)
+        async with asyncio.timeout(5):
+            await anext(stream)
     with pytest.raises(ConnectFailed, match="invalid"):
-        await anext(client.stream("no-port-here", "generate", req("x"), GenerateOutput))
+        await anext(client.stream("no-port-here" if plane == "tcp" else "nats://127.0.0.1:4222/elsewhere",
+                                  "generate", req("x"), GenerateOutput))
 
 
 @pytest.mark.parametrize(
@@ -355,7 +414,8 @@ async def test_connect_failed(client):
         pytest.param(struct.pack(">I", 3) + msgspec.msgpack.encode([1, 2]), id="not-a-frame"),
     ],
 )
-async def test_bad_bytes_close_only_that_connection(server, client, garbage, caplog):
+async def test_bad_bytes_close_only_that_connection(tcp_server, tcp_client, garbage, caplog):
+    server, client = tcp_server, tcp_client
     # A healthy stream on another connection must survive the bad peer.
     healthy = client.stream(server.address, "hang", req("healthy"), GenerateOutput)
     async with asyncio.timeout(5):
@@ -375,7 +435,8 @@ async def test_bad_bytes_close_only_that_connection(server, client, garbage, cap
     await healthy.aclose()
 
 
-async def test_raw_frames_on_the_wire(server):
+async def test_raw_frames_on_the_wire(tcp_server):
+    server = tcp_server
     """The documented wire format: 4-byte big-endian length + msgpack Frame."""
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     payload = msgspec.msgpack.encode(req("raw", n=1, first=4))

@@ -295,3 +295,16 @@ def test_json_whitespace_is_compact_by_default_and_any_keeps_vllms_config(capsys
     with pytest.raises(SystemExit):
         parse_worker_args(["--enforce-eager", "--structured-outputs-config", '{"backend": "outlines"}'])
     assert "--json-whitespace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("load_format", ["gms", "mx-source", "mx-target"])
+def test_load_formats_turbine_has_not_built_are_refused_by_name(load_format, capsys):
+    """Issue 33, §4: Dynamo maps these to other NVIDIA packages' worker classes; vLLM has no loader of these
+    names, so the flag would fail deep inside vLLM's loader. Refused at parse time, on every build."""
+    from turbine.vllm.args import parse_worker_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_worker_args(["--load-format", load_format])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--load-format {load_format}" in err and "is not built in Turbine" in err

@@ -71,17 +71,23 @@ class RecordingPlane:
         self.sent.append(data)
 
 
-async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher():
-    """vLLM's own publishers for ranks 0 and 1 (rank r connects to the endpoint's port + r)."""
+@pytest.mark.parametrize("chosen", [False, True], ids=["any-port", "kv-events-port"])
+async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher(chosen):
+    """vLLM's own publishers for ranks 0 and 1 (rank r connects to the endpoint's port + r), on a free run
+    of ports or from the one --kv-events-port gives."""
     import asyncio
 
     from turbine.protocol.kv_events import KvEventBatch
     from turbine.runtime.codec import decode
+    from turbine.runtime.ports import free_port
     from turbine.worker.kv_publisher import KvEventPublisher
     from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 
     plane = RecordingPlane()
-    relay = VllmKvEventsRelay([KvEventPublisher("w", dp_rank=r, events_plane=plane) for r in range(2)])
+    port = free_port() if chosen else None
+    relay = VllmKvEventsRelay([KvEventPublisher("w", dp_rank=r, events_plane=plane) for r in range(2)], port=port)
+    if chosen:
+        assert relay.engine_endpoint == f"tcp://127.0.0.1:{port}"
     task = asyncio.create_task(relay.run())
     engines = [vllm_events.ZmqEventPublisher(data_parallel_rank=r, endpoint=relay.engine_endpoint) for r in range(2)]
     try:
@@ -125,3 +131,18 @@ def test_the_kvbm_tiers_events_are_relayed_with_their_tier_and_router_hashes():
     assert translate(vllm_stored([2], None, TOKENS[:BS])).tier is None
     odd = vllm_events.BlockRemoved(block_hashes=[1], medium=MEDIUM_PREFIX + "tape")
     assert translate(odd).tier is None
+
+
+def test_a_taken_kv_events_port_is_named():
+    import socket
+
+    from turbine.runtime.event_plane import EventPlaneError
+    from turbine.worker.kv_publisher import KvEventPublisher
+    from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(EventPlaneError, match=f"--kv-events-port {port}: cannot bind 127.0.0.1:{port}"):
+            VllmKvEventsRelay([KvEventPublisher("w", dp_rank=0, events_plane=RecordingPlane())], port=port)
