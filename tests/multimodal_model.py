@@ -48,6 +48,11 @@ CHAT_TEMPLATE = (
 )
 
 
+def tiled() -> bool:
+    """TURBINE_TEST_VLM_TILES=1: pictures split into tiles (see build_vlm)."""
+    return os.environ.get("TURBINE_TEST_VLM_TILES") == "1"
+
+
 def build_vlm(out: Path, *, text_model_dir: str | None = None, seed: int = 0) -> Path:
     """Build the model into `out` (once: a finished folder is reused) and return it."""
     out = Path(out)
@@ -107,8 +112,17 @@ def build_vlm(out: Path, *, text_model_dir: str | None = None, seed: int = 0) ->
         model.lm_head.weight = model.model.text_model.embed_tokens.weight
     model = model.to(torch.bfloat16)
 
-    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": IMAGE_SIZE},
-                                                max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False)
+    if tiled():
+        # A picture resized to twice the tile and split into tiles plus the whole (global) image, as SmolVLM
+        # does: vLLM 0.26 counts the crops of an unsplit picture as 0 (its Idefics3 lacks 0.32's max(n, 1)) and
+        # drops the image, so the GPU release's runs use this form (benchmarks/gpu_tests.sh).
+        image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
+                                                    max_image_size={"longest_edge": IMAGE_SIZE},
+                                                    do_image_splitting=True)
+    else:
+        image_processor = Idefics3ImageProcessorPil(size={"longest_edge": IMAGE_SIZE},
+                                                    max_image_size={"longest_edge": IMAGE_SIZE},
+                                                    do_image_splitting=False)
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=IMAGE_SEQ_LEN,
                                   chat_template=CHAT_TEMPLATE)
 

@@ -40,7 +40,7 @@ from tests.integration.procs import (
     wait_until,
     worker_ready,
 )
-from tests.multimodal_model import build_vlm
+from tests.multimodal_model import build_vlm, tiled
 from turbine.protocol.generate import ClearKvBlocksRequest, StatusReply
 from turbine.runtime.request_plane import RequestPlaneClient
 from turbine.serve import split_cpu_cores
@@ -145,7 +145,8 @@ def tokens(frontend, color) -> list[str]:
         model=VLM, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture_url(color)}},
                                                {"type": "text", "text": "Describe the picture."}]}])
-    assert reply.usage.prompt_tokens == 53  # the engine's prompt: the image widened to its 16 tokens and tags
+    # The engine's prompt: the image widened to its 16 tokens and tags (tiled: 4 tiles and the whole, 16 each).
+    assert reply.usage.prompt_tokens == (127 if tiled() else 53)
     return [t.token for t in reply.choices[0].logprobs.content]
 
 

@@ -94,6 +94,7 @@ def encode(block: Block) -> bytes:
 
 
 def decode(raw: bytes, expected_hash: int) -> Block:
+    """The block in `raw` (its data a view of `raw`), or CorruptBlock naming what is wrong."""
     if len(raw) < HEADER_SIZE:
         raise CorruptBlock(f"{len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, block_hash, parent, num_tokens, length = _FIELDS.unpack_from(raw)
@@ -107,7 +108,7 @@ def decode(raw: bytes, expected_hash: int) -> Block:
         raise CorruptBlock(f"{len(raw)} bytes, the header says {HEADER_SIZE + length} (truncated or grown)")
     (checksum,) = _CHECKSUM.unpack_from(raw, _FIELDS.size)
     h = xxhash.xxh3_64(raw[:_FIELDS.size])
-    payload = raw[HEADER_SIZE:]
+    payload = memoryview(raw)[HEADER_SIZE:]  # a view, not a copy: a block is megabytes
     h.update(payload)
     if h.intdigest() != checksum:
         raise CorruptBlock("checksum mismatch")

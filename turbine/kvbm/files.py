@@ -94,6 +94,7 @@ class DiskStore(_FileStore):
                  metrics: KvbmMetrics | None = None):
         super().__init__(name, directory, capacity_bytes, metrics)
         self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, LRU order
+        self._writing: set[int] = set()  # hashes being written (their bytes already counted in _used)
         self._used = 0
         found: list[tuple[float, int, int]] = []
         with os.scandir(self.directory) as it:
@@ -115,14 +116,21 @@ class DiskStore(_FileStore):
         if len(raw) > self.capacity_bytes or not self._writable:
             return False
         with self._lock:
-            if block.block_hash in self._index:
-                self._index.move_to_end(block.block_hash)
+            if block.block_hash in self._index or block.block_hash in self._writing:
+                if block.block_hash in self._index:
+                    self._index.move_to_end(block.block_hash)
                 return True
+            # The room is taken now; the write runs outside the lock (reads of other blocks go on meanwhile).
             evicted = self._evict_to(len(raw))
-            ok = self._write_atomic(block.block_hash, raw)
+            self._used += len(raw)
+            self._writing.add(block.block_hash)
+        ok = self._write_atomic(block.block_hash, raw)
+        with self._lock:
+            self._writing.discard(block.block_hash)
             if ok:
                 self._index[block.block_hash] = len(raw)
-                self._used += len(raw)
+            else:
+                self._used -= len(raw)
         self._dropped(evicted)
         return ok
 
@@ -140,11 +148,15 @@ class DiskStore(_FileStore):
         with self._lock:
             if block_hash not in self._index:
                 return None
-            block = self._read(block_hash)
-            if block is not None:
-                self._index.move_to_end(block_hash)
-                return block
-            self._used -= self._index.pop(block_hash)  # corrupt (unlinked) or gone
+            self._index.move_to_end(block_hash)
+        block = self._read(block_hash)  # outside the lock: reads and writes of other blocks go on
+        if block is not None:
+            return block
+        with self._lock:
+            size = self._index.pop(block_hash, None)  # corrupt (unlinked) or gone
+            if size is None:
+                return None  # evicted meanwhile: whoever evicted it reported it
+            self._used -= size
         self._dropped([block_hash])
         return None
 

@@ -143,30 +143,58 @@ class TieredStore:
     # -- reads ----------------------------------------------------------------------------------
     def get(self, block_hash: int) -> tuple[Block, str] | None:
         """The block and the tier that served it, promoted into the faster tiers; None: no tier has it."""
-        for i, tier in enumerate(self.tiers):
-            start = time.perf_counter()
+        return self._served(block_hash, self._read(block_hash))
+
+    def get_many(self, block_hashes: list[int], read_map=map) -> list[tuple[Block, str] | None]:
+        """`get` of each, in order, and the tiers left exactly as after one `get` at a time. What the fastest
+        tier does not hold is read from the slower ones first, through `read_map` (a thread pool's `map` reads
+        files in parallel: their I/O and checksums run outside the GIL and the tiers' locks); then, in order,
+        each block is taken from the fastest tier if it is there by then (an earlier one may have promoted or
+        evicted it), else from what was read, and served (hits, promotion, frequency counts)."""
+        fastest = self.tiers[0]
+        slow = [h for h in block_hashes if not fastest.contains(h)]
+        prefetched = dict(zip(slow, read_map(lambda h: self._read(h, start=1), slow)))
+        out = []
+        for h in block_hashes:
+            read = self._read(h, stop=1)
+            if read is None:
+                read = prefetched[h] if h in prefetched else self._read(h, start=1)
+            out.append(self._served(h, read))
+        return out
+
+    def _read(self, block_hash: int, start: int = 0, stop: int | None = None) -> tuple[Block, int] | None:
+        """The block from the fastest tier (of tiers[start:stop]) that has it, and that tier's index; only reads
+        (and drops)."""
+        for i, tier in enumerate(self.tiers[start:stop], start):
+            began = time.perf_counter()
             block = tier.get(block_hash)
-            self.metrics.read_seconds.labels(tier.name).inc(time.perf_counter() - start)
-            if block is None:
-                # Gone without this process seeing it go (another worker evicted it from the shared tier).
-                self._tier_dropped(tier.name, block_hash)
-                continue
-            self.metrics.hits.labels(tier.name).inc()
-            self.metrics.bytes_read.labels(tier.name).inc(block.nbytes)
-            if self._gained(tier.name, block_hash, block.parent_hash):
-                self.metrics.stored.labels(tier.name).inc()  # another worker's, found in the shared tier
-            uses = self._used(block_hash)
-            for faster in self.tiers[:i]:
-                if self._admitted(faster, uses):
-                    self._put_one(faster, block)
-            for slower in self.tiers[i + 1:]:
-                # A filtered tier takes the block once it has been used often enough.
-                if (uses >= self.min_uses.get(slower.name, 1) > 1
-                        and slower.name not in self.tiers_of(block_hash)):
-                    self._put_one(slower, block)
-            return block, tier.name
-        self.metrics.misses.inc()
+            self.metrics.read_seconds.labels(tier.name).inc(time.perf_counter() - began)
+            if block is not None:
+                return block, i
+            # Gone without this process seeing it go (another worker evicted it from the shared tier).
+            self._tier_dropped(tier.name, block_hash)
         return None
+
+    def _served(self, block_hash: int, read: tuple[Block, int] | None) -> tuple[Block, str] | None:
+        if read is None:
+            self.metrics.misses.inc()
+            return None
+        block, i = read
+        tier = self.tiers[i]
+        self.metrics.hits.labels(tier.name).inc()
+        self.metrics.bytes_read.labels(tier.name).inc(block.nbytes)
+        if self._gained(tier.name, block_hash, block.parent_hash):
+            self.metrics.stored.labels(tier.name).inc()  # another worker's, found in the shared tier
+        uses = self._used(block_hash)
+        for faster in self.tiers[:i]:
+            if self._admitted(faster, uses):
+                self._put_one(faster, block)
+        for slower in self.tiers[i + 1:]:
+            # A filtered tier takes the block once it has been used often enough.
+            if (uses >= self.min_uses.get(slower.name, 1) > 1
+                    and slower.name not in self.tiers_of(block_hash)):
+                self._put_one(slower, block)
+        return block, tier.name
 
     def locate(self, block_hash: int) -> str | None:
         """The fastest tier that holds it (without reading it: a get may still miss)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,7 @@ SHARED_BYTES, SHARED_DIR = "shared_bytes", "shared_dir"
 _SOURCES = {"host": "HOST", "disk": "DISK", "shared": "EXTERNAL_UNSPECIFIED"} if CacheHitSource is not None else None
 
 TIER_ORDER = ("host", "disk", "shared")  # fastest first
+FILE_READERS = min(8, os.cpu_count() or 1)  # threads reading one step's blocks from the file tiers
 PRIVATE_TIERS = ("host", "disk")  # this worker's own; the shared tier is everyone's who sees its directory
 # vLLM's KV events name where a block lives by `medium` ("GPU" for the engine's cache): ours are
 # "turbine.kvbm/<tier>", which turbine.vllm.kv_events_relay turns into the event's `tier`.
@@ -194,6 +196,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
         self._stats = StatsSource(self.store.metrics) if self.store is not None else None
         self._blocks: KvCacheBlocks | None = None
+        self._readers: ThreadPoolExecutor | None = None  # file-tier reads of one step, in parallel
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
 
@@ -390,11 +393,11 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvbmMetadata)
         self._failed_reqs = set()
         loads = []
-        for req_id, block_id, block_hash in meta.loads:
+        fetched = self._fetch([block_hash for _, _, block_hash in meta.loads])
+        for (req_id, block_id, block_hash), found in zip(meta.loads, fetched):
             if req_id in self._failed_reqs:
                 self._load_errors.add(block_id)  # after a failed block the rest of the prefix is recomputed
                 continue
-            found = self.store.get(block_hash)
             if found is None or found[0].nbytes != self._blocks.block_nbytes:
                 why = "gone or corrupt" if found is None else \
                     f"{found[0].nbytes} bytes, not {self._blocks.block_nbytes}"
@@ -404,6 +407,16 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
                 continue
             loads.append((block_id, found[0].data))
         self._blocks.load(loads)
+
+    def _fetch(self, hashes: list[int]) -> list[tuple[Block, str] | None]:
+        """The tiers' copies of `hashes`, in order; when several come from files, read several at a time (see
+        TieredStore.get_many: the tiers' recency stays as with one read at a time)."""
+        from_files = sum(self.store.locate(h) not in (None, "host") for h in hashes)
+        if from_files < 2:
+            return self.store.get_many(hashes)
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(FILE_READERS, thread_name_prefix="kvbm-read")
+        return self.store.get_many(hashes, self._readers.map)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete (in stream order) when start_load_kv returns
@@ -421,6 +434,8 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._blocks is not None:
             self._blocks.close()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
 
     def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
         events = self.store.take_tier_events()

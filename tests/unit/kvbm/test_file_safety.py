@@ -66,7 +66,8 @@ def _reader(directory: str, until: float, out) -> None:
         b = store.get(H)
         if b is not None:
             seen += 1
-            torn += len(b.data) != PAYLOAD or b.data.count(b.data[:1]) != PAYLOAD
+            data = bytes(b.data)
+            torn += len(data) != PAYLOAD or data.count(data[:1]) != PAYLOAD
     out.put((seen, torn, corrupt_count(m, "shared")))
 
 
@@ -150,3 +151,32 @@ def test_every_worker_of_a_shared_directory_announces_the_same_tier_id(tmp_path)
     assert shared_tier_id(str(tmp_path / "shared")) == shared_tier_id(str(tmp_path / "shared"))
     assert shared_tier_id(str(tmp_path / "other")) != shared_tier_id(str(tmp_path / "shared"))
     assert not [n for n in os.listdir(tmp_path / "shared") if n.endswith(".tmp")]
+
+
+# -- the disk tier's lock is not held over file I/O -----------------------------------------------------
+def test_a_disk_read_does_not_wait_for_a_write_in_progress(tmp_path, monkeypatch):
+    """On a GPU the loads of one step read many blocks while the writer thread writes others: a read must
+    not queue behind a write (the tier's lock guards its index only)."""
+    store = DiskStore(str(tmp_path / "disk"), 1 << 20)
+    assert store.put(Block(0x1, None, 16, b"a" * 1000))
+    entered, release = threading.Event(), threading.Event()
+    real_write = store._write_atomic
+
+    def slow_write(block_hash, raw):
+        entered.set()
+        release.wait(10)
+        return real_write(block_hash, raw)
+
+    monkeypatch.setattr(store, "_write_atomic", slow_write)
+    writer = threading.Thread(target=store.put, args=(Block(0x2, 0x1, 16, b"b" * 1000),))
+    writer.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    got = store.get(0x1)  # while 0x2 is being written
+    assert got is not None and bytes(got.data) == b"a" * 1000 and time.monotonic() - started < 1.0
+    assert store.get(0x2) is None and not store.contains(0x2)  # not there until written
+    assert store.put(Block(0x2, 0x1, 16, b"b" * 1000))  # a second put of it while the first writes: no-op
+    release.set()
+    writer.join(5)
+    assert bytes(store.get(0x2).data) == b"b" * 1000
+    assert store.used_bytes() == 2 * (1000 + 44)

@@ -154,3 +154,29 @@ def test_no_filter_writes_every_block_and_min_uses_is_checked(tmp_path):
             assert "min_uses" in str(e)
         else:
             raise AssertionError(f"accepted {bad}")
+
+
+def test_get_many_reads_in_parallel_and_leaves_the_tiers_as_one_get_at_a_time(tmp_path):
+    """The vLLM connector reads one step's file-tier blocks on a thread pool: the answers, the promotions into
+    the host tier and its recency order must be those of sequential gets, whatever order the reads finish in."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from turbine.kvbm import DiskStore, HostStore, TieredStore
+
+    def store(name):
+        return TieredStore([HostStore(3 * 100, "host"), DiskStore(str(tmp_path / name), 1 << 20)])
+
+    blocks = [Block(h, None, 16, bytes([h]) * 100) for h in range(1, 7)]
+    one, many = store("one"), store("many")
+    for s in (one, many):
+        for b in blocks:
+            s.put(b)  # the host tier keeps the last three; the disk tier all six
+    wanted = [1, 2, 6, 3, 99]
+    sequential = [one.get(h) for h in wanted]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = many.get_many(wanted, pool.map)
+    assert [(bytes(b.data), t) if r else None for r in parallel for b, t in [r or (None, None)]] == \
+        [(bytes(b.data), t) if r else None for r in sequential for b, t in [r or (None, None)]]
+    assert [t for _, t in filter(None, parallel)] == ["disk", "disk", "host", "disk"]
+    # The host tier now holds the last three read, in the same recency order as after the sequential gets.
+    assert list(many.tiers[0]._blocks) == list(one.tiers[0]._blocks) == [2, 6, 3]
