@@ -83,6 +83,10 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # that directory, so every worker that sees it announces the same one); a KV router counts that tier's
     # blocks for every instance announcing it. None: no shared tier.
     kv_shared_tier: str | None = None
+    # The address its engine's other nodes joined (host:port of the data-parallel RPC, or of torch.distributed's
+    # master for parallelism across nodes); None: one node. Its --headless nodes watch for this card and stop
+    # when it is gone (turbine/vllm/headless.py).
+    node_group: str | None = None
     # Whether its engine loads image embeddings that encode workers made (GenerateRequest.image_embeddings):
     # the vLLM worker's --take-image-embeddings. An encode worker's own card has endpoint_types ["image_encode"].
     takes_image_embeddings: bool = False

@@ -77,6 +77,9 @@ class WorkerConfig(ServingConfig):
     encoder_threads: int = flag("--encoder-threads", default=1)
     # The first loopback port of the KV-event relay (rank r's engine publishes on it + r); None: any free run.
     kv_events_port: int | None = flag("--kv-events-port", default=None)
+    # A secondary node (turbine/vllm/headless.py): vLLM's engine processes of the ranks or workers the leader
+    # fronts; it serves and registers nothing.
+    headless: bool = flag("--headless", default=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -122,6 +125,16 @@ class WorkerConfig(ServingConfig):
     @property
     def data_parallel_size(self) -> int:
         return getattr(self.engine_args, "data_parallel_size", None) or 1
+
+    @property
+    def remote_ranks(self) -> bool:
+        """Some of the data-parallel ranks this worker fronts run on other (--headless) nodes."""
+        local = getattr(self.engine_args, "data_parallel_size_local", None)
+        return local is not None and local < self.data_parallel_size
+
+    @property
+    def data_parallel_address(self) -> str:
+        return getattr(self.engine_args, "data_parallel_address", None) or "127.0.0.1"
 
 
 def build_parser():
@@ -183,8 +196,15 @@ def _build_parser():
                              "of hosts on a shared filesystem) read and write: a prefix one worker computed is "
                              "loaded by the others. Written by atomic rename, read checksummed")
     parser.add_argument("--kv-events-port", type=int, default=None,
-                        help="first loopback port the relay of the engine's KV events binds (data-parallel rank r's "
-                             "engine publishes on it + r; 1024-65535); default: any free run")
+                        help="first port the relay of the engine's KV events binds (data-parallel rank r's engine "
+                             "publishes on it + r; 1024-65535; loopback, or --data-parallel-address when ranks run "
+                             "on other nodes); default: any free run. A leader with ranks on --headless nodes, and "
+                             "those nodes, need the same fixed port")
+    parser.add_argument("--headless", action="store_true",
+                        help="a secondary node of a multi-node deployment: vLLM's engine processes only (the data-"
+                             "parallel ranks --data-parallel-start-rank.. that the leader fronts, or the workers of "
+                             "--node-rank > 0 for tensor/pipeline parallelism across nodes); no request plane, no "
+                             "registration, a status server (/health, /live) when --system-port is given")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -198,7 +218,9 @@ def _build_parser():
     # Every flag Turbine adds has its environment variable by the naming rule (TURBINE_<FLAG>); vLLM's own
     # engine flags, added next, are vLLM's.
     env_forms(list(parser._actions))
+    turbine_actions = list(parser._actions)
     parser = AsyncEngineArgs.add_cli_args(parser)
+    parser.turbine_actions = turbine_actions  # the flags a --headless node must leave alone (multi_node_refusal)
     # vLLM's parser has --log-level and --otlp-traces-endpoint: they serve Turbine too.
     add_logging_args(parser, level=False)
     # No --model means the embedded default model (prepared on first use).
@@ -245,6 +267,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         parser.error("--lora-modules needs --enable-lora")
     if (refusal := LOAD_FORMATS_REFUSED.get(str(args.load_format))) is not None:
         parser.error(refusal)
+    if (refusal := multi_node_refusal(args, parser.turbine_actions, decode=serving.is_decode)) is not None:
+        parser.error(refusal)
     _configure_connector(args, parser, serving)
     if args.enable_sleep_mode and (reason := platform_sleep_refusal()):
         parser.error(f"--enable-sleep-mode: {reason}")
@@ -265,10 +289,67 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
-                   kv_events_port=args.kv_events_port)
+                   kv_events_port=args.kv_events_port, headless=args.headless)
 
 
 JSON_WHITESPACE = ("compact", "any")
+
+# What a --headless node reads of Turbine's own flags: where its status server listens, the port of the
+# leader's KV-event relay its ranks publish to, the discovery it finds the leader's card in, and the mode
+# itself (logging and --config are read before).
+HEADLESS_FLAGS = {"headless", "system_host", "system_port", "kv_events_port", "config", "help",
+                  # where the leader's card is (a headless node watches it: turbine/vllm/headless.py)
+                  "discovery_backend", "discovery_dir", "etcd_endpoints", "discovery_ttl"}
+
+
+def multi_node_refusal(args, turbine_actions, decode: bool = False) -> str | None:
+    """Why this multi-node setting cannot run (None: it can). A worker (the leader) fronts data-parallel ranks
+    from 0; ranks and tensor/pipeline workers of other nodes run there with --headless (vLLM's own engine
+    processes only). vLLM's per-node API servers (hybrid or external load balancing) are not Turbine's."""
+    for name in ("data_parallel_hybrid_lb", "data_parallel_external_lb"):
+        if getattr(args, name, False):
+            flag = "--" + name.replace("_", "-")
+            return (f"{flag} is not supported: one worker (the leader) fronts every data-parallel rank, and the "
+                    f"ranks of other nodes run there with --headless; drop the flag")
+    size = args.data_parallel_size or 1
+    local = args.data_parallel_size_local
+    start = args.data_parallel_start_rank or 0
+    nnodes, node_rank = getattr(args, "nnodes", 1) or 1, getattr(args, "node_rank", 0) or 0
+    if start and not 0 < start < size:
+        return f"--data-parallel-start-rank {start}: the ranks are 0..{size - 1} (--data-parallel-size {size})"
+    if local is not None and start + local > size:
+        return (f"--data-parallel-size-local {local} from rank {start}: ranks up to {start + local - 1}, beyond "
+                f"--data-parallel-size {size}")
+    if not 0 <= node_rank < nnodes:
+        return f"--node-rank {node_rank}: the nodes are 0..{nnodes - 1} (--nnodes {nnodes})"
+    relays = args.enable_prefix_caching is not False and not decode  # as VllmEngine.start decides
+    if not args.headless:
+        if start:
+            return (f"--data-parallel-start-rank {start}: a worker fronts the ranks from 0; the ranks of another "
+                    "node run there with --headless")
+        if node_rank:
+            return (f"--node-rank {node_rank}: that node runs no engine front of its own; start it with "
+                    "--headless (the leader is --node-rank 0)")
+        if local is not None and local < size and relays and args.kv_events_port is None:
+            return ("--kv-events-port: ranks of this worker run on other nodes (--data-parallel-size-local "
+                    f"{local} of {size}); their KV events reach its relay on a port they must know: give the "
+                    "same --kv-events-port here and to the --headless nodes")
+        return None
+    dp_secondary = size > 1 and start > 0 and (local or 0) >= 1
+    if not (dp_secondary or node_rank > 0):
+        return ("--headless runs the engine processes of another node than the leader: give "
+                "--data-parallel-start-rank > 0 with --data-parallel-size-local (data-parallel ranks), or "
+                "--nnodes with --node-rank > 0 (tensor/pipeline parallelism across nodes)")
+    for action in turbine_actions:
+        if action.dest in HEADLESS_FLAGS or getattr(args, action.dest, action.default) == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        return (f"{flag}: a --headless node serves and registers nothing (its engine processes join the "
+                f"leader's), so {flag} does nothing there; give it to the leader and drop it here")
+    if dp_secondary and relays and args.kv_events_port is None:
+        return ("--kv-events-port: this node's ranks publish their KV events to the leader's relay; give the "
+                "leader's --kv-events-port (and its --data-parallel-address)")
+    return None
 
 
 def _configure_json_whitespace(args, parser) -> None:

@@ -136,3 +136,12 @@ try:  # 0.32+: a KV connector tells where its hits came from (the cache-hit metr
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # older releases never ask (turbine.vllm.kvbm_connector keeps nothing for them)
     CacheHitSource = None
+
+
+async def ping_engine_rank(engine, rank: int) -> None:
+    """One round trip to data-parallel rank `rank`'s engine core: a utility call, which an engine answers
+    between two steps however busy it is (never queued behind requests). Hangs if the rank is gone: its
+    caller times it out. Both releases address one engine by `_call_utility_async(..., engine=identity)`,
+    the identity being the rank as 2 little-endian bytes (core_client.py of 0.26.0 and 0.32.0); no public
+    call does (the public ones go to rank 0, or to all and wait for all)."""
+    await engine.engine_core._call_utility_async("is_sleeping", engine=rank.to_bytes(2, "little"))

@@ -179,7 +179,20 @@ class EncodeEngine:
         self.cache.release_expired()
 
     async def canary(self) -> str | None:
-        return self._dead
+        """The encode path itself on a small picture: decoded as a request's image is, then through the vision
+        tower and projector (not into the cache, which holds clients' images only)."""
+        if self._dead is not None:
+            return self._dead
+        try:
+            (image,) = decode_images([ImageInput(data=canary_png(), hash="health-check")])
+            async with self._lock:
+                rows = await asyncio.to_thread(self.encoder.encode, image)
+        except Exception as exc:  # the check's answer, not the process's end
+            return f"the vision tower failed on the health check's picture: {type(exc).__name__}: {exc}"
+        if rows.numel() == 0 or rows.shape[-1] != self.encoder.spec.hidden_size:
+            return (f"the vision tower gave embeddings of shape {tuple(rows.shape)} for the health check's picture, "
+                    f"not (n, {self.encoder.spec.hidden_size})")
+        return None
 
     def failure(self) -> str | None:
         return self._dead
@@ -203,3 +216,14 @@ class EncodeEngine:
             self.cache.close()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+def canary_png() -> bytes:
+    """A small gray picture, as a client would send one (PNG)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (128, 128, 128)).save(buf, format="PNG")
+    return buf.getvalue()

@@ -104,19 +104,20 @@ def _media_items(keys, lora_name: str | None) -> list[tuple[str, int]] | None:
 
 
 class VllmKvEventsRelay:
-    def __init__(self, publishers: list[KvEventPublisher], port: int | None = None):
+    def __init__(self, publishers: list[KvEventPublisher], port: int | None = None, host: str = "127.0.0.1"):
         """`publishers[r]` republishes data-parallel rank r's events; `port`: the first port of the run
-        (--kv-events-port; None: any free run). EventPlaneError naming the flag if it is taken."""
+        (--kv-events-port; None: any free run). EventPlaneError naming the flag if it is taken. `host`: where
+        it listens (loopback, or the data-parallel address when ranks run on other nodes)."""
         assert [p.dp_rank for p in publishers] == list(range(len(publishers)))
         self.publishers = publishers
         self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
         if port is None:
-            port = _bind_port_run(self._sock, len(publishers))
+            port = _bind_port_run(self._sock, len(publishers), host)
         else:
-            _bind_given_run(self._sock, port, len(publishers))
-        self.engine_endpoint = f"tcp://127.0.0.1:{port}"  # what vLLM's publisher (rank 0) connects to
+            _bind_given_run(self._sock, port, len(publishers), host)
+        self.engine_endpoint = f"tcp://{host}:{port}"  # what vLLM's publisher (rank 0) connects to
 
     @property
     def publisher(self) -> KvEventPublisher:
@@ -162,27 +163,27 @@ class VllmKvEventsRelay:
         self._sock.close()
 
 
-def _bind_given_run(sock, port: int, count: int) -> None:
+def _bind_given_run(sock, port: int, count: int, host: str = "127.0.0.1") -> None:
     for p in range(port, port + count):
         try:
-            sock.bind(f"tcp://127.0.0.1:{p}")
+            sock.bind(f"tcp://{host}:{p}")
         except zmq.ZMQError as exc:
             sock.close()
             ports = f"{port}" if count == 1 else f"{port}-{port + count - 1} (one per data-parallel rank)"
-            raise EventPlaneError(f"--kv-events-port {port}: cannot bind 127.0.0.1:{p} of {ports}: {exc}") from None
+            raise EventPlaneError(f"--kv-events-port {port}: cannot bind {host}:{p} of {ports}: {exc}") from None
 
 
-def _bind_port_run(sock, count: int, attempts: int = 50) -> int:
-    """Binds `sock` on loopback ports P..P+count-1 (vLLM offsets each rank's port by its rank)."""
+def _bind_port_run(sock, count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """Binds `sock` on ports P..P+count-1 of `host` (vLLM offsets each rank's port by its rank)."""
     for _ in range(attempts):
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        port = sock.bind_to_random_port(f"tcp://{host}")
         bound = [port]
         try:
             for p in range(port + 1, port + count):
-                sock.bind(f"tcp://127.0.0.1:{p}")
+                sock.bind(f"tcp://{host}:{p}")
                 bound.append(p)
             return port
         except zmq.ZMQError:
             for p in bound:
-                sock.unbind(f"tcp://127.0.0.1:{p}")
-    raise RuntimeError(f"no run of {count} free loopback ports for the KV events relay")
+                sock.unbind(f"tcp://{host}:{p}")
+    raise RuntimeError(f"no run of {count} free ports on {host} for the KV events relay")

@@ -25,11 +25,12 @@ from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import generate_canary, pooling_canary
-from turbine.vllm.compat import unfinished_requests, unknown_release_warning
+from turbine.vllm.compat import ping_engine_rank, unfinished_requests, unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers
 from turbine.vllm.images import measured_placeholder
 from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
+from turbine.vllm.headless import node_group
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 from turbine.vllm.kvbm_connector import kv_shared_tier
 from turbine.vllm.lora import VllmLora
@@ -42,6 +43,10 @@ from turbine.worker.host import Instance, WorkerHost, run_host
 log = logging.getLogger("turbine.vllm")
 
 ENGINE_CHECK_INTERVAL_S = 2.0
+REMOTE_RANK_PING_S = 4.0
+# An engine answers a ping between two steps; a step this long (a huge prefill on a slow CPU) would be taken for
+# a dead node.
+REMOTE_RANK_TIMEOUT_S = 20.0
 
 
 class VllmEngine:
@@ -94,7 +99,10 @@ class VllmEngine:
         self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=ranks,
                                      kv_events=relays or cfg.is_decode, kv_events_buffer=cfg.kv_events_buffer)
         if relays:
-            self.relay = VllmKvEventsRelay(self.events.kv, port=cfg.kv_events_port)
+            # Ranks on other nodes publish to the relay over the data-parallel network (the one vLLM's own engine
+            # handshake and outputs cross), so it listens there; otherwise on loopback.
+            host = cfg.data_parallel_address if cfg.remote_ranks else "127.0.0.1"
+            self.relay = VllmKvEventsRelay(self.events.kv, port=cfg.kv_events_port, host=host)
             cfg.engine_args.kv_events_config = self.relay.engine_config()
             self._relay_task = asyncio.create_task(self.relay.run())
         # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
@@ -154,6 +162,7 @@ class VllmEngine:
             image_token_id=image_token, image_placeholder=placeholder,
             takes_image_embeddings=cfg.take_image_embeddings,
             endpoint_types=[EMBEDDINGS] if self.pooling else None, kv_shared_tier=kv_shared_tier(vcfg),
+            node_group=node_group(vcfg.parallel_config, cfg.remote_ranks),
             **self.events.card_fields())
         total_blocks = vcfg.cache_config.num_gpu_blocks or 0
         sleep = VllmSleep(engine, on_change=lambda level: self.metrics.set_total_kv_blocks(0 if level else total_blocks),
@@ -171,12 +180,26 @@ class VllmEngine:
         return "engine is dead" if self.engine.errored else None
 
     async def died(self) -> str:
+        # Ranks on other nodes (--headless): vLLM's client does not notice one that stopped or died, and would
+        # route to it for ever. Each is pinged now and then (an engine answers between two steps).
+        remote = range(self.cfg.engine_args.data_parallel_size_local or 0, self.cfg.data_parallel_size) \
+            if self.cfg.remote_ranks else range(0)
+        since_ping = 0.0
         while True:
             await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
             try:
                 await self.engine.check_health()
             except Exception as exc:
                 return f"vLLM engine: {type(exc).__name__}: {exc}"
+            since_ping += ENGINE_CHECK_INTERVAL_S
+            if remote and since_ping >= REMOTE_RANK_PING_S:
+                since_ping = 0.0
+                for rank in remote:
+                    try:
+                        await asyncio.wait_for(ping_engine_rank(self.engine, rank), REMOTE_RANK_TIMEOUT_S)
+                    except TimeoutError:
+                        return (f"data-parallel rank {rank} (on a --headless node) did not answer for "
+                                f"{REMOTE_RANK_TIMEOUT_S:.0f} s: its node stopped or died")
 
     def refresh_gauges(self) -> None:
         if self.engine is not None:
@@ -204,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     if setup_tracing(argv, "turbine-worker") and getattr(cfg.engine_args, "otlp_traces_endpoint", None) is None:
         # Set by the environment only: the engine traces too (its spans join the request's trace).
         cfg.engine_args.otlp_traces_endpoint = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    if cfg.headless:
+        from turbine.vllm.headless import HeadlessNode
+
+        return run_host(HeadlessNode(cfg).run)
     if cfg.multimodal_encode_worker:
         from turbine.vllm.encode_worker import EncodeEngine
 

@@ -168,7 +168,7 @@ class ServingConfig:
                    multimodal: bool = False, image_token_id: int | None = None, endpoint_types: list[str] | None = None,
                    image_placeholder: tuple[list[int], tuple[int, int]] | None = None,
                    kv_shared_tier: str | None = None,
-                   takes_image_embeddings: bool = False) -> ModelCard:
+                   takes_image_embeddings: bool = False, node_group: str | None = None) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself
         (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
@@ -187,7 +187,7 @@ class ServingConfig:
             image_placeholder=image_placeholder[0] if image_placeholder else None,
             image_placeholder_range=image_placeholder[1] if image_placeholder else None,
             kv_shared_tier=kv_shared_tier,
-            takes_image_embeddings=takes_image_embeddings,
+            takes_image_embeddings=takes_image_embeddings, node_group=node_group,
         )
 
 
