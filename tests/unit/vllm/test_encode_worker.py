@@ -131,6 +131,29 @@ def test_the_vision_tower_gives_one_row_per_placeholder(tmp_path, model_dir):
     assert torch.equal(red, enc.encode(Image.new("RGB", (30, 20), (200, 0, 0))))
 
 
+def test_the_encode_workers_canary_runs_the_vision_tower(tmp_path, model_dir, monkeypatch):
+    """/health of an encode worker (issue #33 §3): a picture through the encode path, not just liveness."""
+    import asyncio
+
+    from tests.multimodal_model import build_vlm
+    from turbine.vllm.encode_worker import EncodeEngine
+    from turbine.vllm.image_encoder import ImageEncoder
+
+    folder = str(build_vlm(tmp_path / "vlm", text_model_dir=model_dir))
+    engine = EncodeEngine(parse_worker_args(["--multimodal-encode-worker", "--model", folder, "--dtype", "float32"]))
+    engine.encoder = ImageEncoder(folder, "float32")
+    assert asyncio.run(engine.canary()) is None
+    monkeypatch.setattr(engine.encoder.connector, "forward", lambda *a, **k: torch.zeros(1, 4, 7))  # a wrong width
+    assert "shape (4, 7) for the health check's picture, not (n, 576)" in asyncio.run(engine.canary())
+
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.encoder.vision, "forward", broken)
+    assert asyncio.run(engine.canary()) == ("the vision tower failed on the health check's picture: "
+                                            "RuntimeError: device lost")
+
+
 class EmbedEngine(Engine):
     def __init__(self):
         super().__init__()
