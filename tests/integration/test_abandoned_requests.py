@@ -33,9 +33,25 @@ def _sample(cluster) -> dict[str, float]:
     }
 
 
-def _give_up(client, endpoint: str, stream: bool) -> None:
+def _give_up(client, endpoint: str, stream: bool, base_url: str) -> None:
     """The request, given up on: whole, by a client that stops waiting after CLIENT_TIMEOUT_S; streamed,
     by one that closes the stream after a few events (a stream's reads do not time out while it flows)."""
+    if endpoint == "messages":  # Anthropic's Messages API, through the official anthropic client
+        import anthropic
+
+        messages = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0,
+                                       timeout=CLIENT_TIMEOUT_S).messages
+        ask = dict(model=MODEL, max_tokens=LONG, messages=[{"role": "user", "content": "Tell me a very long story."}])
+        if not stream:
+            with pytest.raises(anthropic.APITimeoutError):
+                messages.create(**ask)
+            return
+        events = messages.create(**ask, stream=True)
+        for i, _ in enumerate(events):
+            if i == 4:
+                break
+        events.close()
+        return
     impatient = client.with_options(timeout=CLIENT_TIMEOUT_S, max_retries=0)
     extra = {"ignore_eos": True}
 
@@ -65,11 +81,11 @@ def _give_up(client, endpoint: str, stream: bool) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("endpoint", ["chat", "completions", "batch", "responses"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "batch", "responses", "messages"])
 def test_a_client_that_gives_up_has_its_engine_requests_aborted(client, cluster, endpoint, stream):
     before = _sample(cluster)
     assert before["running"] == 0 and before["unfinished"] == 0
-    _give_up(client, endpoint, stream)
+    _give_up(client, endpoint, stream, cluster["frontend"].url)
     gave_up = time.monotonic()
     while True:
         now = _sample(cluster)
