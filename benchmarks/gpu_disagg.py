@@ -162,6 +162,10 @@ class Stack:
 
 def start(a, run_dir: Path, setup: str, *, parity: bool) -> tuple[Stack, float]:
     st = Stack(a, run_dir, setup)
+    if setup == "agg-tp2":  # one worker over both cards (tensor parallelism 2): what a user compares 1P1D with
+        st.worker("agg_tp2", ",".join(str(g) for g in range(a.gpus)), "--tensor-parallel-size", str(a.gpus))
+        st.frontend(*a.frontend_args.split())
+        return st, st.wait(decode=1, prefill=0)
     if setup == "agg":
         gpus = [0] if parity else list(range(a.agg_workers))
         for g in gpus:
@@ -180,7 +184,7 @@ def decode_connector(a, parity: bool) -> list[str]:
     `recompute` (a KV pull that fails is computed locally: the request survives), which would make a
     broken transfer invisible to a parity check; with --strict-kv the parity run gives vLLM's own
     --kv-transfer-config with the policy `fail` instead, so a failed pull fails the request."""
-    if not (parity and a.strict_kv):
+    if not a.strict_kv:
         return ["--connector", "nixl"]
     from turbine.vllm.connectors import kv_transfer_config
 
@@ -190,6 +194,17 @@ def decode_connector(a, parity: bool) -> list[str]:
 
 
 LOG_MARKERS = ("nixl", "ucx", "kv_transfer", "kv transfer", "error", "warning", "failed")
+
+
+def nixl_series(metrics: dict[str, float]) -> dict[str, float]:
+    """Every NIXL series the decode worker's vLLM exports (bytes moved, descriptors, transfer times), summed
+    over labels: the release decides which exist."""
+    out: dict[str, float] = {}
+    for key, v in metrics.items():
+        base = key.split("{", 1)[0]
+        if "nixl" in base:
+            out[base] = out.get(base, 0.0) + v
+    return out
 
 
 def log_lines(st: "Stack", limit: int = 60) -> dict[str, list[str]]:
@@ -326,6 +341,8 @@ def run_load(a, run_dir: Path, doc: dict) -> None:
                                                                 source="local_compute")
                 res["nixl_transfers"] = metric_sum(wm, "vllm:nixl_xfer_time_seconds_count")
                 res["nixl_failed_transfers"] = metric_sum(wm, "vllm:nixl_num_failed_transfers_total")
+                res["nixl_series"] = nixl_series(wm)
+                res["strict_kv"] = a.strict_kv
                 res["logs"] = log_lines(st)
             res["prefills"] = {w: metric_sum(after, "turbine_frontend_prefills_total", where=w)
                                - metric_sum(before, "turbine_frontend_prefills_total", where=w)
@@ -342,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("parity", "load"):
         s = sub.add_parser(name)
         s.add_argument("--model", type=Path, required=True)
-        s.add_argument("--setups", default="agg,disagg", help="agg and/or disagg, in this order")
+        s.add_argument("--setups", default="agg,disagg",
+                       help="agg, disagg and/or agg-tp2 (load: one worker at tensor parallelism --gpus), in this order")
+        s.add_argument("--strict-kv", action=argparse.BooleanOptionalAction, default=True,
+                       help="a decode worker's failed KV pull fails the request (vLLM's kv_load_failure_policy "
+                            "fail) instead of Turbine's default recompute: a broken transfer cannot hide")
+        s.add_argument("--kv-buffer-device", default="cuda", help="where the KV buffer lives (cpu on a CPU host)")
         s.add_argument("--dtype", default=None, help="the workers' --dtype (parity: float32)")
         s.add_argument("--load-format", default=None, help="the workers' --load-format (dummy: random weights)")
         s.add_argument("--max-model-len", type=int, default=4096)
@@ -355,9 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     par = sub.choices["parity"]
     par.add_argument("--max-tokens", type=int, default=64)
     par.add_argument("--long-repeats", type=int, default=30, help="the long chat's paragraph count (~45 tokens each)")
-    par.add_argument("--strict-kv", action=argparse.BooleanOptionalAction, default=True,
-                     help="the decode worker fails a request whose KV pull fails instead of recomputing it")
-    par.add_argument("--kv-buffer-device", default="cuda", help="where the KV buffer lives (cpu on a CPU host)")
     ld = sub.choices["load"]
     ld.add_argument("--agg-workers", type=int, default=2)
     ld.add_argument("--rate", type=float, default=16.0, help="requests/s")

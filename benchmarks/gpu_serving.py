@@ -230,7 +230,46 @@ def _ms(x: float | None) -> float | None:
 def engine_flags(a) -> list[str]:
     return ["--load-format", "dummy", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-            "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--enable-prefix-caching"]
+            "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--enable-prefix-caching",
+            "--tensor-parallel-size", str(a.tensor_parallel_size)]
+
+
+def greedy_texts(a, base_url: str) -> list[str]:
+    """--parity N: N greedy completions (token-id prompts, one at a time: batch composition changes the
+    numerics), compared across systems: the same engine config and seed must give the same tokens."""
+    texts = []
+    for prompt in prompts(a.parity, 64, a.seed + 7):
+        body = {"model": SERVED, "prompt": prompt, "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+        req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            texts.append(json.loads(r.read())["choices"][0]["text"])
+    return texts
+
+
+def cache_config(metrics_url: str) -> dict:
+    """vLLM's own view of its KV cache (the `vllm:cache_config_info` labels): block size, GPU blocks."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+                return {k: labels[k].strip('"') for k in ("block_size", "num_gpu_blocks") if k in labels}
+    return {}
+
+
+def turbine_card(discovery_dir: str) -> dict:
+    """The worker's model card as routers read it: block size and KV capacity (from the engine)."""
+    from turbine.config import DiscoveryConfig, make_registry
+
+    async def read():
+        registry = make_registry(DiscoveryConfig(backend="file", file_dir=discovery_dir))
+        await registry.backend.start()
+        try:
+            return await registry.list_models()
+        finally:
+            await registry.backend.close()
+    return [{"kv_block_size": c.kv_block_size, "total_kv_blocks": c.total_kv_blocks,
+             "data_parallel_size": c.data_parallel_size, "node_group": c.node_group} for c in asyncio.run(read())]
 
 
 def http_ok(url: str) -> bool:
@@ -288,7 +327,7 @@ def run_offline(a, points) -> dict:
     t0 = time.monotonic()
     llm = LLM(model=str(a.model), load_format="dummy", max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-              enable_prefix_caching=True, skip_tokenizer_init=False)
+              enable_prefix_caching=True, skip_tokenizer_init=False, tensor_parallel_size=a.tensor_parallel_size)
     start = time.monotonic() - t0
     res = []
     for isl, osl, conc in points:
@@ -345,8 +384,12 @@ def run_serve(a, points, run_dir: Path) -> dict:
     try:
         start = procs.wait(lambda: http_ok(f"http://127.0.0.1:{port}/v1/models"), a.start_timeout, "vllm serve")
         log(f"vllm serve ready after {start:.0f}s")
-        return {"engine_start_s": round(start, 1),
-                "points": measure_server(a, f"http://127.0.0.1:{port}", points, "serve")}
+        base = f"http://127.0.0.1:{port}"
+        out = {"engine_start_s": round(start, 1), "cache_config": cache_config(f"{base}/metrics")}
+        if a.parity:
+            out["parity_texts"] = greedy_texts(a, base)
+        out["points"] = measure_server(a, base, points, "serve")
+        return out
     except Exception:
         log(procs.tail("vllm_serve"))
         raise
@@ -354,13 +397,24 @@ def run_serve(a, points, run_dir: Path) -> dict:
         procs.stop()
 
 
-def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = ()) -> dict:
+def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), nodes: int = 1) -> dict:
+    """`nodes` 2: the engine's tensor-parallel workers split over two processes acting as nodes (the leader,
+    node rank 0 on GPU 0, and a --headless node rank 1 on GPU 1; torch.distributed's master on loopback)."""
     procs = Procs(run_dir)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
     env = {"TURBINE_DISCOVERY_BACKEND": "file", "TURBINE_DISCOVERY_DIR": disc, "PYTHONUNBUFFERED": "1"}
+    system_port = free_port()
     worker = [sys.executable, "-m", "turbine.vllm", "--model", str(a.model), "--served-model-name", SERVED,
               *engine_flags(a), *worker_flags]
-    procs.spawn("turbine_worker", worker, env)
+    if nodes > 1:
+        master = ["--nnodes", str(nodes), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        for rank in range(1, nodes):
+            procs.spawn(f"turbine_node{rank}", [*worker, *master, "--node-rank", str(rank), "--headless",
+                                                "--system-port", str(free_port())],
+                        dict(env, CUDA_VISIBLE_DEVICES=str(rank)))
+        worker += [*master, "--node-rank", "0"]
+        env = dict(env, CUDA_VISIBLE_DEVICES="0")
+    procs.spawn("turbine_worker", [*worker, "--system-port", str(system_port)], env)
     out = {"by_frontend_processes": {}}
     try:
         for n in a.frontend_processes:
@@ -370,7 +424,12 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = ()) ->
                 fe += ["--frontend-processes", str(n)]
             procs.spawn("turbine_frontend", fe, env)
             start = procs.wait(lambda: _turbine_ready(port), a.start_timeout, "turbine")
-            out.setdefault("engine_start_s", round(start, 1))
+            if "engine_start_s" not in out:
+                out["engine_start_s"] = round(start, 1)
+                out["card"] = turbine_card(disc)
+                out["cache_config"] = cache_config(f"http://127.0.0.1:{system_port}/metrics")
+                if a.parity:
+                    out["parity_texts"] = greedy_texts(a, f"http://127.0.0.1:{port}")
             log(f"turbine ({n} frontend processes) ready after {start:.0f}s")
             out["by_frontend_processes"][str(n)] = measure_server(a, f"http://127.0.0.1:{port}", points,
                                                                   f"turbine x{n}")
@@ -422,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--model", type=Path, required=True)
     r.add_argument("--systems", default="offline,serve,turbine",
-                   help="offline, serve, turbine, turbine-kvbm (--connector kvbm with a --kvbm-host-gb host tier)")
+                   help="offline, serve, turbine, turbine-kvbm (--connector kvbm with a --kvbm-host-gb host tier), "
+                        "turbine-2nodes (--tensor-parallel-size 2 over a leader and a --headless node, a GPU each)")
     r.add_argument("--kvbm-host-gb", type=float, default=32.0)
     r.add_argument("--loads", default="128x512,1024x256", help="ISLxOSL, comma separated")
     r.add_argument("--concurrency", default="256")
@@ -434,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-num-seqs", type=int, default=512)
     r.add_argument("--max-num-batched-tokens", type=int, default=8192)
     r.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    r.add_argument("--tensor-parallel-size", type=int, default=1, help="every system's (turbine-2nodes: 2)")
+    r.add_argument("--parity", type=int, default=0,
+                   help="N greedy completions per server, one at a time, before the load: their texts are "
+                        "compared across systems (parity_equal)")
     r.add_argument("--start-timeout", type=float, default=400)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_serving.json")
@@ -475,6 +539,8 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
                 res = run_serve(a, points, run_dir)
             elif system == "turbine":
                 res = run_turbine(a, points, run_dir)
+            elif system == "turbine-2nodes":  # tensor parallelism over a leader and a --headless node
+                res = run_turbine(a, points, run_dir, nodes=2)
             elif system == "turbine-kvbm":  # the same with the KV tiers saving every block (host tier)
                 res = run_turbine(a, points, run_dir, ("--connector", "kvbm", "--kv-host-cache-gb",
                                                        str(a.kvbm_host_gb)))
@@ -485,6 +551,9 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
             log(f"{system} FAILED: {res['error']}")
         res["seconds"] = round(time.monotonic() - t, 1)
         doc["systems"].setdefault(system, []).append(res)
+        texts = [r["parity_texts"] for runs in doc["systems"].values() for r in runs if "parity_texts" in r]
+        if texts:
+            doc["parity_equal"] = all(t == texts[0] for t in texts)
         a.out.write_text(json.dumps(doc, indent=1))
 
 

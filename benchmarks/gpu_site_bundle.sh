@@ -15,7 +15,7 @@
 # `gpu_install.sh stash DIR/cN` (the host keeps /tmp while it stays warm: calls back to back), then
 # `gpu_install.sh install` joins and checks the pieces, unpacks the site to /tmp/h8/site and converts SmolLM2 to /tmp/h8/smollm2; PYTHONPATH=/tmp/h8/site:<checkout>.
 # Dropped from vLLM's wheel to save transfers (each import is optional in vLLM 0.26.0): FlashAttention 2
-# (Hopper runs FlashAttention 3), the MoE kernels (dense models only), the vllm-rs frontend binary and
+# (Hopper runs FlashAttention 3), the vllm-rs frontend binary and
 # deep_gemm's bindings for other Pythons.
 set -euo pipefail
 DIR=${1:?usage: gpu_site_bundle.sh DIR}
@@ -101,7 +101,7 @@ EOF
 rm -rf "$DIR/site"
 "$PY" -m pip install -q --no-deps --no-compile "${PLAT[@]}" --target "$DIR/site" "$DIR"/wheels/*.whl
 rm -f "$DIR"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$DIR"/site/vllm/vllm-rs \
-  "$DIR"/site/vllm/_moe_C_stable_libtorch.abi3.so "$DIR"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
+  "$DIR"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 STAGE="$DIR/stage"
 rm -rf "$STAGE" "$DIR"/c[0-9]* && mkdir -p "$STAGE"

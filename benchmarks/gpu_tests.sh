@@ -13,6 +13,14 @@
 #                                                 weights), a working set several times the GPU cache
 #   bash benchmarks/gpu_tests.sh offload [ARGS]   benchmarks/gpu_serving.py: plain Turbine vs --connector kvbm
 #                                                 (every block saved to the host tier) on decode-heavy load
+# Two GPUs (issue #30):
+#   bash benchmarks/gpu_tests.sh tp [ARGS]        tensor parallelism 2: `vllm serve`, a Turbine worker, and the same
+#                                                 over two processes as nodes (leader + --headless): greedy parity,
+#                                                 the card's KV vs vLLM's, decode-heavy throughput at C=256
+#   bash benchmarks/gpu_tests.sh dp [ARGS]        data parallelism 2 (one worker; leader + headless node): spread,
+#                                                 prefix landing, migration off a killed rank (gpu_parallel.py)
+#   bash benchmarks/gpu_tests.sh moe [ARGS]       a small Mixtral MoE with expert parallelism (TP=2+EP, DP=2+EP)
+#   bash benchmarks/gpu_tests.sh disagg-load [ARGS]  gpu_disagg.py load, strict KV: 1P1D vs 2 aggregated vs TP=2
 #
 # The tests share one GPU between their engines (several per module): TURBINE_TEST_VLLM_ARGS gives each a small
 # memory budget. The embedded SmolLM2 comes from the bundle (converted by gpu_install.sh), found where
@@ -23,7 +31,8 @@ OUT=${OUT:-/tmp/gpu-out}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 cd "$HERE"
 mkdir -p "$OUT"
-export PYTHONPATH="$H8/site:$HERE" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
+# NCCL_NVLS_ENABLE=0: NVLink multicast stays off on the lent hosts (their KINDS notes).
+export PYTHONPATH="$H8/site:$HERE" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
 export TURBINE_CACHE="$H8/cache"
 mkdir -p "$TURBINE_CACHE/models"
 ln -sfn "$H8/smollm2" "$TURBINE_CACHE/models/smollm2-135m-instruct"
@@ -58,8 +67,22 @@ case "$step" in
     python3 benchmarks/gpu_serving.py run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
       --loads 128x512 --concurrency 64 --max-num-seqs 64 --out "$OUT/kvbm_offload_gpu.json" "$@" 2>&1 | tail -30
     ;;
+  tp)
+    python3 benchmarks/gpu_serving.py run --model "$LLAMA" --tensor-parallel-size 2 --parity 8 \
+      --systems serve,turbine,turbine-2nodes --loads 128x512 --concurrency 256 --out "$OUT/gpu_tp2.json" "$@" 2>&1 | tail -40
+    ;;
+  dp)
+    python3 benchmarks/gpu_parallel.py dp --model "$LLAMA" --out "$OUT/gpu_dp.json" "$@" 2>&1 | tail -60
+    ;;
+  moe)
+    python3 benchmarks/gpu_parallel.py moe --tokenizer-from "$LLAMA" --out "$OUT/gpu_moe.json" "$@" 2>&1 | tail -40
+    ;;
+  disagg-load)
+    python3 benchmarks/gpu_disagg.py load --model "$LLAMA" --load-format dummy --out "$OUT/gpu_disagg_load.json" \
+      "$@" 2>&1 | grep -v '"logs"' | tail -40
+    ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | offload [args]" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | offload [args] | tp | dp | moe | disagg-load" >&2
     exit 2
     ;;
 esac

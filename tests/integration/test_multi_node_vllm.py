@@ -90,8 +90,8 @@ def per_engine(worker, series: str) -> dict[str, float]:
 
 
 def rank_key(pair, rank: str) -> str:
-    """The router's name of one rank of the leader (`<instance>/<rank>`)."""
-    (key,) = [w for w in indexed_by_worker(pair["frontend"]) if w.endswith(f"/{rank}")]
+    """The router's name of one rank of the leader (`<instance>` for rank 0, `<instance>/<rank>` for others)."""
+    (key,) = [w for w in indexed_by_worker(pair["frontend"]) if (w.rsplit("/", 1)[1] if "/" in w else "0") == rank]
     return key
 
 
