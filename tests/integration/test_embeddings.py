@@ -1,10 +1,12 @@
 """/v1/embeddings end to end: SmolLM2 served by a pooling vLLM worker (`--runner pooling
 --convert embed`, last-token pooling, normalized), its frontend, and the official openai client.
-A generating model (a mocker beside it) serves no embeddings; the pooling model serves no chat."""
+A generating model (a mocker beside it) serves no embeddings; the pooling model serves no chat; a client
+that gives up on a long batch has its inputs aborted on the engine (issue 33, §5)."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import httpx
 import openai
@@ -14,7 +16,9 @@ from openai import OpenAI
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
 from tests.integration.procs import (
     base_env,
+    http_text,
     instances_of,
+    metric,
     start_frontend,
     start_mocker,
     start_worker,
@@ -31,7 +35,7 @@ HELLO_WORLD_HEAD = [-0.021525979042053223, 0.009851249866187572, -0.009255190379
 
 
 @pytest.fixture(scope="module")
-def pooling(tmp_path_factory, model_dir):
+def embed_cluster(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("embeddings")
     env = base_env(str(root / "discovery"))
     worker = start_worker("pooling-worker", env, root, "--runner", "pooling", "--convert", "embed",
@@ -43,9 +47,14 @@ def pooling(tmp_path_factory, model_dir):
         wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, "pooling worker ready", procs)
         wait_until(lambda: instances_of(frontend, MODEL) == 1 and instances_of(frontend, GENERATOR) == 1, 30,
                    "frontend sees both models", procs)
-        yield frontend
+        yield {"frontend": frontend, "worker": worker}
     finally:
         stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def pooling(embed_cluster):
+    return embed_cluster["frontend"]
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +120,27 @@ def test_the_pooling_workers_canary_embeds_through_its_handler(pooling, tmp_path
     its start-up check passed."""
     log = next(p for p in tmp_path_factory.getbasetemp().rglob("pooling-worker.log"))
     assert "health check passed" in log.read_text(errors="replace")
+
+
+def test_a_client_that_gives_up_on_embeddings_has_them_aborted(oai, embed_cluster):
+    """32 inputs of ~1,800 tokens (tens of seconds of pooling on this CPU), given up on after 2 s: the engine is
+    idle again within 2 s, the worker counts the cancellation and the frontend the client that left."""
+    worker, frontend = embed_cluster["worker"], embed_cluster["frontend"]
+
+    def sample() -> dict[str, float]:
+        w, f = http_text(f"{worker.url}/metrics"), http_text(f"{frontend.url}/metrics")
+        return {"running": metric(w, "vllm:num_requests_running"),
+                "unfinished": metric(w, "turbine_worker_engine_unfinished_requests"),
+                "cancellations": metric(w, "turbine_worker_cancellations_total"),
+                "disconnects": metric(f, "turbine_frontend_disconnected_clients_total")}
+
+    before = sample()
+    with pytest.raises(openai.APITimeoutError):
+        oai.with_options(timeout=2.0).embeddings.create(model=MODEL, input=["word " * 1800] * 32)
+    gave_up = time.monotonic()
+    while (now := sample())["running"] or now["unfinished"]:
+        assert time.monotonic() - gave_up < 2.0, f"still pooling: {now}"
+        time.sleep(0.05)
+    assert now["cancellations"] - before["cancellations"] == 1, now
+    assert now["disconnects"] - before["disconnects"] == 1, now
+    assert len(oai.embeddings.create(model=MODEL, input="still serving").data[0].embedding) == HIDDEN
