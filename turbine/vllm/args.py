@@ -14,7 +14,15 @@ from turbine.flag_sources import add_config_arg, env_errors, env_forms, with_con
 from turbine.logging_setup import add_logging_args
 from turbine.protocol.encode import ENCODE_ENDPOINT, IMAGE_ENCODE
 from turbine.vllm.compat import EC_CONSUMER_RELEASES, VLLM_VERSION, release_of
-from turbine.vllm.connectors import ConnectorError, KvbmTiers, check_kvbm_flags, kv_transfer_config, parse_connectors
+from turbine.vllm.connectors import (
+    ConnectorError,
+    KvbmTiers,
+    check_kvbm_flags,
+    kv_transfer_config,
+    kvbm_runner_refusal,
+    parse_connectors,
+    uses_kvbm,
+)
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
@@ -434,3 +442,5 @@ def _configure_connector(args, parser, serving: ServingConfig) -> None:
     if serving.disaggregation_mode != "agg" and args.kv_transfer_config is None:
         parser.error(f"a {serving.disaggregation_mode} worker moves KV to or from its peers: add --connector nixl "
                      "(or --kv-transfer-config JSON)")
+    if uses_kvbm(args.kv_transfer_config) and (refusal := kvbm_runner_refusal()) is not None:
+        parser.error(refusal)

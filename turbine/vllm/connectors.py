@@ -187,16 +187,48 @@ def kv_transfer_config(names: list[str], *, buffer_device: str, decode: bool,
     return cfg
 
 
-def uses_nixl(cfg) -> bool:
-    """Whether vLLM's KV transfer config (object or None) includes NixlConnector."""
+def _uses(cfg, names: tuple[str, ...]) -> bool:
+    """Whether vLLM's KV transfer config (object or None) includes one of the connectors `names`."""
     if cfg is None:
         return False
-    if cfg.kv_connector == "NixlConnector":
+    if cfg.kv_connector in names:
         return True
     if cfg.kv_connector == "MultiConnector":
-        return any(c.get("kv_connector") == "NixlConnector"
-                   for c in cfg.kv_connector_extra_config.get("connectors", []))
+        return any(c.get("kv_connector") in names for c in cfg.kv_connector_extra_config.get("connectors", []))
     return False
+
+
+def uses_nixl(cfg) -> bool:
+    return _uses(cfg, ("NixlConnector",))
+
+
+KVBM_CONNECTORS = ("TurbineKvbmConnector", "TurbineKvbmPdConnector")  # turbine.vllm.kvbm_connector's
+
+
+def uses_kvbm(cfg) -> bool:
+    return _uses(cfg, KVBM_CONNECTORS)
+
+
+# The KV tiers load blocks synchronously (in the step that needs them), and a block that fails to load is
+# recomputed: the scheduler rewinds the request, and so must the model runner's own copy of its tokens. vLLM's
+# Model Runner V1 does (gpu_model_runner.py: "discarded due to a sync-KV-load failure"); Model Runner V2, the GPU
+# default for most generate models from 0.26 to at least 0.33, keeps the token sampled in the failed step, and
+# the answer comes out wrong (seen on an H200 with vLLM 0.26: issue #29). The CPU build runs V1 only.
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def kvbm_runner_refusal() -> str | None:
+    """Why --connector kvbm cannot run with this environment's model runner (None: it can)."""
+    if os.environ.get(V2_RUNNER_ENV, "").strip() not in ("", "0"):
+        return (f"--connector kvbm with {V2_RUNNER_ENV}={os.environ[V2_RUNNER_ENV]}: vLLM's Model Runner V2 does not "
+                "rewind a request whose KV-tier block failed to load, so the answer would be wrong; unset it (the "
+                "tiers run the V1 runner)")
+    return None
+
+
+def keep_model_runner_v1() -> None:
+    """For --connector kvbm: vLLM's V1 model runner, unless the environment chose one (kvbm_runner_refusal)."""
+    os.environ.setdefault(V2_RUNNER_ENV, "0")
 
 
 def claim_nixl_side_channel(host: str, data_parallel_size: int = 1) -> int:

@@ -65,6 +65,7 @@ from turbine.kvbm import Block, DiskStore, HostStore, SharedStore, TieredStore, 
 from turbine.kvbm.block import file_name
 from turbine.router.hashing import block_hashes
 from turbine.vllm.compat import CacheHitSource
+from turbine.vllm.connectors import KVBM_CONNECTORS
 from turbine.vllm.kvbm_copy import KvCacheBlocks
 from turbine.vllm.kvbm_stats import KvbmPromMetrics, KvbmStats, StatsSource
 
@@ -475,7 +476,7 @@ class TurbineKvbmPdConnector(TurbineKvbmConnector, SupportsHMA):
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
 
-CONNECTOR_NAMES = ("TurbineKvbmConnector", "TurbineKvbmPdConnector")
+CONNECTOR_NAMES = KVBM_CONNECTORS
 
 # Inside vLLM's MultiConnector (`--connector kvbm nixl`) the stats of each step reach the worker process
 # keyed by class name, and vLLM's periodic log line rebuilds them with the class it finds under that

@@ -28,7 +28,7 @@ from turbine.vllm.canary import generate_canary, pooling_canary
 from turbine.vllm.compat import ping_engine_rank, unfinished_requests, unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers
 from turbine.vllm.images import measured_placeholder
-from turbine.vllm.connectors import claim_nixl_side_channel, uses_nixl
+from turbine.vllm.connectors import claim_nixl_side_channel, keep_model_runner_v1, uses_kvbm, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
 from turbine.vllm.headless import node_group
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
@@ -90,6 +90,8 @@ class VllmEngine:
         if uses_nixl(cfg.engine_args.kv_transfer_config):
             port = claim_nixl_side_channel(advertised_host(cfg.host), ranks)
             log.info("NIXL side channel on port %d", port)
+        if uses_kvbm(cfg.engine_args.kv_transfer_config):
+            keep_model_runner_v1()  # its failed loads are rewound right by V1 only (turbine.vllm.connectors)
 
         # Load reports go out whatever the role or prefix caching. With prefix caching on, the
         # engine's KV events are relayed for KV routers. Decode workers relay none (routing picks

@@ -308,3 +308,23 @@ def test_load_formats_turbine_has_not_built_are_refused_by_name(load_format, cap
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"--load-format {load_format}" in err and "is not built in Turbine" in err
+
+
+def test_the_kv_tiers_run_vllms_v1_model_runner(monkeypatch, capsys):
+    """Model Runner V2 does not rewind a request whose tier block failed to load (turbine.vllm.connectors): a
+    kvbm worker keeps V1 unless told otherwise, and being told V2 is refused by name."""
+    import os
+
+    from turbine.vllm.connectors import V2_RUNNER_ENV, keep_model_runner_v1, uses_kvbm
+
+    monkeypatch.delenv(V2_RUNNER_ENV, raising=False)
+    cfg = parse_worker_args(["--connector", "kvbm", "--kv-host-cache-gb", "1"])
+    assert uses_kvbm(cfg.engine_args.kv_transfer_config)
+    assert not uses_kvbm(parse_worker_args([]).engine_args.kv_transfer_config)
+    keep_model_runner_v1()  # what the worker does before it builds the engine
+    assert os.environ[V2_RUNNER_ENV] == "0"
+    monkeypatch.setenv(V2_RUNNER_ENV, "1")
+    with pytest.raises(SystemExit):
+        parse_worker_args(["--connector", "kvbm", "--kv-host-cache-gb", "1"])
+    assert f"--connector kvbm with {V2_RUNNER_ENV}=1" in capsys.readouterr().err
+    parse_worker_args([])  # without the tiers, V2 is the user's choice
