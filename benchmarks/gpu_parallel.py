@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -170,15 +171,31 @@ def migration(a, st: Stack, res: dict) -> None:
            "plain_worker_served": plain_after - plain_before, "migrations_metric": migrations})
 
 
+@contextlib.contextmanager
+def one_setup(a, run_dir: Path, doc: dict, name: str):
+    """One setup's stack (its logs in a folder of its own) and result record. A failure is recorded with each
+    process's log tail and the run goes on with the next setup; the stack is stopped and the JSON written."""
+    res: dict = {}
+    doc["setups"][name] = res
+    (run_dir / name).mkdir()
+    st = Stack(a, run_dir / name, name)
+    try:
+        yield st, res
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        log(f"{name} FAILED: {traceback.format_exc()}")
+        for proc, _ in st.procs.procs:
+            log(f"--- {proc}\n{st.procs.tail(proc, 25)}")
+    finally:
+        st.stop()
+        a.out.write_text(json.dumps(doc, indent=1))
+
+
 def run_dp(a, run_dir: Path, doc: dict) -> None:
     dp = ["--data-parallel-size", "2", "--gpu-memory-utilization", str(a.gpu_memory_utilization),
           "--migration-limit", "3"]
     for setup in a.setups.split(","):
-        res: dict = {}
-        doc["setups"][setup] = res
-        (run_dir / setup).mkdir()
-        st = Stack(a, run_dir / setup, setup)  # each setup's logs in a folder of its own
-        try:
+        with one_setup(a, run_dir, doc, setup) as (st, res):
             t0 = time.monotonic()
             if setup == "one":
                 st.worker("dp", "0,1", *dp)
@@ -204,14 +221,6 @@ def run_dp(a, run_dir: Path, doc: dict) -> None:
             burst_and_prefix(a, st, "dp", res)
             if setup == "one":
                 migration(a, st, res)
-        except Exception as exc:
-            res["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
-            log(f"{setup} FAILED: {traceback.format_exc()}")
-            for name, _ in st.procs.procs:
-                log(f"--- {name}\n{st.procs.tail(name, 25)}")
-        finally:
-            st.stop()
-        a.out.write_text(json.dumps(doc, indent=1))
 
 
 def write_moe_model(tokenizer_from: Path, out: Path) -> Path:
@@ -228,11 +237,7 @@ def run_moe(a, run_dir: Path, doc: dict) -> None:
     a.load_format = "dummy"
     shapes = {"tp2_ep": ["--tensor-parallel-size", "2"], "dp2_ep": ["--data-parallel-size", "2"]}
     for name in a.setups.split(","):
-        res: dict = {}
-        doc["setups"][name] = res
-        (run_dir / name).mkdir()
-        st = Stack(a, run_dir / name, f"moe_{name}")
-        try:
+        with one_setup(a, run_dir, doc, name) as (st, res):
             st.worker("moe", "0,1", *shapes[name], "--enable-expert-parallel",
                       "--gpu-memory-utilization", "0.3")
             st.frontend("--router-mode", "kv")
@@ -246,14 +251,6 @@ def run_moe(a, run_dir: Path, doc: dict) -> None:
                   and (name != "dp2_ep" or len([r for r, n in by_rank.items() if n > 0]) == 2),
                   {"completion_tokens": [o["usage"]["completion_tokens"] for o in outs], "served_by_rank": by_rank,
                    "expert_log_lines": ep})
-        except Exception as exc:
-            res["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
-            log(f"{name} FAILED: {traceback.format_exc()}")
-            for pname, _ in st.procs.procs:
-                log(f"--- {pname}\n{st.procs.tail(pname, 25)}")
-        finally:
-            st.stop()
-        a.out.write_text(json.dumps(doc, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
