@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 
 from turbine.config import ClusterSecurityConfig, DiscoveryConfig, RequestPlaneConfig, check, flag, make_registry
@@ -24,6 +25,8 @@ from turbine.frontend.stored_responses import Records
 from turbine.router.policy import RouterConfig, make_router
 from turbine.runtime import cluster_auth, prometheus_multiprocess
 
+log = logging.getLogger(__name__)
+
 MIN_REQUEST_BYTES = 1024
 # With several frontend processes a scrape reads every process's metric files, but a router's counts are
 # brought up to date only when they are exported: each process exports its own this often.
@@ -34,6 +37,7 @@ ROUTER_METRICS_EXPORT_S = 1.0
 # so it bites only on a flood.
 DEFAULT_MAX_INFLIGHT_REQUESTS = 4096
 MAX_PROCESSES = 256  # --frontend-processes
+FIRST_SNAPSHOT_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,13 @@ class Frontend:
         if self.pooled is not None:
             await self.pooled.start()
         self._watch_task = asyncio.create_task(self.models.run())
+        # Serve no request before the first discovery snapshot: with --frontend-processes N a process
+        # that accepted earlier would answer 404 for a model its siblings serve. Discovery that is down
+        # must not keep the frontend from starting (it answers 503 then), hence the bound.
+        try:
+            await asyncio.wait_for(self.models.first_snapshot.wait(), FIRST_SNAPSHOT_WAIT_S)
+        except TimeoutError:
+            log.warning("no discovery snapshot within %.0f s: serving without one", FIRST_SNAPSHOT_WAIT_S)
         exporter = (asyncio.create_task(self._export_router_metrics()) if prometheus_multiprocess.enabled()
                     else None)
         try:

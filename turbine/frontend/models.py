@@ -64,6 +64,7 @@ class ModelTable:
         self._tokenizers: dict[tuple[str, str | None], TextTokenizer] = {}
         self._routers: dict[str | tuple[str, str], Router] = {}
         self._decode_caches: dict[str, DecodeCaches] = {}  # model -> its decode workers' prompts
+        self.first_snapshot = asyncio.Event()  # set once the first discovery snapshot is applied
 
     def _on_our_plane(self, rec: InstanceRecord) -> bool:
         """Whether we can call the instance (its address is on our request plane); warns once if not."""
@@ -82,6 +83,7 @@ class ModelTable:
                 await self._apply(instances, cards)
             except Exception:  # a bad card must not stop the watcher
                 log.exception("could not apply discovery snapshot")
+            self.first_snapshot.set()
 
     async def _apply(self, instances: list[InstanceRecord], cards: list[ModelCard]) -> None:
         busy = self.busy

@@ -137,3 +137,27 @@ async def test_metrics_count_each_finished_requests_prompt_and_output_tokens(sta
     assert samples[("turbine_frontend_input_sequence_tokens_sum", "m")] == sum(prompts)
     assert samples[("turbine_frontend_output_sequence_tokens_count", "m")] == 2
     assert samples[("turbine_frontend_output_sequence_tokens_sum", "m")] == 2 * len(worker.hello)
+
+
+async def test_the_frontend_serves_nothing_before_its_first_discovery_snapshot(tmp_path, model_dir):
+    """Startup waits for the first snapshot: a frontend process that began serving before it had read
+    discovery would answer 404 for a model that its siblings (--frontend-processes N) serve."""
+    from turbine.config import DiscoveryConfig
+    from turbine.protocol.discovery import ModelCard
+    from turbine.runtime.discovery import Registry
+    from turbine.runtime.discovery.file import FileDiscovery
+
+    worker = FileDiscovery(tmp_path, ttl=30, poll_interval=0.05)
+    await worker.start()
+    try:
+        registry = Registry(worker)
+        await registry.register_instance(instance("w", "127.0.0.1:1"))
+        await registry.register_model(ModelCard(
+            name="m", namespace="ns", component="backend", endpoint="generate", instance_id="w",
+            tokenizer_path=str(model_dir), context_length=2048, kv_block_size=16, total_kv_blocks=10,
+            max_num_seqs=4, max_num_batched_tokens=2048))
+        frontend = Frontend(FrontendConfig(discovery=DiscoveryConfig(backend="file", file_dir=str(tmp_path))))
+        async with frontend.lifespan(None):
+            assert {name: len(m.instances) for name, m in frontend.models.models.items()} == {"m": 1}
+    finally:
+        await worker.close()
