@@ -9,19 +9,29 @@ AIPERF_VERSION ?= 0.13.0
 # The peer of the side-by-side benchmarks: NVIDIA Dynamo's frontend and mocker (no vLLM), and py-spy.
 PEER_VENV ?= .peer-venv
 DYNAMO_VERSION ?= 1.6.1
+# instructor, whose test (tests/integration/test_agent_clients.py) runs it in a venv of its own: its
+# newest release pins jiter<0.15, which no openai from 3.4 on allows, so it cannot share .venv.
+INSTRUCTOR_VENV ?= .instructor-venv
+INSTRUCTOR_VERSION ?= 1.17.0
+INSTRUCTOR_OPENAI_VERSION ?= 3.3.0
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turbine-installed
 
 .PHONY: setup test test-unit bench-tools bench-peer clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(INSTRUCTOR_VENV)/.installed
 	$(VENV)/bin/turbine model prepare
 
 # Reinstall only when the project's declared dependencies change (a second run is fast).
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PYTHON) TORCH_INDEX_URL=$(TORCH_INDEX_URL) bash scripts/setup_venv.sh $(VENV)
 	touch $(STAMP)
+
+$(INSTRUCTOR_VENV)/.installed: Makefile
+	[ -x $(INSTRUCTOR_VENV)/bin/python ] || $(PYTHON) -m venv $(INSTRUCTOR_VENV)
+	$(INSTRUCTOR_VENV)/bin/python -m pip install -q instructor==$(INSTRUCTOR_VERSION) openai==$(INSTRUCTOR_OPENAI_VERSION)
+	touch $@
 
 test: setup
 	bash scripts/run_tests.sh
@@ -53,4 +63,4 @@ $(PEER_VENV)/bin/py-spy:
 	    "redis>=6.2,<9" tqdm "transformers>=4.56" typing-extensions "zstandard>=0.23,<1" py-spy
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(PEER_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(INSTRUCTOR_VENV) $(BENCH_VENV) $(PEER_VENV) .pytest_cache .hypothesis

@@ -4,7 +4,8 @@ stored responses in process): the OpenAI Agents SDK on its default Responses mod
 loop, `auto_previous_response_id`, `previous_response_id` across runs, a conversation) and on Chat
 Completions, LangChain's `ChatOpenAI` (forced tools, streamed tool chunks, a tool loop,
 `with_structured_output`, the Responses API), pydantic-ai (a structured output type), and the
-official `anthropic` client (a tool loop, streamed). Versions are pinned in pyproject's dev extra.
+official `anthropic` client (a tool loop, streamed) and instructor (TOOLS and JSON_SCHEMA modes, from
+a venv of its own). Versions are pinned in pyproject's dev extra (instructor's in the Makefile).
 
 SmolLM2-135M is small: the tests check what the libraries and the server do (calls made, items
 stored, shapes parsed, contexts carried), not the quality of its answers."""
@@ -12,6 +13,9 @@ stored, shapes parsed, contexts carried), not the quality of its answers."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import anthropic
 import pydantic
@@ -149,6 +153,26 @@ def test_pydantic_ai_agent_returns_its_structured_output_type(url):
     agent = Agent(model, output_type=City, model_settings={"temperature": 0, "max_tokens": 60})
     result = agent.run_sync("Name a big city in Europe.")
     assert isinstance(result.output, City)
+
+
+# -- instructor -----------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+INSTRUCTOR_PYTHON = Path(os.environ.get("TURBINE_INSTRUCTOR_PYTHON", REPO / ".instructor-venv" / "bin" / "python"))
+
+
+def test_instructor_tools_and_json_schema_modes_parse_their_response_model(url):
+    """instructor in its own venv (make setup builds it: its jiter pin excludes this venv's openai),
+    TOOLS mode (a forced tool call) and JSON_SCHEMA mode (response_format json_schema), each parsing
+    and validating its pydantic response model from what the server answered."""
+    assert INSTRUCTOR_PYTHON.exists(), f"{INSTRUCTOR_PYTHON} is missing: `make setup` builds it"
+    run = subprocess.run([str(INSTRUCTOR_PYTHON), str(Path(__file__).parent / "clients" / "instructor_client.py"),
+                          url, MODEL], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["versions"]["instructor"] == "1.17.0", result["versions"]
+    for mode in ("tool_call", "json_schema_mode"):
+        city = result[mode].get("city")
+        assert city and city["name"] and city["country"], (mode, result[mode])
 
 
 # -- anthropic ------------------------------------------------------------------------------
