@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import subprocess
 import sys
@@ -62,3 +63,20 @@ def python_child():
 def nats_url() -> str:
     """The real NATS server the tests use ($TURBINE_TEST_NATS; scripts/run_tests.sh starts one if none listens)."""
     return os.environ.get("TURBINE_TEST_NATS", "nats://127.0.0.1:4222")
+
+
+# Where the suite's time goes, per module (setup + call + teardown of its tests; a session-scoped
+# fixture counts in the first module that uses it): printed at the end of every run.
+_MODULE_SECONDS: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _MODULE_SECONDS:
+        return
+    terminalreporter.write_sep("=", f"slowest modules (of {len(_MODULE_SECONDS)}, {sum(_MODULE_SECONDS.values()):.0f} s)")
+    for path, seconds in _MODULE_SECONDS.most_common(25):
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
