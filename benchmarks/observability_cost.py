@@ -44,6 +44,7 @@ def child(system: str, requests: int, tokens: int, count_calls: bool = False) ->
 
     from tests.unit.frontend.test_dispatch import instance, served
     from turbine.frontend.app import Frontend, FrontendConfig
+    from turbine.frontend.http import asgi_app
     from turbine.frontend.tokenizer import TextTokenizer
     from turbine.model.prepare import prepare
     from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
@@ -87,7 +88,7 @@ def child(system: str, requests: int, tokens: int, count_calls: bool = False) ->
         frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
         body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about rivers."}], "stream": True,
                 "max_tokens": tokens}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://f") as http:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(frontend)), base_url="http://f") as http:
             for _ in range(50):  # warmup
                 (await http.post("/v1/chat/completions", json=body)).raise_for_status()
             profile = None

@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Imported only under `except ImportError` with an install hint (turbine/vllm/connectors.py).
 OPTIONAL = {"lmcache"}
+# Client scripts that run in venvs of their own, whose packages the Makefile pins (instructor's:
+# .instructor-venv), not pyproject: they cannot share the project's venv.
+OWN_VENVS = ROOT / "tests" / "integration" / "clients"
 
 
 def _norm(name: str) -> str:
@@ -41,6 +44,8 @@ def third_party_imports(folder: Path) -> dict[str, str]:
     local = {p.stem for p in folder.glob("*.py")} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | \
         {"turbine", "tests", "conftest"}
     for path in folder.rglob("*.py"):
+        if path.is_relative_to(OWN_VENVS):
+            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from tests.unit.frontend.test_dispatch import instance, served
 from turbine import logging_setup, tracing
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.logging_setup import JsonFormatter, TextFormatter, logging_choices
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -68,7 +69,7 @@ async def stack(tokenizer):
     await server.start()
     frontend = Frontend(FrontendConfig())
     frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://frontend")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(frontend)), base_url="http://frontend")
     client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="-", http_client=http, max_retries=0)
     yield worker, client, http
     await client.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Any
 
 import msgspec
@@ -27,7 +26,7 @@ from turbine.frontend.errors import RequestError
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.media import MediaConfig
 from turbine.frontend.openai_schemas import json_object
-from turbine.frontend.pipeline import Pipeline
+from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess import Prepared, preprocess
 
 log = logging.getLogger("turbine.frontend")
@@ -495,14 +494,9 @@ class MessagesRun(Pipeline):
         return detoks[0].stop_reason if detoks else None
 
     async def whole(self) -> Response:
-        started = time.monotonic()
-        self.metrics.inflight.inc()
-        try:
+        with Writing(self.metrics, stream=False):
             async for delta in self.deltas:
                 self.builder.push(delta)
-        finally:
-            self.metrics.inflight.dec()
-            self.metrics.duration.observe(time.monotonic() - started)
         return Response(_json.encode(self.builder.whole(self.post.usage, self._stop_sequence())),
                         media_type="application/json")
 
@@ -511,29 +505,23 @@ class MessagesRun(Pipeline):
         first = await anext(deltas, None)  # errors before any output keep their HTTP status
 
         async def body():
-            started = time.monotonic()
-            metrics.inflight.inc()
-            completed = False
-            try:
-                for event in builder.start():
-                    yield sse_event(event)
-                delta = first
-                while delta is not None:
-                    for event in builder.push(delta):
+            with Writing(metrics) as writing:
+                try:
+                    for event in builder.start():
                         yield sse_event(event)
-                    delta = await anext(deltas, None)
-                for event in builder.finish(self.post.usage, self._stop_sequence()):
-                    yield sse_event(event)
-                completed = True
-            except RequestError as exc:
-                log.warning("messages stream failed: %s", exc)
-                yield sse_event(error_body(exc.status, exc.message))
-                completed = True
-            finally:
-                metrics.inflight.dec()
-                metrics.duration.observe(time.monotonic() - started)
-                if not completed:
-                    metrics.disconnects.inc()
-                await deltas.aclose()
+                    delta = first
+                    while delta is not None:
+                        for event in builder.push(delta):
+                            yield sse_event(event)
+                        delta = await anext(deltas, None)
+                    for event in builder.finish(self.post.usage, self._stop_sequence()):
+                        yield sse_event(event)
+                    writing.done = True
+                except RequestError as exc:
+                    log.warning("messages stream failed: %s", exc)
+                    yield sse_event(error_body(exc.status, exc.message))
+                    writing.done = True
+                finally:
+                    await deltas.aclose()
 
         return EventStreamResponse(body(), more_ready=self.more_ready)

@@ -1,6 +1,6 @@
 """The frontend process's state: its config, the models it serves (from discovery), the
-request-plane client and the metrics; `app()` is the OpenAI-compatible ASGI app (the http
-stage, turbine/frontend/http.py)."""
+request-plane client and the metrics. Its OpenAI-compatible ASGI app is the http stage's
+(turbine/frontend/http.py, `asgi_app(frontend)`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from turbine.config import ClusterSecurityConfig, DiscoveryConfig, RequestPlaneConfig, check, flag, make_registry
 from turbine.frontend.busy_queue import BusyConfig
 from turbine.frontend.disagg import DisaggConfig
-from turbine.frontend.http import HttpApi
 from turbine.frontend.media import MediaConfig
 from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.migration import MigrationConfig
@@ -166,6 +165,3 @@ class Frontend:
             if self.pooled is not None:
                 await self.pooled.close()
             await self.registry.backend.close()
-
-    def app(self):
-        return HttpApi(self).app()

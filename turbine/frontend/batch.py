@@ -15,6 +15,7 @@ from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
+from turbine.frontend.pipeline import Writing
 
 log = logging.getLogger("turbine.frontend")
 
@@ -68,38 +69,32 @@ class BatchRun:
         continuous = self.prepared.continuous_usage
 
         async def body():
-            started = asyncio.get_running_loop().time()
-            head.metrics.inflight.inc()
-            completed = False
-            try:
-                for i, run in enumerate(self.runs):
-                    for choices in run.fmt.opening(self.n):
-                        yield sse.chunk(self._offset(i, choices), self.usage() if continuous else None)
-                running = len(self.runs)
-                while running:
-                    i, item = await queue.get()
-                    if item is None:
-                        running -= 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    elif item.text or item.finish_reason or item.logprobs:
-                        yield sse.chunk(self._offset(i, [self.runs[i].fmt.chunk_choice(item)]),
-                                        self.usage() if continuous else None)
-                if self.prepared.include_usage:
-                    yield sse.chunk([], self.usage())
-                completed = True
-            except RequestError as exc:
-                log.warning("stream failed: %s", exc)
-                yield sse.error(str(exc), "worker_error" if isinstance(exc, WorkerFailed) else exc.type, exc.code)
-                completed = True
-            finally:
-                head.metrics.inflight.dec()
-                head.metrics.duration.observe(asyncio.get_running_loop().time() - started)
-                if not completed:
-                    head.metrics.disconnects.inc()
-                for pump in pumps:
-                    pump.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
+            with Writing(head.metrics) as writing:
+                try:
+                    for i, run in enumerate(self.runs):
+                        for choices in run.fmt.opening(self.n):
+                            yield sse.chunk(self._offset(i, choices), self.usage() if continuous else None)
+                    running = len(self.runs)
+                    while running:
+                        i, item = await queue.get()
+                        if item is None:
+                            running -= 1
+                        elif isinstance(item, BaseException):
+                            raise item
+                        elif item.shown():
+                            yield sse.chunk(self._offset(i, [self.runs[i].fmt.chunk_choice(item)]),
+                                            self.usage() if continuous else None)
+                    if self.prepared.include_usage:
+                        yield sse.chunk([], self.usage())
+                    writing.done = True
+                except RequestError as exc:
+                    log.warning("stream failed: %s", exc)
+                    yield sse.error(str(exc), "worker_error" if isinstance(exc, WorkerFailed) else exc.type, exc.code)
+                    writing.done = True
+                finally:
+                    for pump in pumps:
+                        pump.cancel()
+                    await asyncio.gather(*pumps, return_exceptions=True)
             yield SseChunks.DONE
 
         return EventStreamResponse(body(), more_ready=lambda: not queue.empty())

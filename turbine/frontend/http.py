@@ -36,7 +36,7 @@ from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.format import SseChunks
 from turbine.frontend.openapi import OPENAPI_PATH, openapi_json
 from turbine.frontend.overload import InflightLimit
-from turbine.frontend.pipeline import Pipeline
+from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess import Kind, preprocess_all
 from turbine.frontend.response_routes import ResponseRoutes
 from turbine.frontend.responses import ResponsesRun
@@ -69,6 +69,11 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
                    code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status)
+
+
+def asgi_app(frontend: Frontend):
+    """The frontend's OpenAI-compatible ASGI app (its lifespan is the frontend's)."""
+    return HttpApi(frontend).app()
 
 
 class HttpApi:
@@ -331,14 +336,9 @@ class _Run(Pipeline):
         """The finished choices, whole."""
         n = self.prepared.request.sampling.n
         per_choice: list[list[Delta]] = [[] for _ in range(n)]
-        started = time.monotonic()
-        self.metrics.inflight.inc()
-        try:
+        with Writing(self.metrics, stream=False):
             async for delta in self.deltas:
                 per_choice[delta.index].append(delta)
-        finally:
-            self.metrics.inflight.dec()
-            self.metrics.duration.observe(time.monotonic() - started)
         return [self.fmt.choice(i, per_choice[i]) for i in range(n)]
 
     async def stream(self) -> EventStreamResponse:
@@ -350,30 +350,24 @@ class _Run(Pipeline):
         usage = post.usage if self.prepared.continuous_usage else None
 
         async def body():
-            started = time.monotonic()
-            metrics.inflight.inc()
-            completed = False
-            try:
-                for choices in fmt.opening(self.prepared.request.sampling.n):
-                    yield sse.chunk(choices, usage)
-                delta = first
-                while delta is not None:
-                    if delta.text or delta.finish_reason or delta.logprobs or delta.reasoning or delta.tool_calls:
-                        yield sse.chunk([fmt.chunk_choice(delta)], usage)
-                    delta = await anext(deltas, None)
-                if self.prepared.include_usage:
-                    yield sse.chunk([], post.usage)
-                completed = True
-            except RequestError as exc:
-                log.warning("stream failed: %s", exc)
-                yield sse.error(str(exc), "worker_error" if isinstance(exc, WorkerFailed) else exc.type, exc.code)
-                completed = True
-            finally:
-                metrics.inflight.dec()
-                metrics.duration.observe(time.monotonic() - started)
-                if not completed:
-                    metrics.disconnects.inc()
-                await deltas.aclose()
+            with Writing(metrics) as writing:
+                try:
+                    for choices in fmt.opening(self.prepared.request.sampling.n):
+                        yield sse.chunk(choices, usage)
+                    delta = first
+                    while delta is not None:
+                        if delta.shown():
+                            yield sse.chunk([fmt.chunk_choice(delta)], usage)
+                        delta = await anext(deltas, None)
+                    if self.prepared.include_usage:
+                        yield sse.chunk([], post.usage)
+                    writing.done = True
+                except RequestError as exc:
+                    log.warning("stream failed: %s", exc)
+                    yield sse.error(str(exc), "worker_error" if isinstance(exc, WorkerFailed) else exc.type, exc.code)
+                    writing.done = True
+                finally:
+                    await deltas.aclose()
             yield SseChunks.DONE
 
         return EventStreamResponse(body(), more_ready=self.more_ready)

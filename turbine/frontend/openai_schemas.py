@@ -78,6 +78,35 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 _warned_unknown: set[str] = set()
 
 
+# POST /v1/responses (turbine/frontend/responses.py checks and converts it; unknown fields are refused there,
+# by name, before it is converted to this struct).
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None  # as `user`: logged, does not change generation
+    store: bool | None = None  # None: true when this frontend has a response store
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None  # a conversation id, or {"id": ...}
+    include: list[str] | None = None
+    top_logprobs: int | None = None  # with include message.output_text.logprobs
+    background: bool | None = None
+    truncation: str | None = None  # "disabled" (what this server does); "auto" refused
+    service_tier: str | None = None  # "auto" / "default" (the only tier here)
+    stream_options: dict[str, Any] | None = None  # {include_obfuscation: false}
+
+
 def decode_request(body: bytes, kind: type[msgspec.Struct], ignore_unknown_fields: bool = False):
     """The request struct. An unknown field is a 400 naming it, or (`ignore_unknown_fields`)
     dropped with one warning per field name; decoding stays strict and fast for known bodies."""

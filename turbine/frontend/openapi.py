@@ -25,7 +25,7 @@ from turbine.frontend.openai_schemas import (
     CompletionRequest,
 )
 from turbine.frontend.anthropic import MessagesRequest
-from turbine.frontend.responses import ResponsesRequest
+from turbine.frontend.openai_schemas import ResponsesRequest
 from turbine.frontend.utility_routes import VERSION, DetokenizeRequest, TokenizeRequest
 
 OPENAPI_PATH = "/openapi.json"

@@ -1,9 +1,10 @@
 """One generation request's trip through the stages after preprocess: dispatch (workers'
-outputs) -> postprocess (Deltas) -> the format for its endpoint. The http stage writes what
-comes out as JSON or SSE."""
+outputs) -> postprocess (Deltas) -> the format for its endpoint; and what every API's writer of
+the result (JSON or SSE) counts while it writes (`Writing`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from turbine.frontend.deltas import Delta, UsageCount
@@ -14,6 +15,28 @@ from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.postprocess import Postprocess, TextPostprocess
 from turbine.frontend.preprocess import Prepared
+
+
+class Writing:
+    """One response being written, as every API's writer counts it: in flight while it is, its
+    duration, and (a stream) a disconnect when it ends before `done` is set: the client left."""
+
+    __slots__ = ("metrics", "started", "done")
+
+    def __init__(self, metrics: ModelMetrics, stream: bool = True):
+        self.metrics = metrics
+        self.done = not stream  # a whole response's client leaving is seen by the http stage's ClientWatch
+
+    def __enter__(self) -> Writing:
+        self.started = time.monotonic()
+        self.metrics.inflight.inc()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.metrics.inflight.dec()
+        self.metrics.duration.observe(time.monotonic() - self.started)
+        if not self.done:
+            self.metrics.disconnects.inc()
 
 
 class Pipeline:

@@ -7,23 +7,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
 
-from turbine.frontend.deltas import Delta, TokenLogprob, UsageCount
+from turbine.frontend.deltas import Delta, OutputParser, OutputSpec, TokenLogprob, UsageCount
 from turbine.frontend.detokenizer import IncrementalDetokenizer
 from turbine.frontend.errors import WorkerFailed
-from turbine.frontend.preprocess import OutputSpec
 from turbine.frontend.tokenizer import TextTokenizer
 from turbine.protocol.generate import GenerateOutput
-
-
-class OutputParser(Protocol):
-    """Turns one choice's deltas into structured parts (e.g. text into tool-call fragments).
-    `push` may hold text back; `finish` releases what is held when the choice ends."""
-
-    def push(self, delta: Delta) -> Delta: ...
-
-    def finish(self, delta: Delta) -> Delta: ...
 
 
 class Postprocess:

@@ -5,11 +5,11 @@ the chat template, tokenization and the context-length limits happen here; new i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from turbine.frontend import tools
+from turbine.frontend.deltas import OutputSpec
 from turbine.frontend.errors import RequestError
 from turbine.frontend.media import MediaConfig, load_images, refuse_media, split_media
 from turbine.frontend.models import ModelTable, ServedModel
@@ -30,16 +30,6 @@ from turbine.frontend.structured import Constraint, constraint_of
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
 Kind = Literal["chat", "completions"]
-
-
-@dataclass(frozen=True, slots=True)
-class OutputSpec:
-    """How the postprocess stage turns token ids into text."""
-
-    stop: list[str]
-    include_stop_str_in_output: bool
-    skip_special_tokens: bool
-    parsers: Callable[[], list] = field(default=list)  # makes one choice's output-parser chain
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 
 if TYPE_CHECKING:
-    from turbine.frontend.responses import ResponsesRequest
+    from turbine.frontend.openai_schemas import ResponsesRequest
 
 _json = msgspec.json.Encoder()
 

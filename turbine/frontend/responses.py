@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import time
 from typing import Any
 
 import msgspec
@@ -26,8 +25,8 @@ from starlette.responses import Response
 from turbine.frontend.errors import RequestError
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.media import DETAILS, MediaConfig
-from turbine.frontend.openai_schemas import ChatCompletionRequest, json_object
-from turbine.frontend.pipeline import Pipeline
+from turbine.frontend.openai_schemas import ChatCompletionRequest, ResponsesRequest, json_object
+from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess import Prepared, preprocess
 from turbine.frontend.response_events import ResponseBuilder, sse_event
 from turbine.frontend.stored_responses import Records, StoredResponse, with_ids
@@ -35,33 +34,6 @@ from turbine.frontend.stored_responses import Records, StoredResponse, with_ids
 log = logging.getLogger("turbine.frontend")
 
 _json = msgspec.json.Encoder()
-
-
-class ResponsesRequest(msgspec.Struct, kw_only=True):
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None  # as `user`: logged, does not change generation
-    store: bool | None = None  # None: true when this frontend has a response store
-    previous_response_id: str | None = None
-    conversation: str | dict[str, Any] | None = None  # a conversation id, or {"id": ...}
-    include: list[str] | None = None
-    top_logprobs: int | None = None  # with include message.output_text.logprobs
-    background: bool | None = None
-    truncation: str | None = None  # "disabled" (what this server does); "auto" refused
-    service_tier: str | None = None  # "auto" / "default" (the only tier here)
-    stream_options: dict[str, Any] | None = None  # {include_obfuscation: false}
 
 
 # Fields of the official client's ResponseCreateParams this server does not act on: a 400 naming
@@ -508,14 +480,9 @@ class ResponsesRun(Pipeline):
     async def collect(self) -> dict[str, Any]:
         """The whole response object, once generated (not saved)."""
         builder = self.builder
-        started = time.monotonic()
-        self.metrics.inflight.inc()
-        try:
+        with Writing(self.metrics, stream=False):
             async for delta in self.deltas:
                 builder.push(delta)
-        finally:
-            self.metrics.inflight.dec()
-            self.metrics.duration.observe(time.monotonic() - started)
         return builder.finish(self.post.usage)[-1]["response"]
 
     async def whole(self) -> Response:
@@ -530,32 +497,26 @@ class ResponsesRun(Pipeline):
         first = await anext(deltas, None)
 
         async def body():
-            started = time.monotonic()
-            metrics.inflight.inc()
-            completed = False
-            try:
-                yield builder.start_encoded()
-                delta = first
-                while delta is not None:
-                    yield builder.push_encoded(delta)
-                    delta = await anext(deltas, None)
-                for event in builder.close_all():
-                    yield sse_event(event)
-                final = builder.response("incomplete" if builder.finish_reason == "length" else "completed",
-                                         self.post.usage)
-                await self.persist(final)  # before the client has the last event, and can ask for it
-                yield sse_event(builder.final(self.post.usage, final))
-                completed = True
-            except RequestError as exc:
-                log.warning("responses stream failed: %s", exc)
-                for event in builder.fail(exc):
-                    yield sse_event(event)
-                completed = True
-            finally:
-                metrics.inflight.dec()
-                metrics.duration.observe(time.monotonic() - started)
-                if not completed:
-                    metrics.disconnects.inc()
-                await deltas.aclose()
+            with Writing(metrics) as writing:
+                try:
+                    yield builder.start_encoded()
+                    delta = first
+                    while delta is not None:
+                        yield builder.push_encoded(delta)
+                        delta = await anext(deltas, None)
+                    for event in builder.close_all():
+                        yield sse_event(event)
+                    final = builder.response("incomplete" if builder.finish_reason == "length" else "completed",
+                                             self.post.usage)
+                    await self.persist(final)  # before the client has the last event, and can ask for it
+                    yield sse_event(builder.final(self.post.usage, final))
+                    writing.done = True
+                except RequestError as exc:
+                    log.warning("responses stream failed: %s", exc)
+                    for event in builder.fail(exc):
+                        yield sse_event(event)
+                    writing.done = True
+                finally:
+                    await deltas.aclose()
 
         return EventStreamResponse(body(), more_ready=self.more_ready)

@@ -17,6 +17,7 @@ import socket
 import uvicorn
 
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.runtime.prometheus_multiprocess import MultiprocessDir
 
 log = logging.getLogger("turbine.frontend")
@@ -32,7 +33,7 @@ KEEP_ALIVE_S = 75
 def run_frontend(cfg: FrontendConfig) -> int:
     if cfg.processes > 1:
         return _run_processes(cfg)
-    app = Frontend(cfg).app()
+    app = asgi_app(Frontend(cfg))
     log.info("OpenAI API on http://%s:%d/v1", cfg.http_host, cfg.http_port)
     uvicorn.run(app, host=cfg.http_host, port=cfg.http_port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S)
@@ -60,7 +61,7 @@ def _serve_one(cfg: FrontendConfig, index: int) -> None:
     setup_logging()  # the parent's flags are in the environment it left (and in sys.argv, as spawn copies it)
     setup_tracing([], "turbine-frontend")  # the parent put the endpoint in the environment
     sock = reuse_port_socket(cfg.http_host, cfg.http_port)
-    config = uvicorn.Config(Frontend(cfg).app(), log_level="warning", access_log=False,
+    config = uvicorn.Config(asgi_app(Frontend(cfg)), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S)
     log.info("frontend process %d of %d serving", index + 1, cfg.processes)
     uvicorn.Server(config).run(sockets=[sock])

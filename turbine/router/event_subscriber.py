@@ -14,7 +14,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 
-from turbine.runtime.event_plane import RESUBSCRIBED, EventSubscriber
+from turbine.runtime.event_plane import EventSubscriber
+from turbine.runtime.event_plane_nats import RESUBSCRIBED
 
 log = logging.getLogger("turbine.router")
 

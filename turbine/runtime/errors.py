@@ -11,6 +11,10 @@ class DecodeError(ValueError):
     """Bytes could not be decoded into the expected struct; the message names the field."""
 
 
+class EventPlaneError(Exception):
+    """The event plane cannot be used as configured (e.g. the NATS server is unreachable)."""
+
+
 class RequestPlaneError(Exception):
     """Base class for request-plane failures seen by a client stream."""
 

@@ -32,6 +32,8 @@ from zmq.utils.monitor import recv_monitor_message
 from turbine.runtime import cluster_auth
 from turbine.runtime.cluster_auth import ClusterAuth, RateLimitedWarning
 from turbine.runtime.codec import encode
+from turbine.runtime.errors import EventPlaneError
+from turbine.runtime.event_plane_nats import RESUBSCRIBED, NatsConnection, NatsEventPublisher, NatsEventSubscriber
 from turbine.runtime.registration import advertised_address
 
 log = logging.getLogger("turbine.event_plane")
@@ -42,13 +44,6 @@ SEND_HWM = 100_000  # queued messages per subscriber before PUB drops
 ZMQ_SUBSCRIBE_SETTLE_S = 0.01  # after the handshake: measured enough here (1 ms already was)
 EVENT_PLANES = ("zmq", "nats")
 DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
-# Not a topic on the wire: EventSubscriber.recv() returns (RESUBSCRIBED, address) when the
-# connection to `address` came back after a break (nats: the server restarted or was unreachable).
-RESUBSCRIBED = b"\x00resubscribed"
-
-
-class EventPlaneError(Exception):
-    """The event plane cannot be used as configured (e.g. the NATS server is unreachable)."""
 
 
 class EventPublisher:
@@ -152,8 +147,6 @@ class EventSubscriber:
             return
         if is_nats_address(address):
             if self._nats is None:
-                from turbine.runtime.event_plane_nats import NatsEventSubscriber
-
                 self._nats = NatsEventSubscriber(self.topics, self._queue)
             self._nats.connect(address)
         elif address.startswith(("tcp://", "ipc://")):
@@ -230,8 +223,6 @@ class WorkerEventPlane:
         if backend == "zmq":
             return cls("zmq", host, auth=auth)
         if backend == "nats":
-            from turbine.runtime.event_plane_nats import NatsConnection
-
             return cls("nats", host, await NatsConnection.open(nats_server), auth=auth)
         raise EventPlaneError(f"--event-plane {backend!r}: choose from {', '.join(EVENT_PLANES)}")
 
@@ -239,8 +230,6 @@ class WorkerEventPlane:
         """An EventPublisher (zmq) or NatsEventPublisher: publish(topic, message), .address."""
         if self._nats is None:
             return EventPublisher(self.host, auth=self.auth)
-        from turbine.runtime.event_plane_nats import NatsEventPublisher
-
         return NatsEventPublisher(self._nats, instance_id, auth=self.auth)
 
     async def close(self) -> None:

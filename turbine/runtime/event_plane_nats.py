@@ -27,7 +27,7 @@ from nats.errors import Error as NatsError
 from turbine.runtime import cluster_auth
 from turbine.runtime.cluster_auth import ClusterAuth
 from turbine.runtime.codec import encode
-from turbine.runtime.event_plane import RESUBSCRIBED, EventPlaneError
+from turbine.runtime.errors import EventPlaneError
 
 log = logging.getLogger("turbine.event_plane")
 
@@ -36,6 +36,9 @@ CONNECT_TIMEOUT_S = 5.0
 MAX_QUEUED = 100_000  # messages waiting to be sent; beyond that they are dropped (gaps recover them)
 RETRY_S = (0.5, 10.0)  # a subscriber's reconnect backoff, first and longest
 WARN_EVERY_S = 10.0
+# Not a topic on the wire: EventSubscriber.recv() returns (RESUBSCRIBED, address) when the
+# connection to `address` came back after a break (the server restarted or was unreachable).
+RESUBSCRIBED = b"\x00resubscribed"
 
 
 def parse_server(url: str) -> str:

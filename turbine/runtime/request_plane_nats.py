@@ -57,7 +57,7 @@ from turbine.protocol.frames import CANCEL, CHUNK, END, ERROR, REQUEST, Batch, F
 from turbine.runtime import codec
 from turbine.runtime.cluster_auth import ClusterAuth, RateLimitedWarning
 from turbine.runtime.errors import ConnectFailed, DecodeError, FrameTooLarge, PeerDisconnected, RequestPlaneError
-from turbine.runtime.event_plane import EventPlaneError
+from turbine.runtime.errors import EventPlaneError
 from turbine.runtime.event_plane_nats import connect_nats, parse_server
 from turbine.runtime.request_plane import (
     DEFAULT_MAX_FRAME_BYTES,

@@ -100,16 +100,12 @@ def check_kvbm_flags(names: list[str], tiers: KvbmTiers) -> None:
                              "--kv-disk-cache-dir and/or --kv-shared-cache-gb with --kv-shared-cache-dir")
 
 
-def kvbm_config(tiers: KvbmTiers, with_nixl: bool = False) -> dict:
-    from turbine.vllm.kvbm_connector import (  # vLLM imports it in the engine
-        DISK_BYTES,
-        DISK_DIR,
-        DISK_MIN_USES,
-        HOST_BYTES,
-        SHARED_BYTES,
-        SHARED_DIR,
-    )
+# kv_connector_extra_config's keys, read by turbine.vllm.kvbm_connector (which vLLM imports in the engine)
+HOST_BYTES, DISK_BYTES, DISK_DIR, DISK_MIN_USES = "host_bytes", "disk_bytes", "disk_dir", "disk_min_uses"
+SHARED_BYTES, SHARED_DIR = "shared_bytes", "shared_dir"
 
+
+def kvbm_config(tiers: KvbmTiers, with_nixl: bool = False) -> dict:
     extra = {}
     if tiers.host_gb is not None:
         extra[HOST_BYTES] = int(tiers.host_gb * GIB)

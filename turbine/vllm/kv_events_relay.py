@@ -28,7 +28,7 @@ from vllm.distributed import kv_events as vllm_events
 
 from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.router.hashing import media_key
-from turbine.runtime.event_plane import EventPlaneError
+from turbine.runtime.errors import EventPlaneError
 from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")

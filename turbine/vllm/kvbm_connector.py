@@ -65,7 +65,16 @@ from turbine.kvbm import Block, DiskStore, HostStore, SharedStore, TieredStore, 
 from turbine.kvbm.block import file_name
 from turbine.router.hashing import block_hashes
 from turbine.vllm.compat import CacheHitSource
-from turbine.vllm.connectors import KVBM_CONNECTORS
+# kv_connector_extra_config's keys and the connector names: set by connectors.py from the --kv-* flags
+from turbine.vllm.connectors import (
+    DISK_BYTES,
+    DISK_DIR,
+    DISK_MIN_USES,
+    HOST_BYTES,
+    KVBM_CONNECTORS,
+    SHARED_BYTES,
+    SHARED_DIR,
+)
 from turbine.vllm.kvbm_copy import KvCacheBlocks
 from turbine.vllm.kvbm_stats import KvbmPromMetrics, KvbmStats, StatsSource
 
@@ -75,9 +84,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turbine.vllm.kvbm")
 
-# kv_connector_extra_config keys (set by turbine.vllm.connectors from the --kv-* flags)
-HOST_BYTES, DISK_BYTES, DISK_DIR, DISK_MIN_USES = "host_bytes", "disk_bytes", "disk_dir", "disk_min_uses"
-SHARED_BYTES, SHARED_DIR = "shared_bytes", "shared_dir"
 
 # Where a hit came from, for releases that ask (CacheHitSource's member names; None where the release has
 # no CacheHitSource). vLLM has no source for a store other workers share: it counts as external_unspecified.

@@ -25,7 +25,8 @@ from typing import Protocol
 from turbine.config import make_registry
 from turbine.protocol.discovery import ModelCard
 from turbine.runtime import cluster_auth
-from turbine.runtime.event_plane import EventPlaneError, WorkerEventPlane
+from turbine.runtime.errors import EventPlaneError
+from turbine.runtime.event_plane import WorkerEventPlane
 from turbine.runtime.lifecycle import UNREGISTER_SETTLE_S, drain_and_stop, stop_on_signals
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health, make_app, serve_status

@@ -17,6 +17,7 @@ from tests.unit.frontend.test_dispatch import instance, served
 from tests.unit.frontend.test_responses import Worker
 from turbine.frontend import anthropic as messages
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError
 from turbine.protocol.generate import GenerateRequest
@@ -143,7 +144,7 @@ async def client(tokenizer):
     await server.start()
     frontend = Frontend(FrontendConfig(api_key="secret"))
     frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
-    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=frontend.app()), base_url="http://frontend")
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=asgi_app(frontend)), base_url="http://frontend")
     c = anthropic.AsyncAnthropic(base_url="http://frontend", api_key="secret", http_client=http, max_retries=0)
     yield c
     await c.close()

@@ -15,7 +15,8 @@ from turbine.frontend.metrics import FrontendMetrics
 from turbine.frontend.migration import MigrationConfig
 from turbine.frontend.models import ServedModel
 from turbine.frontend.pipeline import Pipeline
-from turbine.frontend.preprocess import OutputSpec, Prepared
+from turbine.frontend.deltas import OutputSpec
+from turbine.frontend.preprocess import Prepared
 from turbine.protocol import errors as codes
 from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest, RequestFailed
 from turbine.router.policy import RandomRouter, RoundRobinRouter, RouterConfig, make_router

@@ -13,6 +13,7 @@ import pytest
 
 from tests.unit.frontend.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.protocol import errors as codes
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import InvalidRequest, RequestFailed
@@ -59,7 +60,7 @@ async def stack(tokenizer):
     await server.start()
     frontend = Frontend(FrontendConfig(api_key="sekrit", max_request_bytes=4096))
     frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://frontend")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(frontend)), base_url="http://frontend")
     client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="sekrit", http_client=http, max_retries=0)
     yield worker, client, http
     await client.close()

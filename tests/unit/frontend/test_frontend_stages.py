@@ -8,12 +8,12 @@ import msgspec
 import pytest
 
 from tests.unit.frontend.test_dispatch import instance, served
-from turbine.frontend.deltas import Delta, TokenLogprob, ToolCallDelta, UsageCount
+from turbine.frontend.deltas import Delta, OutputSpec, TokenLogprob, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError
 from turbine.frontend.format import ChatFormat, CompletionFormat, SseChunks
 from turbine.frontend.models import ModelTable
 from turbine.frontend.postprocess import Postprocess
-from turbine.frontend.preprocess import OutputSpec, preprocess
+from turbine.frontend.preprocess import preprocess
 from turbine.protocol.generate import GenerateOutput
 
 

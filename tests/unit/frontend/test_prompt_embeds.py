@@ -16,7 +16,8 @@ from turbine.frontend.disagg import may_prefill_remotely
 from turbine.frontend.errors import RequestError
 from turbine.frontend.models import ModelTable
 from turbine.frontend.postprocess import Postprocess
-from turbine.frontend.preprocess import OutputSpec, preprocess
+from turbine.frontend.deltas import OutputSpec
+from turbine.frontend.preprocess import preprocess
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 
 PAYLOAD = b"PK\x03\x04 a torch.save file's bytes"

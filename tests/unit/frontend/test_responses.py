@@ -16,11 +16,13 @@ from openai.types.responses import ResponseStreamEvent
 
 from tests.unit.frontend.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend import responses
 from turbine.frontend.response_events import ResponseBuilder
-from turbine.frontend.responses import ResponsesRequest, decode_responses_request, messages_of
+from turbine.frontend.openai_schemas import ResponsesRequest
+from turbine.frontend.responses import decode_responses_request, messages_of
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import RequestFailed
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -330,7 +332,7 @@ async def stack(tokenizer):
     await server.start()
     frontend = Frontend(FrontendConfig())
     frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://frontend")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(frontend)), base_url="http://frontend")
     client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="k", http_client=http, max_retries=0)
     yield worker, client
     await client.close()

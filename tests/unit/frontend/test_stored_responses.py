@@ -16,6 +16,7 @@ from tests.unit.frontend.test_dispatch import instance, served
 from tests.unit.frontend.test_responses import Worker
 from turbine.config import ConfigError
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.frontend.state_store import Conflict, MemoryKv, StoreConfig
 from turbine.protocol.generate import GenerateRequest
 from turbine.runtime.ports import free_port
@@ -72,7 +73,7 @@ async def frontend_of(tokenizer):
     def make(cfg: FrontendConfig = FrontendConfig(), key: str = "k"):
         frontend = Frontend(cfg)
         frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
-        app = frontend.app()
+        app = asgi_app(frontend)
         made.append(frontend)
 
         def client(api_key: str = key):

@@ -15,6 +15,7 @@ import pytest
 
 from tests.unit.frontend.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.http import asgi_app
 from turbine.frontend.args import parse_frontend_args
 from turbine.frontend.utility_routes import VERSION
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, SamplingOptions, TopLogprob, Usage
@@ -51,7 +52,7 @@ async def make_stack(tokenizer, **cfg):
     frontend = Frontend(FrontendConfig(api_key="sekrit", **cfg))
     frontend.models.models["m"] = served(tokenizer, [instance("w", server.address)])
     frontend.models.first_seen["m"] = 1234
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://frontend",
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(frontend)), base_url="http://frontend",
                              headers={"authorization": "Bearer sekrit"})
     client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="sekrit", http_client=http, max_retries=0)
     http.frontend = frontend  # for tests that add models

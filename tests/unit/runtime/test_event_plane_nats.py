@@ -21,14 +21,9 @@ from turbine.runtime import event_plane_nats
 from turbine.runtime.cluster_auth import ClusterAuth
 from turbine.runtime.codec import decode
 from tests.nats_server import NatsServer
-from turbine.runtime.event_plane import (
-    KV_EVENTS_TOPIC,
-    LOAD_METRICS_TOPIC,
-    RESUBSCRIBED,
-    EventPlaneError,
-    EventSubscriber,
-    WorkerEventPlane,
-)
+from turbine.runtime.errors import EventPlaneError
+from turbine.runtime.event_plane import KV_EVENTS_TOPIC, LOAD_METRICS_TOPIC, EventSubscriber, WorkerEventPlane
+from turbine.runtime.event_plane_nats import RESUBSCRIBED
 from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.worker.kv_replay import serve_kv_replay
 from turbine.runtime.request_plane import RequestPlaneServer

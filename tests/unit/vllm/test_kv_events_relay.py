@@ -136,7 +136,7 @@ def test_the_kvbm_tiers_events_are_relayed_with_their_tier_and_router_hashes():
 def test_a_taken_kv_events_port_is_named():
     import socket
 
-    from turbine.runtime.event_plane import EventPlaneError
+    from turbine.runtime.errors import EventPlaneError
     from turbine.worker.kv_publisher import KvEventPublisher
     from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 

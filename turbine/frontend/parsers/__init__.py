@@ -14,7 +14,7 @@ from turbine.frontend.parsers.qwen3_coder import Qwen3CoderParser
 from turbine.frontend.parsers.reasoning import DeepSeekR1Parser, Qwen3Parser
 
 if TYPE_CHECKING:
-    from turbine.frontend.postprocess import OutputParser
+    from turbine.frontend.deltas import OutputParser
 
 TOOL_CALL_PARSERS: dict[str, Callable[[], ParserBase]] = {
     "hermes": HermesParser,
