@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from turbine.frontend import detokenizer as current_detok  # noqa: E402
-from turbine.frontend.tokenizer import TextTokenizer  # noqa: E402
+from turbine.frontend.postprocess import detokenizer as current_detok  # noqa: E402
+from turbine.frontend.models.tokenizer import TextTokenizer  # noqa: E402
 
 ENGLISH = ("The quick brown fox jumps over the lazy dog while the committee reviews its annual budget, "
            "and the river keeps flowing past the old mill where children once played on summer evenings. ")
@@ -64,7 +64,7 @@ def default_model() -> str:
 
 
 def legacy_detok_class(ref: str):
-    src = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:turbine/frontend/detokenizer.py"],
+    src = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:turbine/frontend/postprocess/detokenizer.py"],
                          capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp(prefix="detok_ref_")) / "detokenizer_ref.py"
     path.write_text(src)

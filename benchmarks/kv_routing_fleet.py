@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.work_dir or f"/tmp/turbine-kv-fleet-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    from turbine.frontend.tokenizer import TextTokenizer
+    from turbine.frontend.models.tokenizer import TextTokenizer
     tok = TextTokenizer.from_dir(a.model)
     wl = {}
     if "chat" in workloads:

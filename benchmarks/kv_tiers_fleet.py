@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.work_dir or f"/tmp/turbine-kv-tiers-fleet-{_dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    from turbine.frontend.tokenizer import TextTokenizer
+    from turbine.frontend.models.tokenizer import TextTokenizer
     workload = kf.ChatWorkload(a, TextTokenizer.from_dir(a.model))
     for s in workload.sessions:  # each conversation its own system prompt (ChatWorkload draws them)
         s["system"] = s["id"]

@@ -2,7 +2,7 @@
 r"""The frontend's CPU per request with issue #21's observability against the code before it.
 
 One process per measurement: the frontend's ASGI app (driven in-process through httpx's ASGI
-transport, as tests/unit/frontend/test_frontend_http.py does) in front of a real request-plane
+transport, as tests/unit/frontend/http/test_frontend_http.py does) in front of a real request-plane
 server that answers every streamed chat request with --tokens one-token chunks (the worker is in
 the same process: its CPU is in every system's number alike). The process's CPU time for
 --requests requests (after a warmup) / requests = CPU per request. Systems:
@@ -42,10 +42,10 @@ def child(system: str, requests: int, tokens: int, count_calls: bool = False) ->
 
     import httpx
 
-    from tests.unit.frontend.test_dispatch import instance, served
+    from tests.unit.frontend.dispatch.test_dispatch import instance, served
     from turbine.frontend.app import Frontend, FrontendConfig
-    from turbine.frontend.http import asgi_app
-    from turbine.frontend.tokenizer import TextTokenizer
+    from turbine.frontend.http.api import asgi_app
+    from turbine.frontend.models.tokenizer import TextTokenizer
     from turbine.model.prepare import prepare
     from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
     from turbine.runtime.request_plane import RequestPlaneServer

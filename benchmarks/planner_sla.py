@@ -272,7 +272,7 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
 
 
 async def frontend_queue_stats(url: str) -> dict:
-    """The frontend's busy-queue counters at the end (turbine/frontend/busy_queue.py; zeros when off)."""
+    """The frontend's busy-queue counters at the end (turbine/frontend/models/busy_queue.py; zeros when off)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {"waits": 0.0, "wait_s_sum": 0.0, "waited_over_0_1s": 0.0, "full_rejections": 0.0}

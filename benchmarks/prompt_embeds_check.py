@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from turbine.frontend.models import ServedModel
-from turbine.frontend.prompt_embeds import prompt_embeds_payload
+from turbine.frontend.models.table import ServedModel
+from turbine.frontend.preprocess.prompt_embeds import prompt_embeds_payload
 from turbine.protocol.discovery import ModelCard
 from turbine.vllm.prompt_embeds import load_prompt_embeds
 

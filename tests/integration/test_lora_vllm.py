@@ -59,7 +59,7 @@ def adapters(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from turbine.frontend.tokenizer import TextTokenizer
+    from turbine.frontend.models.tokenizer import TextTokenizer
 
     return TextTokenizer.from_dir(model_dir)
 

@@ -6,7 +6,7 @@ The same picture gives the same greedy tokens (alone and in a concurrent batch),
 bad media each get a 400 naming the problem while the server keeps serving; a model whose workers lack
 --enable-multimodal (a mocker beside it) refuses images by naming the flag. `/v1/responses` input_image parts
 give the chat answer and the same refusals, named by their input item. The bad-media cases in full (size,
-format, redirects, timeouts, private addresses) are tests/unit/frontend/test_media.py, without an engine.
+format, redirects, timeouts, private addresses) are tests/unit/frontend/preprocess/test_media.py, without an engine.
 Run it under the engine lock (flock /tmp/turbine-engine.lock)."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.integration.procs import base_env, instances_of, start_frontend, start_mocker, wait_until, worker_ready
-from turbine.frontend.openapi import openapi_document
+from turbine.frontend.http.openapi import openapi_document
 from turbine.model.prepare import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL

@@ -116,7 +116,7 @@ def test_a_follow_up_on_the_other_process_finds_its_parent_and_an_outage_is_a_50
 
 
 async def test_a_full_nats_bucket_drops_its_oldest_records_and_keeps_taking_new_ones(stack):
-    from turbine.frontend.state_store import NatsKv, StoreConfig
+    from turbine.frontend.apis.state_store import NatsKv, StoreConfig
 
     nats, _ = stack
     kv = NatsKv(StoreConfig(kind="nats", nats_url=nats.url, bucket="full-bucket", max_bytes=64 << 10,

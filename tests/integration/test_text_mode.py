@@ -9,7 +9,7 @@ import pytest
 
 from tests.integration.conftest import ENGINE_START_TIMEOUT, MODEL
 from tests.integration.procs import instances_of, start_worker, wait_until, worker_ready
-from turbine.frontend.tokenizer import TextTokenizer
+from turbine.frontend.models.tokenizer import TextTokenizer
 
 TEXT_MODEL = "smollm2-text"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -37,7 +37,7 @@ def vllm_server(cluster, model_dir):
 
 
 def test_greedy_tokens_match_vllm_serve(client, vllm_server, cluster):
-    from turbine.frontend.tokenizer import TextTokenizer
+    from turbine.frontend.models.tokenizer import TextTokenizer
     from turbine.model.prepare import prepare
 
     tok = TextTokenizer.from_dir(prepare())

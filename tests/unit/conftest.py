@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from turbine.frontend.tokenizer import TextTokenizer
+from turbine.frontend.models.tokenizer import TextTokenizer
 from turbine.model.prepare import prepare
 
 

@@ -45,7 +45,7 @@ def import_graph(root: Path = ROOT) -> nx.DiGraph:
 
 def test_no_module_in_turbine_imports_one_that_imports_it_back():
     graph = import_graph()
-    assert graph.number_of_nodes() > 150 and graph.has_edge("turbine.frontend.http", "turbine.frontend.app")
+    assert graph.number_of_nodes() > 150 and graph.has_edge("turbine.frontend.http.api", "turbine.frontend.app")
     loops = [sorted(group) for group in nx.strongly_connected_components(graph) if len(group) > 1]
     assert loops == [], "import loops:\n" + "\n".join(" <-> ".join(group) for group in loops)
 
@@ -59,3 +59,33 @@ def test_a_loop_is_found(tmp_path):
     (package / "b.py").write_text("def f():\n    from turbine.a import x\n")
     graph = import_graph(tmp_path)
     assert [sorted(g) for g in nx.strongly_connected_components(graph) if len(g) > 1] == [["turbine.a", "turbine.b"]]
+
+
+# The frontend's layers, lowest first: a module imports only from its own layer or lower ones (the
+# stage folders in the order a request meets them: turbine/frontend/README.md).
+FRONTEND_LAYERS = (
+    ("deltas", "errors", "metrics", "request_id", "event_stream"),  # what crosses the stages
+    ("models",),  # what the frontend knows per served model
+    ("postprocess",),
+    ("preprocess",),  # plans the postprocess stage's parsers
+    ("dispatch",),
+    ("pipeline",),  # dispatch -> postprocess -> format, and what every writer counts
+    ("apis",),
+    ("app",),  # the frontend's state
+    ("http",),
+    ("server", "args", "__main__"),
+)
+
+
+def frontend_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["turbine", "frontend"] or len(parts) < 3:
+        return None
+    return next(i for i, names in enumerate(FRONTEND_LAYERS) if parts[2] in names)
+
+
+def test_the_frontends_layers_import_only_downward():
+    graph = import_graph()
+    upward = [f"{a} -> {b}" for a, b in graph.edges()
+              if frontend_layer(a) is not None and frontend_layer(b) is not None and frontend_layer(b) > frontend_layer(a)]
+    assert upward == [], "imports into a later layer:\n" + "\n".join(sorted(upward))

@@ -15,10 +15,10 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tests.unit.frontend.test_dispatch import instance, served
+from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine import logging_setup, tracing
 from turbine.frontend.app import Frontend, FrontendConfig
-from turbine.frontend.http import asgi_app
+from turbine.frontend.http.api import asgi_app
 from turbine.logging_setup import JsonFormatter, TextFormatter, logging_choices
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -219,7 +219,7 @@ def test_tracing_is_configured_by_the_flag_or_the_standard_variables(monkeypatch
 async def test_disaggregated_prefill_hand_off_is_traced(tokenizer, spans):
     """The hand-off is a `prefill` span under the request's; the prefill worker's `generate` and the
     prefill router's `route` are under it, the decode worker's `generate` under the request's."""
-    from tests.unit.frontend.test_frontend_disagg import Workers, model_with, req, run
+    from tests.unit.frontend.dispatch.test_frontend_disagg import Workers, model_with, req, run
 
     w = Workers(tokenizer)
     try:

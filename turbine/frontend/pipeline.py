@@ -8,13 +8,13 @@ import time
 from collections.abc import AsyncIterator
 
 from turbine.frontend.deltas import Delta, UsageCount
-from turbine.frontend.disagg import DisaggConfig
-from turbine.frontend.dispatch import Dispatch
-from turbine.frontend.format import FORMATS
+from turbine.frontend.dispatch.disagg import DisaggConfig
+from turbine.frontend.dispatch.stage import Dispatch
+from turbine.frontend.postprocess.format import FORMATS
 from turbine.frontend.metrics import ModelMetrics
-from turbine.frontend.migration import MigrationConfig
-from turbine.frontend.postprocess import Postprocess, TextPostprocess
-from turbine.frontend.preprocess import Prepared
+from turbine.frontend.dispatch.migration import MigrationConfig
+from turbine.frontend.postprocess.stage import Postprocess, TextPostprocess
+from turbine.frontend.preprocess.stage import Prepared
 
 
 class Writing:

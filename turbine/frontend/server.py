@@ -17,7 +17,7 @@ import socket
 import uvicorn
 
 from turbine.frontend.app import Frontend, FrontendConfig
-from turbine.frontend.http import asgi_app
+from turbine.frontend.http.api import asgi_app
 from turbine.runtime.prometheus_multiprocess import MultiprocessDir
 
 log = logging.getLogger("turbine.frontend")

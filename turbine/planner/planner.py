@@ -265,7 +265,7 @@ class Planner:
         """Engines of `role` that the requests in it now need at the targets (None: not sized yet):
         decode and agg: running + waiting over one engine's concurrency at the targets; prefill:
         the queued prompts' prefill time over the TTFT target. `queued`: requests the frontend holds
-        for a worker below its busy thresholds (turbine/frontend/busy_queue.py): each still needs
+        for a worker below its busy thresholds (turbine/frontend/models/busy_queue.py): each still needs
         its prefill and its decode, so they count in every role."""
         sizing, isl_eff = self.last_sizing, self.isl_eff()
         if sizing is None or self.predicted is None or isl_eff is None:

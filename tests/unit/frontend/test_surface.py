@@ -13,11 +13,11 @@ import msgspec
 import openai
 import pytest
 
-from tests.unit.frontend.test_dispatch import instance, served
+from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
-from turbine.frontend.http import asgi_app
+from turbine.frontend.http.api import asgi_app
 from turbine.frontend.args import parse_frontend_args
-from turbine.frontend.utility_routes import VERSION
+from turbine.frontend.http.utility_routes import VERSION
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, SamplingOptions, TopLogprob, Usage
 from turbine.runtime.request_plane import RequestPlaneServer
 
@@ -322,7 +322,7 @@ def test_vllm_worker_maps_prompt_logprobs_and_decode_refuses_them():
 def test_echo_with_logprobs_is_prefilled_where_it_is_decoded():
     from types import SimpleNamespace
 
-    from turbine.frontend.disagg import may_prefill_remotely
+    from turbine.frontend.dispatch.disagg import may_prefill_remotely
     from turbine.protocol.generate import OutputOptions
 
     model = SimpleNamespace(prefill_instances=["p0"])

@@ -423,7 +423,7 @@ def test_the_load_path_keeps_what_the_last_start_ups_highest_rate_needs(profile_
 
 
 def test_requests_queued_at_the_frontend_count_in_the_backlog_and_hold_off_a_step_down(profile_path):
-    # The frontend's busy thresholds (turbine/frontend/busy_queue.py) keep requests from the engines: the
+    # The frontend's busy thresholds (turbine/frontend/models/busy_queue.py) keep requests from the engines: the
     # engines look under target while requests wait for them.
     p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 9}, startup_s=15)
     p.throughput_step(Observation(seconds=10, requests=1, isl=1000, osl=200, ttft_s=0.4, itl_s=0.02,
