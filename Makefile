@@ -36,8 +36,9 @@ $(INSTRUCTOR_VENV)/.installed: Makefile
 test: setup
 	bash scripts/run_tests.sh
 
+# The unit tests alone (no engines, about 3 minutes): docs/operations/tests.md.
 test-unit: setup
-	$(PY) -m pytest tests/unit -q
+	TURBINE_TESTS=tests/unit bash scripts/run_tests.sh
 
 # aiperf for the benchmarks (benchmarks/README.md); they find it at $(BENCH_VENV)/bin/aiperf by default.
 bench-tools: $(BENCH_VENV)/bin/aiperf

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite. Makes sure the servers the tests need are there: etcd (Debian's
-# etcd-server; the tests start a private instance on free ports, or use $TURBINE_TEST_ETCD)
+# Runs the whole test suite (TURBINE_TESTS=tests/unit: the unit tests alone, as `make test-unit`).
+# Makes sure the servers the tests need are there: etcd (Debian's etcd-server; the tests start a private instance on free ports, or use $TURBINE_TEST_ETCD)
 # and NATS on 127.0.0.1:4222 (started here when nothing listens there; the outage tests also
 # start private nats-servers of their own, so the binary is needed either way), and Prometheus
 # (Debian's prometheus: the planner's --prometheus-url test starts a private one, and the dashboard's
@@ -30,5 +30,5 @@ fi
 export TURBINE_TEST_NATS="nats://127.0.0.1:4222"
 
 start=$(date +%s)
-$PY -m pytest tests -q -p no:cacheprovider --durations=30 "$@"
+$PY -m pytest "${TURBINE_TESTS:-tests}" -q -p no:cacheprovider --durations=30 "$@"
 echo "make test took $(( $(date +%s) - start ))s"
