@@ -60,11 +60,13 @@ class ModelTable:
         self.registry = registry
         self.request_plane = request_plane
         self._other_plane: set[str] = set()  # instances on another request plane, warned about once
+        self._mixed_limits: dict[str, tuple] = {}  # model -> its workers' differing migration limits, warned
         self.busy = busy
         self._busy_queues: dict[str, BusyQueue] = {}  # model -> its queue (kept across snapshots, as routers)
         self.make_router = make_router
         self.namespace = namespace
         self.models: dict[str, ServedModel] = {}
+        self.asleep: frozenset[str] = frozenset()  # models whose every worker sleeps (their cards say so)
         self.first_seen: dict[str, int] = {}  # model -> when this frontend first saw it (Unix seconds): `created`
         self._tokenizers: dict[tuple[str, str | None], TextTokenizer] = {}
         self._routers: dict[str | tuple[str, str], Router] = {}
@@ -97,8 +99,12 @@ class ModelTable:
         prefill: list[tuple[ModelCard, InstanceRecord]] = []
         encoders: list[tuple[ModelCard, InstanceRecord]] = []
         adapters = [c for c in cards if c.lora_name is not None]
+        sleeping: set[str] = set()
         for card in sorted((c for c in cards if c.lora_name is None), key=lambda c: c.instance_id):
             if self.namespace and card.namespace != self.namespace:
+                continue
+            if card.sleeping:  # routed to again once it wakes (its records and awake card come back)
+                sleeping.add(card.name)
                 continue
             rec = by_path.get(card.path)
             if rec is None:
@@ -137,6 +143,7 @@ class ModelTable:
                 models[card.name].encode_instances.append(rec)
         for name, model in models.items():
             model.router.instances_changed(model.instances, model.cards)
+            self._warn_on_mixed_migration_limits(model)
             if name not in self.models or len(self.models[name].instances) != len(model.instances):
                 log.info("model %r served by %d worker(s)", name, len(model.instances))
         for name, model in self._adapters(models, adapters, by_path).items():
@@ -148,12 +155,28 @@ class ModelTable:
         for name in self.models.keys() - models.keys():
             log.info("model %r has no live worker any more", name)
         self.models = models
+        self.asleep = frozenset(sleeping - models.keys())
         if busy.enabled:  # each queue's waiters see the workers now live (a worker that joined is free)
             live: dict[str, dict[str, list[InstanceRecord]]] = {name: {} for name in self._busy_queues}
             for name, model in models.items():
                 live[model.parent or name][name] = model.instances
             for name, queue in self._busy_queues.items():
                 queue.set_instances(live[name])
+
+    def _warn_on_mixed_migration_limits(self, model: ServedModel) -> None:
+        """A model's migration limit is its first card's (the lowest instance id), unless the frontend's
+        --migration-limit overrides it: workers started with different --migration-limit values are
+        named once per change, or streams would migrate or not depending on which worker came first."""
+        limits = tuple(sorted((iid, card.migration_limit) for iid, card in model.cards.items()))
+        if len({limit for _, limit in limits}) < 2:
+            self._mixed_limits.pop(model.name, None)
+            return
+        if self._mixed_limits.get(model.name) != limits:
+            self._mixed_limits[model.name] = limits
+            log.warning("model %r: its workers were started with different --migration-limit values (%s); the model "
+                        "uses %d, worker %s's (the lowest instance id): start them alike, or set --migration-limit on "
+                        "the frontend", model.name, ", ".join(f"{iid}: {limit}" for iid, limit in limits),
+                        model.card.migration_limit, model.card.instance_id)
 
     def _adapters(self, models: dict[str, ServedModel], cards: list[ModelCard],
                   by_path: dict[str, InstanceRecord]) -> dict[str, ServedModel]:

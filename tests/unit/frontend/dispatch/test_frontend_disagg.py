@@ -5,6 +5,7 @@ and fallbacks, and how discovery turns it on and off."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
 import pytest
@@ -280,3 +281,23 @@ async def test_adapters_are_models_of_their_holders(tokenizer, monkeypatch):
     await table._apply([record(c) for c in (d1, d2)], [d1, d2, adapter(d1, "sql")])
     prepared = await preprocess(b'{"model": "sql", "prompt": "hi", "max_tokens": 2}', "completions", table)
     assert prepared.request.lora_name == "sql" and prepared.request.model == "sql"
+
+
+async def test_workers_with_different_migration_limits_are_named_once(tokenizer, monkeypatch, caplog):
+    """The model takes its first card's limit (lowest instance id); workers that disagree are named,
+    once per change of what they say, not on every discovery snapshot."""
+    table = ModelTable(Registry(), lambda c: RoundRobinRouter())
+
+    async def fake_tokenizer(c):
+        return tokenizer
+
+    monkeypatch.setattr(table, "_tokenizer", fake_tokenizer)
+    a, b = msgspec.structs.replace(card("a"), migration_limit=3), card("b")
+    with caplog.at_level(logging.WARNING, logger="turbine.frontend"):
+        await table._apply([record(a)], [a])
+        assert not caplog.records
+        for _ in range(2):
+            await table._apply([record(a), record(b)], [a, b])
+    warned = [r.getMessage() for r in caplog.records if "--migration-limit" in r.getMessage()]
+    assert len(warned) == 1 and "a: 3, b: 0" in warned[0] and "uses 3, worker a's" in warned[0]
+    assert table.models["m"].card.migration_limit == 3
