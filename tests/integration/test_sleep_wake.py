@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -199,3 +200,29 @@ def test_bad_sleep_requests_are_4xx_and_change_nothing(pair):
     assert post(f"{a.url}/engine/wake_up", {"level": 1})[0] == 400
     assert http_json(f"{a.url}/engine/is_sleeping")[1]["is_sleeping"] is False
     assert instances_of(pair["frontend"], MODEL) == 2
+
+
+def test_a_model_whose_every_worker_sleeps_is_a_503_to_retry_not_a_404(pair, client):
+    """The sleeping workers' cards stay, marked asleep: the frontend knows the model exists and answers
+    503 model_asleep with Retry-After (chat, completions alike), then serves it again on wake-up."""
+    a, b, frontend = pair["a"], pair["b"], pair["frontend"]
+    for worker in (a, b):
+        assert post(f"{worker.url}/engine/sleep", {"level": 1})[0] == 200
+    wait_until(lambda: instances_of(frontend, MODEL) == 0, 10, "the frontend sees no awake worker", pair["procs"])
+    for path, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [{"role": "user",
+                                                                                              "content": "Hi"}]})):
+        request = urllib.request.Request(f"{frontend.url}/v1/{path}", method="POST", data=json.dumps(
+            {"model": MODEL, "max_tokens": 2, **body}).encode(), headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 503 and int(refused.value.headers["retry-after"]) > 0
+        assert error["code"] == "model_asleep" and error["param"] == "model" and MODEL in error["message"]
+    # Another model's name is still a 404.
+    with pytest.raises(Exception) as unknown:
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    assert getattr(unknown.value, "status_code", None) == 404
+    for worker in (a, b):
+        assert post(f"{worker.url}/engine/wake_up")[0] == 200
+    wait_until(lambda: instances_of(frontend, MODEL) == 2, 10, "both workers routed to again", pair["procs"])
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None

@@ -47,6 +47,21 @@ class Overloaded(RequestError):
         super().__init__(message, status=503, type_="service_unavailable", code=codes.OVERLOADED)
 
 
+class ModelAsleep(RequestError):
+    """Every worker of the model sleeps (/engine/sleep; their cards say so): 503 with a Retry-After
+    header, as for an overload, since the model exists and may wake (a 404 would say it does not)."""
+
+    CODE = "model_asleep"
+
+    def __init__(self, model: str):
+        super().__init__(f"the model {model!r} is asleep: every worker of it sleeps; retry later", param="model",
+                         status=503, type_="service_unavailable", code=self.CODE)
+
+
+# A 503 with these codes says when to come back (Retry-After: the frontend's --overload-retry-after).
+RETRY_LATER = (codes.OVERLOADED, ModelAsleep.CODE)
+
+
 def failure_of(exc: RemoteError, instance_id: str | None = None) -> RequestError:
     """A worker's typed error as the frontend's: bad input is the client's (400), the rest
     keep the worker's code. No message is parsed."""

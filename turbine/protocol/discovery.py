@@ -90,6 +90,10 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Whether its engine loads image embeddings that encode workers made (GenerateRequest.image_embeddings):
     # the vLLM worker's --take-image-embeddings. An encode worker's own card has endpoint_types ["image_encode"].
     takes_image_embeddings: bool = False
+    # The instance is asleep (/engine/sleep): its instance records are withdrawn, so nothing routes to it,
+    # and its card stays with this set, so that frontends answer a model whose every worker sleeps with a
+    # 503 to retry (not a 404: the model exists). Put back without it on wake-up.
+    sleeping: bool = False
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the

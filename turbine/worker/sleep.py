@@ -92,8 +92,10 @@ class InstanceSleep:
         async with self._lock:
             if self.level:
                 return self.reply(f"already sleeping (level {self.level})")
-            # Out of discovery first: routers stop sending here before anything else changes.
+            # Out of discovery first: routers stop sending here before anything else changes. The card
+            # stays, marked asleep: a frontend then knows the model exists (503, not 404) while all sleep.
             await self.unregister()
+            await self._publish_asleep()
             # Requests routed here before the frontends saw us go are still served (the drain
             # waits for them too); from here on none is routed here.
             timeout = self.drain_timeout if drain_timeout is None else drain_timeout
@@ -144,6 +146,12 @@ class InstanceSleep:
                     log.warning("could not withdraw the card of adapter %r: %s", card.lora_name, exc)
         await unregister(self.registry, self.records)
         self.records = []
+
+    async def _publish_asleep(self) -> None:
+        try:
+            await self.registry.register_model(msgspec.structs.replace(self.card, sleeping=True))
+        except Exception as exc:  # discovery down: a frontend says 404 rather than 503 meanwhile
+            log.warning("instance %s: could not mark its card asleep: %s", self.instance_id, exc)
 
     async def publish_adapter(self, card: ModelCard) -> None:
         """An adapter loaded here: its card goes out now if the instance is registered (else

@@ -18,7 +18,7 @@ CARD = ModelCard(name="m", namespace="ns", component="backend", endpoint="genera
 
 
 class RecordingEngine:
-    """An engine whose sleep notes what discovery held at that moment."""
+    """An engine whose sleep notes how many instance records (what routers route to) discovery held then."""
 
     def __init__(self, registry):
         self.registry = registry
@@ -28,10 +28,10 @@ class RecordingEngine:
         return None
 
     async def sleep(self, level):
-        self.seen.append(("sleep", len(await self.registry.list_models())))
+        self.seen.append(("sleep", len(await self.registry.list_instances())))
 
     async def wake_up(self):
-        self.seen.append(("wake", len(await self.registry.list_models())))
+        self.seen.append(("wake", len(await self.registry.list_instances())))
 
 
 async def _with_instance(tmp_path, engine_of):
@@ -62,9 +62,12 @@ def test_unregistered_before_the_engine_sleeps_registered_after_it_wakes(tmp_pat
         registry, server, instance = await _with_instance(tmp_path, RecordingEngine)
         try:
             assert (await instance.sleep(2)).level == 2
-            assert await registry.list_models() == []
+            # Out of routing (no instance record), its card kept and marked asleep (a frontend's 503, not 404).
+            assert await registry.list_instances() == []
+            assert [card.sleeping for card in await registry.list_models()] == [True]
             assert (await instance.wake_up()).is_sleeping is False
-            assert len(await registry.list_models()) == 1
+            assert [card.sleeping for card in await registry.list_models()] == [False]
+            assert len(await registry.list_instances()) >= 1
             assert instance.engine.seen == [("sleep", 0), ("wake", 0)]
             with pytest.raises(ValueError, match="level 0"):
                 await instance.sleep(0)

@@ -32,7 +32,7 @@ from turbine.frontend.apis.batch import BatchRun
 from turbine.frontend.deltas import Delta
 from turbine.frontend.http.disconnect import ClientWatch
 from turbine.frontend.apis.embeddings import embeddings
-from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed
+from turbine.frontend.errors import RETRY_LATER, Overloaded, RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.postprocess.format import SseChunks
 from turbine.frontend.http.openapi import OPENAPI_PATH, openapi_json
@@ -46,7 +46,6 @@ from turbine.frontend.apis.stored_responses import owner_of
 from turbine.frontend.preprocess.structured import WORKER_PARAM
 from turbine.frontend.http.utility_routes import UtilityRoutes
 from turbine.logging_setup import request_id_var
-from turbine.protocol import errors as codes
 from turbine.runtime.errors import FrameTooLarge
 
 if TYPE_CHECKING:
@@ -274,7 +273,7 @@ class HttpApi:
     def _error(self, exc: RequestError) -> JSONResponse:
         """The error's OpenAI-style answer; an overload 503 says when to come back (Retry-After)."""
         response = JSONResponse(exc.body(), status_code=exc.status)
-        if exc.code == codes.OVERLOADED and exc.status == 503:
+        if exc.status == 503 and exc.code in RETRY_LATER:
             response.headers["retry-after"] = str(self.cfg.overload_retry_after)
         return response
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from turbine.frontend.preprocess import tools
 from turbine.frontend.deltas import OutputSpec
-from turbine.frontend.errors import RequestError
+from turbine.frontend.errors import ModelAsleep, RequestError
 from turbine.frontend.preprocess.media import MediaConfig, load_images, refuse_media, split_media
 from turbine.frontend.models.table import ModelTable, ServedModel
 from turbine.frontend.preprocess.schemas import (
@@ -183,6 +183,8 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
 
 def served_model(models: ModelTable, name: str, kind: Kind) -> ServedModel:
     model = models.models.get(name)
+    if (model is None or not model.instances) and name in models.asleep:
+        raise ModelAsleep(name)
     if model is None or not model.instances:
         raise RequestError(f"the model {name!r} does not exist or has no live worker", param="model",
                            status=404, code="model_not_found")

@@ -59,7 +59,8 @@ class VirtualConnector:
     async def current_replicas(self) -> dict[str, int]:
         counts = dict.fromkeys(ROLES, 0)
         for card in await self.registry.list_models():
-            if card.namespace == self.cfg.namespace and card.disaggregation_mode in counts:
+            # (a sleeping worker's card stays, marked asleep: it serves nothing, so it is no replica)
+            if card.namespace == self.cfg.namespace and card.disaggregation_mode in counts and not card.sleeping:
                 counts[card.disaggregation_mode] += 1
         return counts
 
