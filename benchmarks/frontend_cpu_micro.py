@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from turbine.frontend.postprocess import detokenizer as current_detok  # noqa: E402
 from turbine.frontend.models.tokenizer import TextTokenizer  # noqa: E402
+from turbine.frontend.postprocess import detokenizer as current_detok  # noqa: E402
 
 ENGLISH = ("The quick brown fox jumps over the lazy dog while the committee reviews its annual budget, "
            "and the river keeps flowing past the old mill where children once played on summer evenings. ")

@@ -28,12 +28,12 @@ from tests.integration.procs import (
 )
 from turbine.model.prepare import DEFAULT_MODEL
 from turbine.protocol.generate import GenerateRequest, StopConditions
+from turbine.protocol.generate import GenerateOutput
 from turbine.protocol.sleep import IsSleepingRequest, SleepReply, SleepRequest, WakeUpRequest
 from turbine.runtime.discovery.file import FileDiscovery
 from turbine.runtime.discovery.registry import Registry
 from turbine.runtime.errors import RemoteError
 from turbine.runtime.request_plane import RequestPlaneClient
-from turbine.protocol.generate import GenerateOutput
 
 MODEL = DEFAULT_MODEL
 PROMPT = "Tell me a long story about the sea and the ships that sail on it, and the people on them."

@@ -10,17 +10,17 @@ import logging
 from dataclasses import dataclass
 
 from turbine.config import ClusterSecurityConfig, DiscoveryConfig, RequestPlaneConfig, check, flag, make_registry
-from turbine.frontend.models.busy_queue import BusyConfig
-from turbine.frontend.dispatch.disagg import DisaggConfig
-from turbine.frontend.preprocess.media import MediaConfig
-from turbine.frontend.metrics import FrontendMetrics
-from turbine.frontend.dispatch.migration import MigrationConfig
-from turbine.frontend.models.table import ModelTable
-from turbine.frontend.models.pools import PooledDiscovery, PoolConfig, PoolRouter, check_pools
-from turbine.frontend.preprocess.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.frontend.apis.response_routes import BackgroundRuns
 from turbine.frontend.apis.state_store import StoreConfig, make_kv
 from turbine.frontend.apis.stored_responses import Records
+from turbine.frontend.dispatch.disagg import DisaggConfig
+from turbine.frontend.dispatch.migration import MigrationConfig
+from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.models.busy_queue import BusyConfig
+from turbine.frontend.models.pools import PooledDiscovery, PoolConfig, PoolRouter, check_pools
+from turbine.frontend.models.table import ModelTable
+from turbine.frontend.preprocess.media import MediaConfig
+from turbine.frontend.preprocess.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
 from turbine.runtime import cluster_auth, prometheus_multiprocess
 

@@ -14,16 +14,16 @@ from turbine.config import (
     request_plane_from_args,
 )
 from turbine.flag_sources import add_config_arg, env_bool, env_errors, env_float, env_int, env_str, with_config_file
-from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
-from turbine.frontend.models.busy_queue import BusyConfig
-from turbine.frontend.dispatch.disagg import DisaggConfig
-from turbine.protocol.encode import EMBEDDING_TRANSPORTS
-from turbine.frontend.preprocess.media import MediaConfig
-from turbine.frontend.dispatch.migration import MigrationConfig
-from turbine.frontend.models.pools import POOL_FLAG, parse_pool
-from turbine.frontend.preprocess.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.frontend.apis.state_store import STORE_KINDS, StoreConfig
+from turbine.frontend.app import DEFAULT_MAX_INFLIGHT_REQUESTS, FrontendConfig
+from turbine.frontend.dispatch.disagg import DisaggConfig
+from turbine.frontend.dispatch.migration import MigrationConfig
+from turbine.frontend.models.busy_queue import BusyConfig
+from turbine.frontend.models.pools import POOL_FLAG, parse_pool
+from turbine.frontend.preprocess.media import MediaConfig
+from turbine.frontend.preprocess.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from turbine.logging_setup import add_logging_args
+from turbine.protocol.encode import EMBEDDING_TRANSPORTS
 from turbine.router.config import add_kv_router_args
 from turbine.router.policy import router_config_from_args, router_modes
 from turbine.tracing import add_tracing_args

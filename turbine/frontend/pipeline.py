@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.dispatch.disagg import DisaggConfig
-from turbine.frontend.dispatch.stage import Dispatch
-from turbine.frontend.postprocess.format import FORMATS
-from turbine.frontend.metrics import ModelMetrics
 from turbine.frontend.dispatch.migration import MigrationConfig
+from turbine.frontend.dispatch.stage import Dispatch
+from turbine.frontend.metrics import ModelMetrics
+from turbine.frontend.postprocess.format import FORMATS
 from turbine.frontend.postprocess.stage import Postprocess, TextPostprocess
 from turbine.frontend.preprocess.stage import Prepared
 

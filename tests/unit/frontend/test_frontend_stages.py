@@ -10,8 +10,8 @@ import pytest
 from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine.frontend.deltas import Delta, OutputSpec, TokenLogprob, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError
-from turbine.frontend.postprocess.format import ChatFormat, CompletionFormat, SseChunks
 from turbine.frontend.models.table import ModelTable
+from turbine.frontend.postprocess.format import ChatFormat, CompletionFormat, SseChunks
 from turbine.frontend.postprocess.stage import Postprocess
 from turbine.frontend.preprocess.stage import preprocess
 from turbine.protocol.generate import GenerateOutput

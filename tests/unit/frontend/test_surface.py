@@ -15,8 +15,8 @@ import pytest
 
 from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine.frontend.app import Frontend, FrontendConfig
-from turbine.frontend.http.api import asgi_app
 from turbine.frontend.args import parse_frontend_args
+from turbine.frontend.http.api import asgi_app
 from turbine.frontend.http.utility_routes import VERSION
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, SamplingOptions, TopLogprob, Usage
 from turbine.runtime.request_plane import RequestPlaneServer

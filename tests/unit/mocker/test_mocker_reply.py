@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from turbine.frontend.models.tokenizer import TextTokenizer
 from turbine.mocker.args import parse_mocker_args
 from turbine.mocker.tokens import Choice, TokenSampler
 from turbine.mocker.worker import reply_token_ids
-from turbine.frontend.models.tokenizer import TextTokenizer
 
 EOS = 999
 

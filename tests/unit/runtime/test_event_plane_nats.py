@@ -24,9 +24,9 @@ from tests.nats_server import NatsServer
 from turbine.runtime.errors import EventPlaneError
 from turbine.runtime.event_plane import KV_EVENTS_TOPIC, LOAD_METRICS_TOPIC, EventSubscriber, WorkerEventPlane
 from turbine.runtime.event_plane_nats import RESUBSCRIBED
+from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.worker.kv_replay import serve_kv_replay
-from turbine.runtime.request_plane import RequestPlaneServer
 
 BS = 4
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]

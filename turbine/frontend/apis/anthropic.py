@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse, Response
 from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError
 from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess.media import MediaConfig
 from turbine.frontend.preprocess.schemas import json_object
-from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess.stage import Prepared, preprocess
 
 log = logging.getLogger("turbine.frontend")

@@ -14,8 +14,8 @@ from starlette.responses import Response
 from turbine.frontend.deltas import Delta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
-from turbine.frontend.postprocess.format import SseChunks
 from turbine.frontend.pipeline import Writing
+from turbine.frontend.postprocess.format import SseChunks
 
 log = logging.getLogger("turbine.frontend")
 

@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from turbine.frontend.errors import RequestError
-from turbine.frontend.preprocess.schemas import json_object
 from turbine.frontend.apis.responses import ResponsesRun, _check_metadata, messages_of
 from turbine.frontend.apis.state_store import StoreUnavailable
 from turbine.frontend.apis.stored_responses import Records, StoredResponse, not_found, with_ids
+from turbine.frontend.errors import RequestError
+from turbine.frontend.preprocess.schemas import json_object
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -22,14 +22,14 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from turbine.frontend.errors import RequestError
-from turbine.frontend.event_stream import EventStreamResponse
-from turbine.frontend.preprocess.media import DETAILS, MediaConfig
-from turbine.frontend.preprocess.schemas import ChatCompletionRequest, ResponsesRequest, json_object
-from turbine.frontend.pipeline import Pipeline, Writing
-from turbine.frontend.preprocess.stage import Prepared, preprocess
 from turbine.frontend.apis.response_events import ResponseBuilder, sse_event
 from turbine.frontend.apis.stored_responses import Records, StoredResponse, with_ids
+from turbine.frontend.errors import RequestError
+from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.pipeline import Pipeline, Writing
+from turbine.frontend.preprocess.media import DETAILS, MediaConfig
+from turbine.frontend.preprocess.schemas import ChatCompletionRequest, ResponsesRequest, json_object
+from turbine.frontend.preprocess.stage import Prepared, preprocess
 
 log = logging.getLogger("turbine.frontend")
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from turbine.frontend.errors import RequestError
 from turbine.frontend.apis.state_store import Conflict, Kv
+from turbine.frontend.errors import RequestError
 
 MAX_CHAIN = 10_000  # responses followed back through previous_response_id (each is one store read)
 CAS_TRIES = 8  # a conversation's append against concurrent appends from other frontends

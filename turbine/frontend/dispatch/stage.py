@@ -30,11 +30,11 @@ from turbine.frontend.dispatch.disagg import (
     wants_remote_prefill,
 )
 from turbine.frontend.dispatch.encode import remote_encode, wants_remote_encode
+from turbine.frontend.dispatch.migration import MigrationConfig, continuation, migration_reason, why_not_continued
+from turbine.frontend.dispatch.overload import OverloadRetries
 from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed, failure_of
 from turbine.frontend.metrics import ModelMetrics
-from turbine.frontend.dispatch.migration import MigrationConfig, continuation, migration_reason, why_not_continued
 from turbine.frontend.models.table import ServedModel
-from turbine.frontend.dispatch.overload import OverloadRetries
 from turbine.protocol.discovery import InstanceRecord
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.router.policy import Router, Target

@@ -26,25 +26,25 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbine import tracing
-from turbine.frontend.apis import anthropic
 from turbine.frontend import request_id
+from turbine.frontend.apis import anthropic
 from turbine.frontend.apis.batch import BatchRun
-from turbine.frontend.deltas import Delta
-from turbine.frontend.http.disconnect import ClientWatch
 from turbine.frontend.apis.embeddings import embeddings
-from turbine.frontend.errors import RETRY_LATER, Overloaded, RequestError, WorkerFailed
-from turbine.frontend.event_stream import EventStreamResponse
-from turbine.frontend.postprocess.format import SseChunks
-from turbine.frontend.http.openapi import OPENAPI_PATH, openapi_json
-from turbine.frontend.http.overload import InflightLimit
-from turbine.frontend.pipeline import Pipeline, Writing
-from turbine.frontend.preprocess.stage import Kind, preprocess_all
 from turbine.frontend.apis.response_routes import ResponseRoutes
 from turbine.frontend.apis.responses import ResponsesRun
 from turbine.frontend.apis.responses import prepare as prepare_response
 from turbine.frontend.apis.stored_responses import owner_of
-from turbine.frontend.preprocess.structured import WORKER_PARAM
+from turbine.frontend.deltas import Delta
+from turbine.frontend.errors import RETRY_LATER, Overloaded, RequestError, WorkerFailed
+from turbine.frontend.event_stream import EventStreamResponse
+from turbine.frontend.http.disconnect import ClientWatch
+from turbine.frontend.http.openapi import OPENAPI_PATH, openapi_json
+from turbine.frontend.http.overload import InflightLimit
 from turbine.frontend.http.utility_routes import UtilityRoutes
+from turbine.frontend.pipeline import Pipeline, Writing
+from turbine.frontend.postprocess.format import SseChunks
+from turbine.frontend.preprocess.stage import Kind, preprocess_all
+from turbine.frontend.preprocess.structured import WORKER_PARAM
 from turbine.logging_setup import request_id_var
 from turbine.runtime.errors import FrameTooLarge
 

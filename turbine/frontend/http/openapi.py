@@ -25,8 +25,8 @@ from turbine.frontend.preprocess.schemas import (
     CompletionRequest,
 )
 from turbine.frontend.apis.anthropic import MessagesRequest
-from turbine.frontend.preprocess.schemas import ResponsesRequest
 from turbine.frontend.http.utility_routes import VERSION, DetokenizeRequest, TokenizeRequest
+from turbine.frontend.preprocess.schemas import ResponsesRequest
 
 OPENAPI_PATH = "/openapi.json"
 _REF = "#/components/schemas/{name}"

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from turbine.config import RequestPlaneConfig
 from turbine.frontend.models.busy_queue import BusyConfig, BusyQueue
 from turbine.frontend.models.decode_cache import DecodeCaches
-from turbine.router.policy import Router
 from turbine.frontend.models.tokenizer import TextTokenizer
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.encode import IMAGE_ENCODE
+from turbine.router.policy import Router
 
 log = logging.getLogger("turbine.frontend")
 

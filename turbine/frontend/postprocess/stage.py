@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from turbine.frontend.deltas import Delta, OutputParser, OutputSpec, TokenLogprob, UsageCount
-from turbine.frontend.postprocess.detokenizer import IncrementalDetokenizer
 from turbine.frontend.errors import WorkerFailed
 from turbine.frontend.models.tokenizer import TextTokenizer
+from turbine.frontend.postprocess.detokenizer import IncrementalDetokenizer
 from turbine.protocol.generate import GenerateOutput
 
 

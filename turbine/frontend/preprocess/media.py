@@ -23,8 +23,8 @@ import httpcore
 import httpx
 
 from turbine.config import check, flag
-from turbine.frontend.preprocess.base64_payload import decode_base64
 from turbine.frontend.errors import RequestError
+from turbine.frontend.preprocess.base64_payload import decode_base64
 from turbine.protocol.generate import ImageInput, ImagePixels
 
 PARAM = "messages"

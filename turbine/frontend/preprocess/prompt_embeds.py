@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from turbine.frontend.preprocess.base64_payload import decode_base64
 from turbine.frontend.errors import RequestError
 from turbine.frontend.models.table import ServedModel
+from turbine.frontend.preprocess.base64_payload import decode_base64
 
 PARAM = "prompt_embeds"
 # Decoded bytes; the request plane's frames hold 32 MiB, the whole request included.

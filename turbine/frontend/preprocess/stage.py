@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from turbine.frontend.preprocess import tools
 from turbine.frontend.deltas import OutputSpec
 from turbine.frontend.errors import ModelAsleep, RequestError
-from turbine.frontend.preprocess.media import MediaConfig, load_images, refuse_media, split_media
 from turbine.frontend.models.table import ModelTable, ServedModel
+from turbine.frontend.preprocess import tools
+from turbine.frontend.preprocess.media import MediaConfig, load_images, refuse_media, split_media
 from turbine.frontend.preprocess.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,9 +24,9 @@ from turbine.frontend.preprocess.schemas import (
     validate_completion,
 )
 from turbine.frontend.preprocess.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, prompt_embeds_payload
-from turbine.frontend.request_id import worker_request_id
-from turbine.frontend.preprocess.text_mode import text_input
 from turbine.frontend.preprocess.structured import Constraint, constraint_of
+from turbine.frontend.preprocess.text_mode import text_input
+from turbine.frontend.request_id import worker_request_id
 from turbine.protocol.generate import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
 Kind = Literal["chat", "completions"]

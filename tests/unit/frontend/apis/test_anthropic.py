@@ -17,9 +17,9 @@ from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from tests.unit.frontend.apis.test_responses import Worker
 from turbine.frontend.apis import anthropic as messages
 from turbine.frontend.app import Frontend, FrontendConfig
-from turbine.frontend.http.api import asgi_app
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError
+from turbine.frontend.http.api import asgi_app
 from turbine.protocol.generate import GenerateRequest
 from turbine.runtime.request_plane import RequestPlaneServer
 

@@ -15,14 +15,14 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from tests.unit.frontend.dispatch.test_dispatch import instance, served
-from turbine.frontend.app import Frontend, FrontendConfig
-from turbine.frontend.http.api import asgi_app
-from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
-from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.apis import responses
 from turbine.frontend.apis.response_events import ResponseBuilder
-from turbine.frontend.preprocess.schemas import ResponsesRequest
 from turbine.frontend.apis.responses import decode_responses_request, messages_of
+from turbine.frontend.app import Frontend, FrontendConfig
+from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
+from turbine.frontend.errors import RequestError, WorkerFailed
+from turbine.frontend.http.api import asgi_app
+from turbine.frontend.preprocess.schemas import ResponsesRequest
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import RequestFailed
 from turbine.runtime.request_plane import RequestPlaneServer

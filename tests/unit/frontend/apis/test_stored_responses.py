@@ -15,9 +15,9 @@ import pytest
 from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from tests.unit.frontend.apis.test_responses import Worker
 from turbine.config import ConfigError
+from turbine.frontend.apis.state_store import Conflict, MemoryKv, StoreConfig
 from turbine.frontend.app import Frontend, FrontendConfig
 from turbine.frontend.http.api import asgi_app
-from turbine.frontend.apis.state_store import Conflict, MemoryKv, StoreConfig
 from turbine.protocol.generate import GenerateRequest
 from turbine.runtime.ports import free_port
 from turbine.runtime.request_plane import RequestPlaneServer

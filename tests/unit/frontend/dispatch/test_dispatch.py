@@ -9,19 +9,19 @@ import socket
 
 import pytest
 
+from turbine.frontend.deltas import OutputSpec
 from turbine.frontend.dispatch.disagg import DisaggConfig
+from turbine.frontend.dispatch.migration import MigrationConfig
 from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed
 from turbine.frontend.metrics import FrontendMetrics
-from turbine.frontend.dispatch.migration import MigrationConfig
 from turbine.frontend.models.table import ServedModel
 from turbine.frontend.pipeline import Pipeline
-from turbine.frontend.deltas import OutputSpec
 from turbine.frontend.preprocess.stage import Prepared
 from turbine.protocol import errors as codes
-from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest, RequestFailed
-from turbine.router.policy import RandomRouter, RoundRobinRouter, RouterConfig, make_router
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, OutputOptions, StopConditions, Usage
+from turbine.router.policy import RandomRouter, RoundRobinRouter, RouterConfig, make_router
+from turbine.runtime.errors import AdapterNotLoaded, InvalidRequest, RequestFailed
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
 
 

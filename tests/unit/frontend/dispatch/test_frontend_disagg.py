@@ -11,15 +11,15 @@ import msgspec
 import pytest
 
 from tests.unit.frontend.dispatch.test_dispatch import Run, closed_port_address
-from turbine.frontend.models.decode_cache import DecodeCaches
 from turbine.frontend.dispatch.disagg import DisaggConfig, wants_remote_prefill
+from turbine.frontend.errors import RequestError
 from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.models.decode_cache import DecodeCaches
 from turbine.frontend.models.table import ModelTable, ServedModel
-from turbine.router.policy import RoundRobinRouter
+from turbine.protocol import errors as codes
 from turbine.protocol.discovery import InstanceRecord, ModelCard
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, SamplingOptions, StopConditions, Usage
-from turbine.frontend.errors import RequestError
-from turbine.protocol import errors as codes
+from turbine.router.policy import RoundRobinRouter
 from turbine.runtime.errors import InvalidRequest, RequestFailed
 from turbine.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
 

@@ -9,9 +9,9 @@ import pytest
 
 from tests.unit.frontend.dispatch.test_dispatch import Run, instance, served
 from turbine.frontend.args import parse_frontend_args
+from turbine.frontend.dispatch.migration import MigrationConfig, continuation
 from turbine.frontend.errors import WorkerFailed
 from turbine.frontend.metrics import FrontendMetrics
-from turbine.frontend.dispatch.migration import MigrationConfig, continuation
 from turbine.protocol import errors as codes
 from turbine.protocol.generate import (
     GenerateOutput,

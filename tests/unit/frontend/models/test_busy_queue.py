@@ -13,9 +13,9 @@ from tests.unit.frontend.dispatch.test_dispatch import Run, instance, served
 from tests.unit.frontend.dispatch.test_frontend_disagg import Registry, adapter, card, record
 from turbine.config import ConfigError
 from turbine.frontend.args import build_parser, frontend_config_from_args
-from turbine.frontend.models.busy_queue import BusyConfig, BusyQueue, QueueFull
 from turbine.frontend.errors import Overloaded
 from turbine.frontend.metrics import FrontendMetrics
+from turbine.frontend.models.busy_queue import BusyConfig, BusyQueue, QueueFull
 from turbine.frontend.models.table import ModelTable
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, StopConditions, Usage
 from turbine.router.policy import RoundRobinRouter

@@ -18,10 +18,10 @@ from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine.config import ConfigError
 from turbine.frontend.apis import responses
 from turbine.frontend.errors import RequestError
-from turbine.frontend.preprocess.media import MediaConfig, address_refusal, check_image, load_image, split_media
 from turbine.frontend.models.table import ModelTable
-from turbine.frontend.preprocess.stage import preprocess
 from turbine.frontend.models.tokenizer import TextTokenizer
+from turbine.frontend.preprocess.media import MediaConfig, address_refusal, check_image, load_image, split_media
+from turbine.frontend.preprocess.stage import preprocess
 from turbine.protocol.generate import GenerateRequest
 
 WHERE = "messages[0].content[0].image_url"

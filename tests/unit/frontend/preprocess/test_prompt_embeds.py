@@ -12,11 +12,11 @@ import pytest
 from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine.config import ConfigError
 from turbine.frontend.app import FrontendConfig
+from turbine.frontend.deltas import OutputSpec
 from turbine.frontend.dispatch.disagg import may_prefill_remotely
 from turbine.frontend.errors import RequestError
 from turbine.frontend.models.table import ModelTable
 from turbine.frontend.postprocess.stage import Postprocess
-from turbine.frontend.deltas import OutputSpec
 from turbine.frontend.preprocess.stage import preprocess
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 

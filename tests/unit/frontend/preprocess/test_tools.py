@@ -11,8 +11,8 @@ import pytest
 
 from tests.unit.frontend.dispatch.test_dispatch import instance, served
 from turbine.frontend.errors import RequestError
-from turbine.frontend.postprocess.format import ChatFormat
 from turbine.frontend.models.table import ModelTable
+from turbine.frontend.postprocess.format import ChatFormat
 from turbine.frontend.postprocess.stage import Postprocess
 from turbine.frontend.preprocess.stage import preprocess
 from turbine.protocol.generate import GenerateOutput
