@@ -163,6 +163,15 @@ class ModelTable:
             for name, queue in self._busy_queues.items():
                 queue.set_instances(live[name])
 
+    def _decode_caches_of(self, name: str, block_size: int, instances: list[InstanceRecord]) -> DecodeCaches:
+        """The model's decode workers' likely caches, kept across snapshots (anew if the block size
+        changed), forgetting workers no longer among `instances`."""
+        caches = self._decode_caches.get(name)
+        if caches is None or caches.block_size != block_size:
+            caches = self._decode_caches[name] = DecodeCaches(block_size)
+        caches.keep_only({i.instance_id for i in instances})
+        return caches
+
     def _warn_on_mixed_migration_limits(self, model: ServedModel) -> None:
         """A model's migration limit is its first card's (the lowest instance id), unless the frontend's
         --migration-limit overrides it: workers started with different --migration-limit values are
@@ -223,11 +232,7 @@ class ModelTable:
             base = models[model.parent]
             model.lora_fallback = bool(base.prefill_instances) and not model.prefill_instances
             if model.prefill_instances:  # the decode workers' likely caches of this adapter's prompts
-                caches = self._decode_caches.get(name)
-                if caches is None or caches.block_size != base.card.kv_block_size:
-                    caches = self._decode_caches[name] = DecodeCaches(base.card.kv_block_size)
-                caches.keep_only({i.instance_id for i in model.instances})
-                model.decode_caches = caches
+                model.decode_caches = self._decode_caches_of(name, base.card.kv_block_size, model.instances)
             else:
                 self._decode_caches.pop(name, None)
         return adapters
@@ -261,11 +266,7 @@ class ModelTable:
                 router.instances_changed(model.prefill_instances, model.prefill_cards)
                 if old is not None:
                     model.prefill_queued_tokens = old.prefill_queued_tokens
-                caches = self._decode_caches.get(name)
-                if caches is None or caches.block_size != model.card.kv_block_size:
-                    caches = self._decode_caches[name] = DecodeCaches(model.card.kv_block_size)
-                caches.keep_only({i.instance_id for i in model.instances})
-                model.decode_caches = caches
+                model.decode_caches = self._decode_caches_of(name, model.card.kv_block_size, model.instances)
             else:
                 self._decode_caches.pop(name, None)
             if len(old.prefill_instances if old else ()) != len(model.prefill_instances):

@@ -183,9 +183,9 @@ async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] 
 
 def served_model(models: ModelTable, name: str, kind: Kind) -> ServedModel:
     model = models.models.get(name)
-    if (model is None or not model.instances) and name in models.asleep:
-        raise ModelAsleep(name)
     if model is None or not model.instances:
+        if name in models.asleep:
+            raise ModelAsleep(name)
         raise RequestError(f"the model {name!r} does not exist or has no live worker", param="model",
                            status=404, code="model_not_found")
     if kind not in model.card.endpoint_types:
