@@ -8,6 +8,9 @@ frontend (`--router-mode kv`, `--migration-limit 3`), with the same arrivals:
 - `static-peak`: `--peak-workers` workers the whole run; `static-mean`: ceil(peak × mean/peak rate);
 - `planner-<predictor>`: the SLA planner (`python -m turbine.planner`, local connector) from
   `--start-workers` (or the `--planner-config`'s `min_replicas`, when higher), with that load predictor (needs turbine/planner/ to have the planner).
+- `pool-<predictor>`: the same with a sleeping pool of `--sleep-pool` workers (the local connector's
+  `sleep_pool`): a step down puts workers to sleep before it stops any, a step up wakes them before it
+  starts any. The mockers sleep in `--sleep-s` and wake in `--wake-s` real-equivalent seconds (÷ speed-up).
 
 Requests: the trace's prompts scaled 512 -> `--tokens-per-id` tokens per hash id (the same tokens for
 the same id, so prefix reuse is kept), outputs min(trace, `--max-output`) tokens, streamed
@@ -17,7 +20,9 @@ seconds whose rate follows a day (trough `--trough` × peak at the ends, peak at
 order. A request meets the SLA when its TTFT <= `--ttft-ms` and its mean gap between tokens <=
 `--itl-ms` (both measured at the mocker's speed: a real-time equivalent is × `--speedup`); a failed
 request misses it. Worker-seconds: every worker process from launch to exit (starting ones count),
-sampled every 0.25 s.
+sampled every 0.25 s; a sleeping worker's seconds count at each weight of `--sleep-weights` (1.0: it
+holds its GPU as an awake one does, so a pool gains nothing by relabelling; the JSON has every weight's
+total, and `worker_seconds` is at weight 1.0).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ SERVED = "smollm2-135m-instruct"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace (env TURBINE_BENCH_TRACE; default shared/data/mooncake_synthetic_trace.jsonl in or beside the checkout)")
-    p.add_argument("--modes", default="static-peak,static-mean")
+    p.add_argument("--modes", default="static-peak,static-mean", help="comma-separated: static-peak, static-mean, "
+                   "planner-PREDICTOR, pool-PREDICTOR (PREDICTOR: constant, moving-average, arima, kalman)")
     p.add_argument("--duration", type=float, default=240.0, help="seconds of the compressed day")
     p.add_argument("--peak-rps", type=float, default=6.0)
     p.add_argument("--trough", type=float, default=0.15, help="rate at the day's ends, as a share of the peak")
@@ -66,6 +72,15 @@ def parse_args(argv=None):
     p.add_argument("--start-workers", type=int, default=1, help="planner modes: workers at the start")
     p.add_argument("--speedup", type=float, default=10.0)
     p.add_argument("--startup-s", type=float, default=60.0, help="real-equivalent worker start-up (scaled)")
+    p.add_argument("--sleep-pool", type=int, default=6, help="pool-* modes: workers the planner's connector keeps "
+                   "asleep at most (a step down sleeps them before it stops any)")
+    p.add_argument("--wake-s", type=float, default=0.6, help="real-equivalent wake of a sleeping mocker (scaled); "
+                   "default: a level-1 wake of vLLM on an H100, 0.59-0.62 s (RESULTS.md, \"Sleep / wake of the vLLM "
+                   "engine on a GPU\")")
+    p.add_argument("--sleep-s", type=float, default=0.4, help="real-equivalent sleep of a mocker (scaled); default: "
+                   "a level-1 sleep on an H100 after the first, 0.37-0.44 s (the same section)")
+    p.add_argument("--sleep-weights", default="1.0,0.25", help="weights a sleeping worker's seconds count at, "
+                   "comma-separated: 1.0 = it holds its GPU (the JSON has each weight's worker-seconds)")
     p.add_argument("--ttft-ms", type=float, default=300.0)
     p.add_argument("--itl-ms", type=float, default=30.0)
     p.add_argument("--tokens-per-id", type=int, default=16)
@@ -84,7 +99,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        a.weights = [float(w) for w in a.sleep_weights.split(",")]
+    except ValueError:
+        p.error(f"--sleep-weights {a.sleep_weights!r}: expected numbers, e.g. 1.0,0.25")
+    if any(not 0 <= w <= 1 for w in a.weights):
+        p.error("--sleep-weights: each weight must be in [0, 1]")
+    if a.sleep_pool < 0 or a.wake_s < 0 or a.sleep_s < 0:
+        p.error("--sleep-pool, --wake-s and --sleep-s must be >= 0")
+    return a
 
 
 # --------------------------------------------------------------------------- load
@@ -166,7 +190,8 @@ class Fleet:
         self.url = f"http://127.0.0.1:{self.port}"
         self.frontend: subprocess.Popen | None = None
         mocker = [*a.mocker_args.split(), "--profile", a.profile, "--speedup-ratio", str(a.speedup),
-                  "--max-model-len", str(a.max_model_len), "--startup-time", f"{a.startup_s / a.speedup:g}"]
+                  "--max-model-len", str(a.max_model_len), "--startup-time", f"{a.startup_s / a.speedup:g}",
+                  "--sleep-time", f"{a.sleep_s / a.speedup:g}", "--wake-time", f"{a.wake_s / a.speedup:g}"]
         self.role = LocalRole("mocker", tuple(mocker))
         self.connector_cfg = LocalConnectorConfig(
             roles={"agg": self.role}, discovery=DiscoveryConfig(backend="file", file_dir=str(self.disc), ttl=3.0),
@@ -189,22 +214,42 @@ class Fleet:
                 self.frontend.kill()
 
 
-def live_mockers(conn: LocalConnector, planner: subprocess.Popen | None) -> int:
-    """Worker processes alive now: the connector's, and the planner's children (its own connector's)."""
+def live_mockers(conn: LocalConnector, planner: subprocess.Popen | None) -> list[int]:
+    """The status ports of the worker processes alive now: the connector's, and the planner's children
+    (its own connector's; the port from their command line)."""
     import psutil
 
-    n = sum(w.alive() for w in conn.workers)
+    ports = [w.system_port or 0 for w in conn.workers if w.alive()]
     if planner is not None:
         try:
-            n += sum("turbine.mocker" in (c.cmdline() or []) for c in psutil.Process(planner.pid).children())
-        except psutil.Error:
+            for c in psutil.Process(planner.pid).children():
+                cmd = c.cmdline() or []
+                if "turbine.mocker" in cmd:
+                    ports.append(int(cmd[cmd.index("--system-port") + 1]) if "--system-port" in cmd else 0)
+        except (psutil.Error, ValueError, IndexError):
             pass
-    return n
+    return ports
+
+
+async def count_workers(http: httpx.AsyncClient, ports: list[int]) -> tuple[int, int]:
+    """(awake, asleep) among the live workers: asleep when its status port says so (/engine/is_sleeping)."""
+    async def asleep(port: int) -> bool:
+        if not port:
+            return False
+        try:
+            r = await http.get(f"http://127.0.0.1:{port}/engine/is_sleeping")
+            return r.status_code == 200 and bool(r.json().get("is_sleeping"))
+        except (httpx.HTTPError, ValueError):
+            return False  # starting or stopping: it counts as awake (the heavier weight)
+    sleeping = sum(await asyncio.gather(*(asleep(p) for p in ports)))
+    return len(ports) - sleeping, sleeping
 
 
 async def sample_workers(count, stop: asyncio.Event, series: list, t0: float, period: float = 0.25):
+    """(t, awake, asleep) every `period` s; `count` polls only when a pool may sleep workers (else all awake)."""
     while not stop.is_set():
-        series.append((time.monotonic() - t0, count()))
+        awake, asleep = await count()
+        series.append((time.monotonic() - t0, awake, asleep))
         try:
             await asyncio.wait_for(stop.wait(), period)
         except TimeoutError:
@@ -248,7 +293,14 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
         series: list = []
         stop = asyncio.Event()
         t0 = time.monotonic()
-        sampler = asyncio.create_task(sample_workers(lambda: live_mockers(conn, planner), stop, series, t0))
+        probe = httpx.AsyncClient(timeout=1.0)
+        pool = mode.startswith("pool-")
+
+        async def count() -> tuple[int, int]:
+            ports = live_mockers(conn, planner)
+            return await count_workers(probe, ports) if pool else (len(ports), 0)
+
+        sampler = asyncio.create_task(sample_workers(count, stop, series, t0))
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
             records = await asyncio.gather(*(one_request(client, fleet.url, it, at, t0)
@@ -256,6 +308,7 @@ async def run_mode(a, mode: str, times: list[float], items: list[dict], run_dir:
         t_end = time.monotonic() - t0
         stop.set()
         await sampler
+        await probe.aclose()
         queue = await frontend_queue_stats(fleet.url)
     finally:
         if planner is not None:
@@ -319,11 +372,14 @@ def start_planner(a, mode: str, fleet: Fleet, run_dir: Path) -> subprocess.Popen
     (run_dir / "profile.json").write_text(json.dumps(profile, indent=1))
     base = planner_base_config(a)
     base.update(profile=str(run_dir / "profile.json"), mode="agg", ttft_ms=a.ttft_ms, itl_ms=a.itl_ms,
-                predictor=mode.removeprefix("planner-"), connector="local", frontend_url=fleet.url,
+                predictor=mode.split("-", 1)[1], connector="local", frontend_url=fleet.url,
                 min_replicas={"agg": planner_minimum(a)}, max_replicas={"agg": a.peak_workers},
                 connector_options={"roles": {"agg": {"engine": "mocker", "args": list(fleet.role.args)}},
                                    "log_dir": str(run_dir / "planner-workers"),
-                                   "drain_timeout": fleet.connector_cfg.drain_timeout})
+                                   "drain_timeout": fleet.connector_cfg.drain_timeout,
+                                   "sleep_pool": a.sleep_pool if mode.startswith("pool-") else 0})
+    if mode.startswith("pool-"):
+        base["wake_s"] = a.wake_s / a.speedup
     base.setdefault("adjustment_interval_s", a.adjustment_interval)
     base.setdefault("fast_interval_s", min(a.fast_interval, base["adjustment_interval_s"]))
     cfg_path = run_dir / "planner.yaml"
@@ -349,7 +405,10 @@ async def wait_planner_healthy(log_path: Path, planner: subprocess.Popen, timeou
 def summarize(a, mode, records, series, t_end, static) -> dict:
     ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
     met = [r for r in ok if r["ttft"] * 1000 <= a.ttft_ms and r["itl"] * 1000 <= a.itl_ms]
-    ws = sum((t1 - t0) * n for (t0, n), (t1, _) in zip(series, series[1:], strict=False))
+    pairs = list(zip(series, series[1:], strict=False))
+    awake_s = sum((t1 - t0) * n for (t0, n, _), (t1, _, _) in pairs)
+    asleep_s = sum((t1 - t0) * m for (t0, _, m), (t1, _, _) in pairs)
+    ws = awake_s + asleep_s  # weight 1.0
     ttfts = sorted(r["ttft"] * 1000 for r in ok)
     itls = sorted(r["itl"] * 1000 for r in ok)
 
@@ -369,10 +428,13 @@ def summarize(a, mode, records, series, t_end, static) -> dict:
             "ttft_misses": sum(r["ttft"] * 1000 > a.ttft_ms for r in ok),
             "itl_only_misses": sum(r["ttft"] * 1000 <= a.ttft_ms and r["itl"] * 1000 > a.itl_ms for r in ok),
             "attainment_by_tenth": tenths, "worker_seconds": ws, "run_s": t_end,
+            "worker_seconds_awake": awake_s, "worker_seconds_asleep": asleep_s,
+            # A sleeping worker's seconds at each --sleep-weights weight (1.0: it holds its GPU).
+            "worker_seconds_by_weight": {f"{w:g}": awake_s + w * asleep_s for w in a.weights},
             "ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99),
             "itl_p50_ms": pct(itls, 50), "itl_p99_ms": pct(itls, 99),
-            "workers_max": max((n for _, n in series), default=0),
-            "workers_series": [(round(t, 1), n) for t, n in series[::8]],
+            "workers_max": max((n for _, n, _ in series), default=0),
+            "workers_series": [(round(t, 1), n, m) for t, n, m in series[::8]],  # (s, awake, asleep)
             # Per request (arrival s, TTFT ms, mean ITL ms, error or None): other targets can be scored later.
             "requests_raw": [(round(r["at"], 3), None if r["ttft"] is None else round(r["ttft"] * 1000, 1),
                               None if r["itl"] is None else round(r["itl"] * 1000, 2), r["error"]) for r in records]}
@@ -392,19 +454,21 @@ def main(argv=None) -> int:
     for mode in a.modes.split(","):
         log(f"--- {mode}")
         res = asyncio.run(run_mode(a, mode, times, items, work / mode))
-        log(f"{mode}: attainment {res['attainment']:.3f}, worker-s {res['worker_seconds']:.0f}, "
+        log(f"{mode}: attainment {res['attainment']:.3f}, worker-s {res['worker_seconds']:.0f} (asleep "
+            f"{res['worker_seconds_asleep']:.0f}; by weight {res['worker_seconds_by_weight']}), "
             f"failed {res['failed']}, TTFT p50/p99 {res['ttft_p50_ms']:.0f}/{res['ttft_p99_ms']:.0f} ms, ITL p50/p99 "
             f"{res['itl_p50_ms']:.1f}/{res['itl_p99_ms']:.1f} ms, by tenth {res['attainment_by_tenth']}")
         results.append(res)
     peak = next((r for r in results if r["mode"] == "static-peak"), None)
-    print("| mode | workers | requests | failed | SLA attainment | worker-s | vs static-peak | TTFT p50 / p99 ms "
-          "| ITL p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | workers | requests | failed | SLA attainment | worker-s (weight 1.0) | of them asleep | "
+          "vs static-peak at each sleep weight | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        rel = f"{r['worker_seconds'] / peak['worker_seconds']:.2f}" if peak else "-"
+        rel = ", ".join(f"{w}: {v / peak['worker_seconds']:.2f}" for w, v in r["worker_seconds_by_weight"].items()) \
+            if peak else "-"
         workers = r["static_workers"] or f"planner (max {r['workers_max']})"
         print(f"| {r['mode']} | {workers} | {r['requests']} | {r['failed']} | {100 * r['attainment']:.1f} % | "
-              f"{r['worker_seconds']:.0f} | {rel} | "
+              f"{r['worker_seconds']:.0f} | {r['worker_seconds_asleep']:.0f} | {rel} | "
               f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
     out = {"args": vars(a), "host": "this 2-core CPU host", "mean_rate": mean_rate(a), "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ class ModelAsleep(RequestError):
     def __init__(self, model: str):
         super().__init__(f"the model {model!r} is asleep: every worker of it sleeps; retry later", param="model",
                          status=503, type_="service_unavailable", code=self.CODE)
+        self.model = model
 
 
 # A 503 with these codes says when to come back (Retry-After: the frontend's --overload-retry-after).

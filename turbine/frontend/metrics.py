@@ -84,6 +84,11 @@ class FrontendMetrics:
         self.queue_full = Counter("turbine_frontend_queue_full_rejections",
                                   "requests answered 503 'overloaded' because --busy-queue-size requests waited",
                                   ["model"], registry=r)
+        # Requests for a model whose every worker sleeps (503 model_asleep): the demand a planner with a
+        # sleeping pool wakes a worker for (turbine/planner/service.py).
+        self.asleep = Counter("turbine_frontend_model_asleep_rejections",
+                              "requests answered 503 'model_asleep': every worker of the model sleeps", ["model"],
+                              registry=r)
         # The global router (--pool, pools.py): requests routed to each pool, and each pool's live workers.
         self.pool_requests = Counter("turbine_frontend_pool_requests", "requests routed to each pool (--pool)",
                                      ["model", "pool"], registry=r)

@@ -38,6 +38,10 @@ class MockerConfig(ServingConfig):
     speedup_ratio: float = flag("--speedup-ratio", default=1.0)
     # Seconds (real time, not scaled) the simulated engine takes to start before it registers.
     startup_time: float = flag("--startup-time", default=0.0)
+    # Seconds (real time, not scaled) a sleep and a wake take, as a GPU engine's (benchmarks/RESULTS.md,
+    # "Sleep / wake of the vLLM engine on a GPU": level 1 on an H100, ~0.4 s to sleep, ~0.6 s to wake).
+    sleep_time: float = flag("--sleep-time", default=0.0)
+    wake_time: float = flag("--wake-time", default=0.0)
     timing: TimingProfile = flag("--profile", default_factory=TimingProfile)
     # Decode workers: how long pulling a prompt's KV takes. None: the model config's KV size.
     kv_bytes_per_token: int | None = flag("--kv-bytes-per-token", default=None)
@@ -72,6 +76,8 @@ class MockerConfig(ServingConfig):
         check(self, self.natural_output_len >= 0, "natural_output_len", "must be >= 0")
         check(self, self.speedup_ratio >= 0, "speedup_ratio", "must be >= 0")
         check(self, self.startup_time >= 0, "startup_time", "must be >= 0 (seconds)")
+        check(self, self.sleep_time >= 0, "sleep_time", "must be >= 0 (seconds)")
+        check(self, self.wake_time >= 0, "wake_time", "must be >= 0 (seconds)")
         check(self, self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1, "kv_bytes_per_token",
               "must be >= 1")
         check(self, self.gc_interval >= 0, "gc_interval", "must be >= 0 (seconds; 0 = automatic collection)")
@@ -198,6 +204,13 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="the simulated engine takes this long to start (real seconds, not scaled by "
                           "--speedup-ratio) before the worker registers, as a real engine loads its model: "
                           "meanwhile /live answers and /health says starting (default 0)")
+    sim.add_argument("--sleep-time", type=float, default=0.0, metavar="SECONDS",
+                     help="a sleep (/engine/sleep) frees the simulated KV cache and then takes this long "
+                          "(real seconds, not scaled), as a GPU engine's: a level-1 sleep of vLLM on an H100 "
+                          "took ~0.4 s after the first (default 0)")
+    sim.add_argument("--wake-time", type=float, default=0.0, metavar="SECONDS",
+                     help="a wake (/engine/wake_up) takes this long (real seconds, not scaled) before the worker "
+                          "registers again: a level-1 wake of vLLM on an H100 took 0.6 s (default 0)")
     sim.add_argument("--profile", default=None,
                      help="JSON file of step-time coefficients (see docs/mocker.md); default: built-in")
     sim.add_argument("--gc-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
@@ -276,7 +289,8 @@ def parse_mocker_args(argv: list[str] | None = None) -> MockerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len or info.max_position_embeddings or 0,
         enable_prefix_caching=args.enable_prefix_caching, natural_output_len=args.natural_output_len,
-        speedup_ratio=args.speedup_ratio, startup_time=args.startup_time, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
+        speedup_ratio=args.speedup_ratio, startup_time=args.startup_time, sleep_time=args.sleep_time,
+        wake_time=args.wake_time, timing=timing, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, gc_interval=args.gc_interval,
         kv_events_drop_after=args.kv_events_drop_after, reply_text=args.reply_text,
         enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,

@@ -64,6 +64,7 @@ class WorkerEngines:
             self.engines.append(MockEngine(scheduler, cfg.timing, cfg.speedup_ratio, kv_transfer=cfg.kv_transfer,
                                            lora_load_ms=cfg.lora_load_ms))
         self.level = 0  # sleep level, 0: awake
+        self.sleep_time, self.wake_time = cfg.sleep_time, cfg.wake_time
         self.build_seconds = 0.0  # set by SimulatedEngines.build (turbine_worker_model_load_seconds)
 
     async def sleep(self, level: int) -> None:
@@ -73,8 +74,12 @@ class WorkerEngines:
             if not engine.scheduler.pool.reset():
                 raise RuntimeError(f"rank {rank}: KV blocks still in use, cannot sleep")
         self.level = level
+        if self.sleep_time > 0:  # --sleep-time: a GPU engine's sleep, its memory moved or freed
+            await asyncio.sleep(self.sleep_time)
 
     async def wake_up(self) -> None:
+        if self.wake_time > 0:  # --wake-time: a GPU engine's wake (the weights back, the KV cache allocated)
+            await asyncio.sleep(self.wake_time)
         self.level = 0
 
 

@@ -49,6 +49,9 @@ class PlannerConfig:
     # Expected worker start-up, s: the throughput path sizes for the load predicted until the workers
     # it starts now are ready. None: the start-ups observed (0 until one was).
     startup_s: float | None = flag("--startup-s", default=None)
+    # Expected wake of a worker from the connector's sleeping pool, s (a level-1 wake of vLLM on an H100
+    # took 0.2-0.6 s, registering again included ~0.5 s): used only where the connector keeps a pool.
+    wake_s: float = flag("--wake-s", default=1.0)
     min_replicas: dict[str, int] = flag("--min-replicas", default_factory=dict)  # role -> n (default 1)
     max_replicas: dict[str, int] = flag("--max-replicas", default_factory=dict)  # role -> n (default 8)
     max_workers: int | None = flag("--max-workers", default=None)  # the budget: workers of all roles
@@ -76,6 +79,7 @@ class PlannerConfig:
               "must not be longer than --adjustment-interval (it is the faster of the two paths)")
         check(self, self.startup_s is None or (math.isfinite(self.startup_s) and self.startup_s >= 0), "startup_s",
               "must be >= 0 seconds (leave it out to use the start-ups observed)")
+        check(self, math.isfinite(self.wake_s) and self.wake_s >= 0, "wake_s", "must be >= 0 seconds")
         check(self, 0 < self.scale_down_sensitivity <= 1, "scale_down_sensitivity", "must be in (0, 1]")
         check(self, 0 < self.target_share <= 1, "target_share", "must be in (0, 1]")
         check(self, isinstance(self.sqrt_staffing, (int, float)) and math.isfinite(self.sqrt_staffing)
@@ -180,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "R + BETA sqrt(R) engines for R engines' worth of predicted load (default 0: R)")
     p.add_argument("--startup-s", type=float, help="expected worker start-up, s: the throughput path sizes for the "
                                                    "load predicted until new workers are ready (default: observed)")
+    p.add_argument("--wake-s", type=float, help="expected wake of a worker from the connector's sleeping pool, s "
+                   "(default 1: a level-1 wake of vLLM on an H100 took 0.2-0.6 s); used where the connector keeps "
+                   "a pool (the local connector's sleep_pool)")
     p.add_argument("--min-replicas", type=_role_counts, help="N or ROLE=N,...: fewest workers per role (default 1)")
     p.add_argument("--max-replicas", type=_role_counts, help="N or ROLE=N,...: most workers per role (default 8)")
     p.add_argument("--max-workers", type=int, help="budget: most workers of all roles together (default: none)")

@@ -36,6 +36,11 @@ class Connector(Protocol):
       drained: no request may fail because of it); raises on failure. `decision_id` grows by one per
       decision, so an outside party can tell decisions apart and acknowledge the one it applied.
     - `close()`: release what `start()` took; the workers it started may stay or go (its docs say).
+
+    Optional, for a connector that keeps a sleeping pool (the planner reads them when present):
+    `sleeping_replicas()` (async): role -> workers asleep, woken first on a step up; `pool_capacity()`:
+    role -> the most it keeps asleep (a step down puts workers to sleep up to it before stopping any).
+    The planner's maths then know two delays: a wake and a start-up (planner.py).
     """
 
     async def start(self) -> None: ...

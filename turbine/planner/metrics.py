@@ -29,11 +29,14 @@ class PlannerMetrics:
         self.starting_replicas = Gauge("turbine_planner_starting_replicas",
                                        "workers per role asked for and not ready yet (counted as capacity)",
                                        ["role"], registry=r)
+        self.sleeping_replicas = Gauge("turbine_planner_sleeping_replicas",
+                                       "workers per role asleep in the connector's sleeping pool (woken first on a "
+                                       "step up)", ["role"], registry=r)
         self.estimated = Gauge("turbine_planner_engine_estimate_ms",
                                "load-based path: the mean over a role's engines of the estimated ttft / itl (ms) "
                                "from their load reports", ["role", "quantity"], registry=r)
         self.decisions = Counter("turbine_planner_decisions", "decisions that changed a role's target, by path "
-                                 "(startup, throughput, load) and direction (up, down)", ["path", "role", "direction"],
+                                 "(startup, throughput, load, demand) and direction (up, down)", ["path", "role", "direction"],
                                  registry=r)
         self.horizon = Gauge("turbine_planner_horizon_intervals", "intervals ahead the throughput path provisions "
                              "for: 1 + ceil(expected start-up / interval)", registry=r)

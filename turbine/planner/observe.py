@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # Requests waiting at the frontend for a worker below its busy thresholds (a gauge, read as it is now).
 QUEUED = "turbine_frontend_queued_requests"
+# Requests answered 503 model_asleep (a counter): demand for a model whose every worker sleeps.
+ASLEEP = "turbine_frontend_model_asleep_rejections_total"
 
 # What an interval needs: each is a counter or a histogram's _sum / _count.
 SERIES = (
@@ -87,12 +89,13 @@ def parse_totals(text: str, model: str | None) -> dict[str, float]:
     return totals
 
 
-def parse_queued(text: str, model: str | None) -> int:
-    """The frontend's queued requests (QUEUED) in a /metrics text, summed over models (or of `model`)."""
+def parse_queued(text: str, model: str | None, series: str = QUEUED) -> int:
+    """The frontend's queued requests (QUEUED, or another per-model series) in a /metrics text, summed
+    over models (or of `model`)."""
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == QUEUED and (model is None or sample.labels.get("model") == model):
+            if sample.name == series and (model is None or sample.labels.get("model") == model):
                 if math.isfinite(sample.value):
                     total += sample.value
     return int(total)
@@ -120,6 +123,12 @@ class FrontendScraper:
         resp = await self.http.get(self.url)
         resp.raise_for_status()
         return parse_queued(resp.text, self.model)
+
+    async def asleep_rejections(self) -> int:
+        """Requests answered 503 model_asleep so far (a counter)."""
+        resp = await self.http.get(self.url)
+        resp.raise_for_status()
+        return parse_queued(resp.text, self.model, ASLEEP)
 
     async def start(self) -> None:
         """The first read: the next `observe` covers the time from now."""
@@ -169,6 +178,11 @@ class PrometheusSource:
     async def queued(self) -> int:
         """Requests waiting at the frontend (its latest scrape) for a worker below its busy thresholds."""
         value = await self.query(self.promql(QUEUED))
+        return int(value) if math.isfinite(value) else 0
+
+    async def asleep_rejections(self) -> int:
+        """Requests answered 503 model_asleep so far (the latest scrape of the counter)."""
+        value = await self.query(self.promql(ASLEEP))
         return int(value) if math.isfinite(value) else 0
 
     async def totals(self, at: float) -> dict[str, float]:

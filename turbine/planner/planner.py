@@ -45,6 +45,15 @@ of the start-ups observed: a role's first worker asked for until its ready count
 throughput path sizes for the highest request rate predicted over the intervals until then and the
 interval after (`horizon()` steps: 1 + ceil(start-up / interval); 1 with no start-up known).
 
+Sleeping pool (a connector that keeps one: `sleeping_replicas` / `pool_capacity`, e.g. the local
+connector's `sleep_pool`): a worker woken from it serves after `--wake-s` (a second on a GPU), one
+started cold after the start-up. So the delays are two: the throughput path sizes the wake horizon's
+rate (`horizon(wake)`) when the start-up horizon's need fits in what serves, starts and sleeps now
+(the sleepers cover it: nothing to start cold yet), else the start-up horizon's need (`delay_s`); a
+step down that puts a worker to sleep (the pool has room) can be undone in a wake, so the load
+path's wait under target and `keep`'s window are the wake's then, a start-up's otherwise
+(`down_delay_s`).
+
 The request rate the throughput path predicts from is the interval's arrivals, counted as the
 requests that finished plus the change in those in the engines (running + waiting, from the load
 reports, `in_system`): finished requests alone lag the arrivals by a request's lifetime and, while
@@ -132,6 +141,11 @@ class Planner:
         self._rates: deque[float] = deque(maxlen=16)  # observed arrival rates, newest last
         self.keep: dict[str, int] = {}  # what the highest rate of the last start-up needs: no step down below
         self.last_rate = 0.0  # the last interval's arrivals per second
+        # The connector's sleeping pool (planner.py's docstring): role -> workers asleep / the most it keeps.
+        self.asleep: dict[str, int] = {}
+        self.pool_capacity: dict[str, int] = {}
+        self.predicted_wake: Load | None = None  # the load over the wake horizon (with a pool)
+        self._demand_at: dict[str, float] = {}  # role -> when a worker was woken on demand (note_demand)
 
     # -- start-up delay ------------------------------------------------------------------
     def note_startup(self, seconds: float) -> None:
@@ -143,10 +157,37 @@ class Planner:
             return self.cfg.startup_s
         return statistics.median(self.startups) if self.startups else 0.0
 
-    def horizon(self) -> int:
-        """Intervals ahead the throughput path provisions for (see the module's docstring)."""
-        startup = self.startup_s()
-        return 1 + math.ceil(startup / self.cfg.adjustment_interval_s) if startup > 0 else 1
+    def horizon(self, delay_s: float | None = None) -> int:
+        """Intervals ahead the throughput path provisions for a delay (default: the start-up; see the
+        module's docstring)."""
+        delay = self.startup_s() if delay_s is None else delay_s
+        return 1 + math.ceil(delay / self.cfg.adjustment_interval_s) if delay > 0 else 1
+
+    # -- sleeping pool -------------------------------------------------------------------
+    def note_pool(self, asleep: dict[str, int], capacity: dict[str, int]) -> None:
+        """The connector's pool now: workers asleep per role and the most it keeps asleep."""
+        self.asleep, self.pool_capacity = dict(asleep), dict(capacity)
+
+    def note_demand(self, roles: list[str], now: float | None = None) -> None:
+        """Requests found these roles asleep and a worker was woken for them: none of them steps down
+        within an adjustment interval (the woken worker is there for the demand, not a dip)."""
+        now = time.monotonic() if now is None else now
+        for role in roles:
+            self._demand_at[role] = now
+            self._under_since.pop(role, None)
+
+    @property
+    def has_pool(self) -> bool:
+        return any(n > 0 for n in self.pool_capacity.values())
+
+    def delay_s(self, role: str, adding: int) -> float:
+        """Until `adding` more workers of `role` serve: a wake when the sleepers cover them, else a start-up."""
+        return self.cfg.wake_s if 0 < adding <= self.asleep.get(role, 0) else self.startup_s()
+
+    def down_delay_s(self, role: str) -> float:
+        """Until a worker of `role` taken out now could serve again: a wake when the pool has room for it."""
+        room = self.pool_capacity.get(role, 0) - self.asleep.get(role, 0)
+        return min(self.cfg.wake_s, self.startup_s()) if room > 0 else self.startup_s()
 
     @staticmethod
     def _have(current: dict[str, int], starting: dict[str, int] | None) -> dict[str, int]:
@@ -207,6 +248,10 @@ class Planner:
         n, isl_tokens, osl_tokens, cached = (sum(col) for col in zip(*self._finished, strict=True))
         self.predicted = Load(request_rate=rate, isl=isl_tokens / n, osl=osl_tokens / n,
                               kv_hit_rate=min(1.0, cached / isl_tokens) if isl_tokens > 0 else 0.0)
+        self.predicted_wake = None
+        if self.has_pool:  # the rate until a woken worker serves (and the interval after)
+            wake_rate = max(p["request_rate"].forecast(self.horizon(min(self.cfg.wake_s, self.startup_s()))))
+            self.predicted_wake = Load(wake_rate, self.predicted.isl, self.predicted.osl, self.predicted.kv_hit_rate)
         pm = self.metrics.predicted
         pm.labels("request_rate").set(self.predicted.request_rate)
         pm.labels("isl").set(self.predicted.isl)
@@ -239,15 +284,29 @@ class Planner:
                 target = "TTFT" if role == "prefill" else "ITL"
                 log.warning("the %s target cannot be met by one engine even unloaded (%s step %.1f ms); planning "
                             "for the least delay the profile allows", target, role, rate.step_ms)
-        self.lower = self._clamp(sizing.replicas)
+        wanted = dict(sizing.replicas)
+        if self.predicted_wake is not None:
+            # Two delays (the module's docstring): what the start-up horizon needs is started now only when
+            # the sleepers cannot cover it; else the wake horizon's need, woken when it comes.
+            have = self._have(current, starting)
+            soon = size(self.cfg.mode, self.model, self.predicted_wake, share * self.cfg.ttft_ms,
+                        share * self.cfg.itl_ms, beta=beta).replicas
+            for role, n in wanted.items():
+                if n <= have.get(role, 0) + self.asleep.get(role, 0):
+                    wanted[role] = soon.get(role, n)
+        self.lower = self._clamp(wanted)
         # The load path steps down no lower than what the highest arrival rate seen over the last start-up
         # (and interval) needs: a dip shorter than a start-up is not worth a worker that could not be back
         # in time (the forecast alone may dip below it: a trend fitted to a noisy interval). One interval
         # more than the start-up: an interval's rate swings with its few arrivals (±15 % at 40), and on a
         # 480 s day keeping only the last one stepped down mid-peak and missed the next interval's.
-        recent = max(list(self._rates)[-self.horizon():])
-        self.keep = self._clamp(size(self.cfg.mode, self.model, Load(recent, load.isl, load.osl, load.kv_hit_rate),
-                                     share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)
+        # With a pool that has room, a worker taken out is back in a wake: the window is the wake's (per role).
+        self.keep = {}
+        for role in self.cfg.roles:
+            recent = max(list(self._rates)[-self.horizon(self.down_delay_s(role)):])
+            self.keep[role] = self._clamp(size(self.cfg.mode, self.model,
+                                               Load(recent, load.isl, load.osl, load.kv_hit_rate),
+                                               share * self.cfg.ttft_ms, share * self.cfg.itl_ms).replicas)[role]
         for role, n in self.lower.items():
             self.metrics.throughput_replicas.labels(role).set(n)
         if self.cfg.fast_interval_s > 0:
@@ -311,6 +370,8 @@ class Planner:
             step = direction(role, estimates, self.cfg.ttft_ms, self.cfg.itl_ms, self.cfg.scale_down_sensitivity)
             if step < 0 and queued > 0:
                 step = 0  # requests wait for a worker: not a surplus (the docstring)
+            if step < 0 and now - self._demand_at.get(role, -math.inf) < self.cfg.adjustment_interval_s:
+                step = 0  # woken on demand: kept an interval (note_demand)
             if step == 0 and (backlog := self._backlog_need(role, mine, queued)) is not None:
                 # Neither every engine over nor every one under: the role as a whole (the module's docstring).
                 if backlog > base.get(role, 0):
@@ -320,7 +381,7 @@ class Planner:
             if step < 0:
                 # Hysteresis: down only once under target for a whole start-up (the module's docstring).
                 since_under = self._under_since.setdefault(role, now)
-                if now - since_under < self.startup_s():
+                if now - since_under < self.down_delay_s(role):  # a wake's wait when it goes to sleep
                     step = 0
                 elif (need := self._backlog_need(role, mine, queued)) is not None and need < base.get(role, 0) - 1:
                     # Half the surplus over what the backlog needs at a time: a fleet sized for a peak comes

@@ -49,6 +49,7 @@ class PlannerService:
         self.visible: dict[str, int] = {}  # role -> workers in discovery
         self.decision_id = 0
         self._starting_since: dict[str, tuple[float, int]] = {}  # role -> (since when starting, ready then)
+        self._asleep_seen: int | None = None  # the frontend's model_asleep answers at the last look
         self.status = "starting"
         self.address: str | None = None
 
@@ -118,6 +119,11 @@ class PlannerService:
         """Ready and starting workers per role (the connector's view)."""
         counts = await self.connector.current_replicas()
         starting = await self.connector.starting_replicas()
+        if (sleeping := getattr(self.connector, "sleeping_replicas", None)) is not None:  # a sleeping pool
+            asleep = await sleeping()
+            self.planner.note_pool(asleep, self.connector.pool_capacity())
+            for role in self.cfg.roles:
+                self.metrics.sleeping_replicas.labels(role).set(asleep.get(role, 0))
         now = time.monotonic()
         for role in self.cfg.roles:
             ready, coming = counts.get(role, 0), starting.get(role, 0)
@@ -200,10 +206,34 @@ class PlannerService:
                 log.info("throughput path: lower bound %s, keep %s, arrivals %.2f/s", self.planner.lower,
                          self.planner.keep, self.planner.last_rate)
                 await self.decide(targets, have, "throughput")
+            elif await self.woken_by_demand(have):
+                continue
             elif cfg.fast_interval_s > 0:
                 engines = self.loads.engines(max_age_s=max(3 * cfg.fast_interval_s, 10.0))
                 await self.decide(self.planner.load_step(engines, current, starting, queued=await self.queued()),
                                   have, "load")
+
+    async def woken_by_demand(self, have: dict[str, int]) -> bool:
+        """Wake on demand: requests were answered 503 model_asleep since the last look (every worker of
+        the model sleeps) and a role has no worker serving or starting: it gets one (the connector wakes
+        a sleeper first). Checked every tick, so a sleeping model wakes within a fast interval."""
+        try:
+            total = await self.source.asleep_rejections()
+        except Exception as exc:
+            self.metrics.errors.labels("scrape").inc()
+            log.warning("could not read the frontend's model_asleep answers: %s", exc)
+            return False
+        seen, self._asleep_seen = self._asleep_seen, total
+        if seen is None or total <= seen:
+            return False
+        empty = [r for r in self.cfg.roles if have.get(r, 0) == 0]
+        if not empty:
+            return False
+        targets = {r: max(have.get(r, 0), 1) for r in self.cfg.roles}
+        log.info("demand: %d request(s) found every worker asleep; waking %s", total - seen, ", ".join(empty))
+        self.planner.note_demand(empty)
+        await self.decide(self.planner._clamp(targets, targets), have, "demand")
+        return True
 
     async def queued(self) -> int:
         """Requests the frontend holds for a worker below its busy thresholds (0 when unreadable)."""

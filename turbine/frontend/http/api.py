@@ -35,7 +35,7 @@ from turbine.frontend.apis.responses import ResponsesRun
 from turbine.frontend.apis.responses import prepare as prepare_response
 from turbine.frontend.apis.stored_responses import owner_of
 from turbine.frontend.deltas import Delta
-from turbine.frontend.errors import RETRY_LATER, Overloaded, RequestError, WorkerFailed
+from turbine.frontend.errors import RETRY_LATER, ModelAsleep, Overloaded, RequestError, WorkerFailed
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.http.disconnect import ClientWatch
 from turbine.frontend.http.openapi import OPENAPI_PATH, openapi_json
@@ -257,6 +257,8 @@ class HttpApi:
             if exc.param == WORKER_PARAM and prepared is not None and prepared.constraint_param:
                 exc.param = prepared.constraint_param  # the engine refused the constraint: the client's field
             self.metrics.requests.labels(model_name, kind, str(exc.status)).inc()
+            if isinstance(exc, ModelAsleep):  # the demand that wakes a sleeping pool's worker (the planner)
+                self.metrics.asleep.labels(exc.model).inc()
             return self._error(exc)
 
     async def count_tokens(self, request: Request):

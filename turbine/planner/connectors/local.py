@@ -7,6 +7,14 @@ then the fewest generate requests in flight on its own /metrics) and sends it SI
 worker host turns into: unregister, serve what it holds for up to `drain_timeout` seconds, end what
 still runs with `shutting_down` (the frontend migrates it), exit. Only then is the process gone;
 the connector kills it (its process group) only if it outlives the drain by `kill_after` seconds.
+
+With a sleeping pool (`sleep_pool` N > 0), a step down first puts workers to sleep, up to N of the
+role asleep at once: `POST /engine/sleep` on the worker's status port, which takes it out of
+discovery, drains it as a stop does (turbine/worker/sleep.py) and frees its engine's memory; only
+the workers beyond the pool are stopped. A step up first wakes sleeping workers (`POST
+/engine/wake_up`: the engine back, registered again; a second on a GPU against a cold start of
+minutes) and starts processes only for the rest. A sleeping worker counts neither as ready nor as
+starting (`sleeping_replicas`); its process, and its GPU, stay.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import psutil
 
 from turbine.config import DEFAULT_NAMESPACE, ConfigError, DiscoveryConfig, check, make_registry
 from turbine.planner.connector import ROLES, register_connector
+from turbine.runtime import cluster_auth
 from turbine.runtime.ports import free_port
 
 log = logging.getLogger("turbine.planner.local")
@@ -63,17 +72,21 @@ class LocalConnectorConfig:
     kill_after: float = 30.0  # beyond the drain: then SIGKILL (a worker that hangs on exit)
     python: str = sys.executable
     # Take over the workers of these roles already registered from this host in `namespace` (e.g.
-    # left by a planner that crashed, or started by hand): counted, and stopped (SIGTERM) on scale-down
-    # after the connector's own, whose load it can read.
+    # left by a planner that crashed, or started by hand): counted, and stopped (SIGTERM) on scale-down.
+    # Its load is read, and it can sleep, when its command line names its --system-port; else it is
+    # stopped after the connector's own, whose load it can read.
     adopt: bool = True
     namespace: str = DEFAULT_NAMESPACE
+    sleep_pool: int = 0  # workers per role a step down puts to sleep (up to this many asleep) before it stops any
+    sleep_level: int = 1  # 1: the KV cache freed, the weights kept in host memory; 2: the weights freed too
 
     @classmethod
     def from_dict(cls, options: dict, discovery: DiscoveryConfig | None = None,
                   namespace: str = DEFAULT_NAMESPACE) -> LocalConnectorConfig:
         """From the planner config's `connector_options` (YAML/JSON): {"roles": {ROLE: {"engine",
-        "args", "env"}}, "log_dir", "drain_timeout", "kill_after", "python"}."""
-        known = {"roles", "log_dir", "drain_timeout", "kill_after", "python", "adopt"}
+        "args", "env"}}, "log_dir", "drain_timeout", "kill_after", "python", "adopt", "sleep_pool",
+        "sleep_level"}."""
+        known = {"roles", "log_dir", "drain_timeout", "kill_after", "python", "adopt", "sleep_pool", "sleep_level"}
         if bad := sorted(set(options) - known):
             raise ConfigError(cls, "roles", f"unknown local connector option(s) {', '.join(bad)}; "
                                             f"known: {', '.join(sorted(known))}")
@@ -85,6 +98,12 @@ class LocalConnectorConfig:
                                     {str(k): str(v) for k, v in (spec.get("env") or {}).items()})
         rest = {k: options[k] for k in ("log_dir", "python") if k in options}
         rest.update({k: float(options[k]) for k in ("drain_timeout", "kill_after") if k in options})
+        for k in ("sleep_pool", "sleep_level"):
+            if k in options:
+                try:
+                    rest[k] = int(options[k])
+                except (TypeError, ValueError):
+                    raise ConfigError(cls, k, f"{options[k]!r}: expected an integer") from None
         if "adopt" in options:  # --connector-option adopt=false gives a string
             rest["adopt"] = options["adopt"] if isinstance(options["adopt"], bool) else \
                 str(options["adopt"]).lower() in ("1", "true", "yes", "on")
@@ -96,6 +115,8 @@ class LocalConnectorConfig:
         check(self, not bad, "roles", f"unknown role(s) {', '.join(bad)}; choose from {', '.join(ROLES)}")
         check(self, self.drain_timeout >= 0, "drain_timeout", "must be >= 0")
         check(self, self.kill_after > 0, "kill_after", "must be > 0")
+        check(self, self.sleep_pool >= 0, "sleep_pool", "must be >= 0 (0: no pool, a step down stops workers)")
+        check(self, self.sleep_level in (1, 2), "sleep_level", "choose 1 (KV cache freed) or 2 (weights too)")
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -106,18 +127,34 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
+def _status_port(cmdline: list[str]) -> int | None:
+    """The `--system-port N` (or `--system-port=N`) of a worker's command line; None when absent or 0."""
+    for k, arg in enumerate(cmdline):
+        value = arg.split("=", 1)[1] if arg.startswith("--system-port=") else \
+            cmdline[k + 1] if arg == "--system-port" and k + 1 < len(cmdline) else None
+        if value is not None:
+            try:
+                return int(value) or None
+            except ValueError:
+                return None
+    return None
+
+
 @dataclass
 class LocalWorker:
     role: str
     name: str
     popen: subprocess.Popen | None  # None: adopted (a worker of this host that another process started)
-    system_port: int | None  # None: unknown (adopted): its load cannot be read
+    system_port: int | None  # None: unknown (adopted without --system-port): its load cannot be read, it cannot sleep
     log_path: Path | None
     started_at: float
     registered_at: float | None = None
     stop_requested_at: float | None = None
     stop_load: float | None = None  # its load when it was picked to stop
     adopted_pid: int = 0
+    asleep: bool = False  # put to sleep by the pool: alive, out of discovery, woken on a step up
+    sleeps: int = 0  # times put to sleep
+    wakes: int = 0  # times woken
 
     @property
     def pid(self) -> int:
@@ -155,7 +192,14 @@ class LocalConnector:
 
     # -- what runs -------------------------------------------------------------------------------
     def serving(self, role: str | None = None) -> list[LocalWorker]:
-        """Live workers not asked to stop (starting or registered), of `role` or all."""
+        """Live workers not asked to stop nor asleep (starting or registered), of `role` or all."""
+        return [w for w in self._live(role) if not w.asleep]
+
+    def sleeping(self, role: str | None = None) -> list[LocalWorker]:
+        """Live workers of the pool, asleep (of `role` or all)."""
+        return [w for w in self._live(role) if w.asleep]
+
+    def _live(self, role: str | None) -> list[LocalWorker]:
         return [w for w in self.workers
                 if w.alive() and w.stop_requested_at is None and (role is None or w.role == role)]
 
@@ -185,12 +229,14 @@ class LocalConnector:
                     or card.namespace != self.cfg.namespace or card.disaggregation_mode not in self.cfg.roles):
                 continue
             try:
-                created = psutil.Process(inst.pid).create_time()
+                proc = psutil.Process(inst.pid)
+                created, port = proc.create_time(), _status_port(proc.cmdline())
             except psutil.Error:
                 continue
             known.add(inst.pid)
             self._seq += 1
-            w = LocalWorker(card.disaggregation_mode, f"{card.disaggregation_mode}-{self._seq}-adopted", None, None,
+            # Its status port, when its command line names it: its load can be read and it can sleep.
+            w = LocalWorker(card.disaggregation_mode, f"{card.disaggregation_mode}-{self._seq}-adopted", None, port,
                             None, now - max(0.0, time.time() - created), registered_at=now, adopted_pid=inst.pid)
             self.workers.append(w)
             log.info("adopted %s: pid %d, registered as %s", w.name, inst.pid, inst.path)
@@ -203,11 +249,20 @@ class LocalConnector:
         """Workers started and alive, not registered yet (a refresh happens in current_replicas)."""
         return {role: sum(w.registered_at is None for w in self.serving(role)) for role in self.cfg.roles}
 
+    async def sleeping_replicas(self) -> dict[str, int]:
+        """Workers of the pool asleep per role: a step up wakes them before it starts any."""
+        return {role: len(self.sleeping(role)) for role in self.cfg.roles}
+
+    def pool_capacity(self) -> dict[str, int]:
+        """The most workers per role the pool keeps asleep (`sleep_pool`)."""
+        return dict.fromkeys(self.cfg.roles, self.cfg.sleep_pool)
+
     # -- changing it -----------------------------------------------------------------------------
     async def set_replicas(self, targets: dict[str, int], decision_id: int) -> None:
-        """Starts the workers missing (returns without waiting for them to register: they count
-        in current_replicas once they have); stops the ones too many and returns once they have
-        drained and exited."""
+        """Wakes sleeping workers for the workers missing (returns once they serve again) and starts
+        the rest (returns without waiting for them to register: they count in current_replicas once
+        they have); puts the ones too many to sleep while the pool has room, stops the others, and
+        returns once they have drained and slept or exited."""
         unknown = sorted(set(targets) - set(self.cfg.roles))
         if unknown:
             raise ValueError(f"the local connector has no launch flags for role(s) {', '.join(unknown)}")
@@ -218,24 +273,88 @@ class LocalConnector:
         for role, target in targets.items():
             have = self.serving(role)
             if target > len(have):
-                for _ in range(target - len(have)):
+                woken = await self._wake(role, target - len(have))
+                for _ in range(target - len(have) - woken):
                     self._launch(role)
-                log.info("decision %d: %s %d -> %d (starting %d)", decision_id, role, len(have), target,
-                         target - len(have))
+                log.info("decision %d: %s %d -> %d (woken %d, starting %d)", decision_id, role, len(have), target,
+                         woken, target - len(have) - woken)
             elif target < len(have):
                 victims = await self.pick_victims(have, len(have) - target)
-                log.info("decision %d: %s %d -> %d, stopping %s", decision_id, role, len(have), target,
-                         ", ".join(f"{w.name} (load {w.stop_load:g})" for w in victims))
-                stopping += [self._stop(w) for w in victims]
+                room = self.cfg.sleep_pool - len(self.sleeping(role))
+                # To sleep: registered workers whose status port is known (one still starting, or adopted, stops).
+                sleepers = [w for w in victims if w.registered_at is not None and w.system_port is not None][:room]
+                log.info("decision %d: %s %d -> %d, %s", decision_id, role, len(have), target, ", ".join(
+                    f"{'sleeping' if w in sleepers else 'stopping'} {w.name} (load {w.stop_load:g})" for w in victims))
+                stopping += [self._put_to_sleep(w) if w in sleepers else self._stop(w) for w in victims]
         if stopping:
             await asyncio.gather(*stopping)
+
+    def _control_headers(self) -> dict[str, str]:
+        """With a cluster key, the workers' /engine/* routes want it (turbine/worker/sleep.py)."""
+        key = cluster_auth.current().key
+        return {"Authorization": f"Bearer {key.decode()}"} if key else {}
+
+    async def _control(self, w: LocalWorker, action: str, body: dict) -> None:
+        """POST /engine/<action> on the worker's status port; raises unless it succeeded."""
+        assert self._http is not None, "start() first"
+        # The sleep drains first (up to the worker's drain timeout): wait that long and more.
+        r = await self._http.post(f"http://127.0.0.1:{w.system_port}/engine/{action}", json=body,
+                                  headers=self._control_headers(), timeout=self.cfg.drain_timeout + 30.0)
+        if r.status_code != 200:
+            raise RuntimeError(f"{action} answered {r.status_code}: {r.text[:200]}")
+
+    def _put_to_sleep(self, w: LocalWorker) -> asyncio.Task:
+        """Into the pool: the worker unregisters, drains and sleeps (its status port's /engine/sleep);
+        stopped instead when that fails."""
+        w.asleep = True  # neither serving nor a candidate from now on
+        w.stop_load = w.stop_load if w.stop_load is not None else 0.0
+
+        async def sleep() -> None:
+            began = time.monotonic()
+            try:
+                await self._control(w, "sleep", {"level": self.cfg.sleep_level})
+            except (httpx.HTTPError, RuntimeError) as exc:
+                log.warning("%s (pid %d) could not sleep (%s): stopping it", w.name, w.pid, exc)
+                w.asleep = False
+                await self._stop(w)
+                return
+            w.sleeps += 1
+            log.info("%s (pid %d) asleep (level %d) after %.2fs: in the pool", w.name, w.pid, self.cfg.sleep_level,
+                     time.monotonic() - began)
+
+        task = asyncio.get_running_loop().create_task(sleep())
+        self._reapers.add(task)
+        task.add_done_callback(self._reapers.discard)
+        return task
+
+    async def _wake(self, role: str, count: int) -> int:
+        """Wake up to `count` of the role's sleeping workers (the longest asleep first: any is as
+        good); returns how many serve again. One that fails to wake is stopped."""
+        chosen = self.sleeping(role)[:count]
+        if not chosen:
+            return 0
+
+        async def wake(w: LocalWorker) -> bool:
+            began = time.monotonic()
+            try:
+                await self._control(w, "wake_up", {})
+            except (httpx.HTTPError, RuntimeError) as exc:
+                log.warning("%s (pid %d) did not wake (%s): stopping it", w.name, w.pid, exc)
+                w.asleep = False
+                self._stop(w)
+                return False
+            w.asleep, w.wakes, w.registered_at = False, w.wakes + 1, time.monotonic()  # wake_up registers it
+            log.info("%s (pid %d) woken: serving again after %.2fs", w.name, w.pid, time.monotonic() - began)
+            return True
+
+        return sum(await asyncio.gather(*(wake(w) for w in chosen)))
 
     async def load_of(self, w: LocalWorker) -> float:
         """Generate requests in flight on the worker (its own gauge); -1 while it is not
         registered yet (stopping it costs nothing); +inf when its status port does not answer."""
         if w.registered_at is None:
             return -1.0
-        if w.system_port is None:  # adopted: its status port is not known
+        if w.system_port is None:  # adopted, its status port not known
             return float("inf")
         assert self._http is not None, "start() first"
         try:
@@ -304,7 +423,7 @@ class LocalConnector:
 
     async def close(self) -> None:
         """Stop every worker this connector started (each drains) and wait for them."""
-        for w in self.serving():
+        for w in self._live(None):
             self._stop(w)
         if self._reapers:
             await asyncio.gather(*self._reapers, return_exceptions=True)
