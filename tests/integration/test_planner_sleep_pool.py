@@ -103,3 +103,54 @@ def _served(port: int) -> float:
     from tests.integration.procs import metric
 
     return metric(http_text(f"http://127.0.0.1:{port}/metrics"), "turbine_worker_requests_total")
+
+
+async def test_a_request_for_a_model_whose_workers_all_sleep_wakes_one(cluster, tmp_path):
+    """The planner (min 0, a pool of 1) puts its idle worker to sleep; a request then finds every
+    worker asleep (503 model_asleep with Retry-After); the planner sees the frontend count it and
+    wakes the worker (no process is started), and the retried request is served."""
+    frontend, cfg = cluster
+    env = base_env(cfg.discovery.file_dir)
+    worker = start_mocker("pooled", env, tmp_path, *MOCKER)  # adopted: its --system-port is on its command line
+    profile = tmp_path / "profile.json"
+    write_engine_profile(PROFILE, profile)
+    spawned = tmp_path / "planner-workers"
+    config = {"profile": str(profile), "mode": "agg", "model": MODEL, "ttft_ms": 1000, "itl_ms": 30,
+              "predictor": "constant", "connector": "local", "frontend_url": frontend.url,
+              "min_replicas": {"agg": 0}, "max_replicas": {"agg": 1}, "adjustment_interval_s": 5,
+              "fast_interval_s": 1, "startup_s": 5, "wake_s": 0.5,
+              "connector_options": {"roles": {"agg": {"engine": "mocker", "args": list(MOCKER)}},
+                                    "log_dir": str(spawned), "drain_timeout": 3, "sleep_pool": 1}}
+    (tmp_path / "planner.json").write_text(json.dumps(config))
+    planner = start_planner("planner-pool", env, tmp_path, "--config", str(tmp_path / "planner.json"),
+                            port=free_port())
+    client = openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        await until(lambda: _async(http_json(f"{planner.url}/health")[0] == 200), 90, "the planner healthy")
+        await until(lambda: _async(instances_of(frontend, MODEL) == 1), 60, "the worker registered")
+        for k in range(3):  # traffic the planner sizes from (its ISL / OSL), then idle
+            client.completions.create(model=MODEL, prompt=f"hello {k}", max_tokens=8)
+        await until(lambda: _async(is_sleeping(worker.port)), 90, "the idle worker put to sleep")
+        await until(lambda: _async(instances_of(frontend, MODEL) == 0), 30, "the frontend sees it gone")
+        assert worker.alive()
+
+        with pytest.raises(openai.APIStatusError) as asleep:
+            client.completions.create(model=MODEL, prompt="wake up", max_tokens=8)
+        assert asleep.value.status_code == 503 and asleep.value.body["code"] == "model_asleep"
+        assert int(asleep.value.response.headers["retry-after"]) >= 1
+
+        await until(lambda: _async(instances_of(frontend, MODEL) == 1), 30, "the worker woken on demand")
+        reply = client.completions.create(model=MODEL, prompt="wake up", max_tokens=8,
+                                          extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 8
+        assert not is_sleeping(worker.port)
+        log_text = planner.log_tail(400)
+        assert "demand: 1 request(s) found every worker asleep; waking agg" in log_text
+        assert "(woken 1, starting 0)" in log_text
+        assert not list(spawned.glob("*.log"))  # nothing started: the wake was the only way up
+        assert 'turbine_planner_decisions_total{direction="up",path="demand",role="agg"} 1.0' in \
+            http_text(f"{planner.url}/metrics")
+    finally:
+        client.close()
+        assert planner.stop() == 0
+        worker.stop()
