@@ -20,7 +20,13 @@ import pytest
 
 from turbine.config import ConfigError
 from turbine.planner.connector import make_connector
-from turbine.planner.connectors.kubernetes import DELETION_COST, KubernetesConnector, KubernetesConnectorConfig
+from turbine.planner.connectors.kubernetes import (
+    ASLEEP,
+    DELETION_COST,
+    KEEP_COST,
+    KubernetesConnector,
+    KubernetesConnectorConfig,
+)
 
 NS = "llm"
 SELECTOR = {"app.kubernetes.io/name": "turbine-decode", "turbine.dev/role": "decode"}
@@ -90,7 +96,11 @@ class FakeApiServer:
                          if all(p["labels"].get(k) == v for k, v in want.items())]
                 return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
             pod = self.pods[parts[5]]
-            pod["annotations"].update(body["metadata"]["annotations"])
+            for key, value in body["metadata"]["annotations"].items():  # a strategic merge: null removes
+                if value is None:
+                    pod["annotations"].pop(key, None)
+                else:
+                    pod["annotations"][key] = value
             return 200, self.pod_json(parts[5])
         return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "message": path}
 
@@ -124,10 +134,13 @@ class FakeApiServer:
 
 
 class MetricsServer:
-    """A pod's status port: /metrics with its requests in flight."""
+    """A pod's status port: /metrics with its requests in flight; POST /engine/sleep and /engine/wake_up
+    recorded in `controls` (path, body) and answered as the worker does."""
 
     def __init__(self, ip: str, port: int, inflight: int):
         body = (f'turbine_worker_inflight_requests{{worker_id="w"}} {inflight}.0\n').encode()
+        self.controls: list[tuple[str, dict]] = []
+        outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -138,6 +151,15 @@ class MetricsServer:
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_POST(self):
+                length = int(self.headers.get("content-length") or 0)
+                outer.controls.append((self.path, json.loads(self.rfile.read(length)) if length else {}))
+                reply = b'{"status": "success"}'
+                self.send_response(200)
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
 
         self.http = ThreadingHTTPServer((ip, port), Handler)
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
@@ -242,6 +264,55 @@ async def test_scale_up_then_down_patches_the_scale_and_removes_the_least_loaded
         await conn.close()
         for m in metrics:
             m.close()
+
+
+async def test_a_sleeping_pool_sleeps_the_least_loaded_pod_keeps_it_and_wakes_it_before_scaling_up(api):
+    """sleep_pool 1, three pods: 3 -> 1 puts the least-loaded pod to sleep (its status port's /engine/sleep,
+    then annotated asleep with the highest deletion cost) and removes one more through the scale, which the
+    ReplicaSet takes from the awake pods; 1 -> 2 wakes the sleeper (annotation removed) with no scale patch;
+    2 -> 3 raises the replicas by one."""
+    server, kubeconfig = api
+    ips = ["127.0.0.5", "127.0.0.6", "127.0.0.7"]
+    port = free_port_on(ips)
+    loads = {"decode-a": 5, "decode-b": 1, "decode-c": 3}
+    pods = {name: MetricsServer(ip, port, loads[name]) for ip, name in zip(ips, loads, strict=True)}
+    for ip, name in zip(ips, loads, strict=True):
+        server.pods[name] = {"labels": dict(SELECTOR), "ip": ip, "annotations": {}, "deleting": False}
+    conn = KubernetesConnector(KubernetesConnectorConfig.from_dict(
+        {"deployments": {"decode": "turbine-decode"}, "namespace": NS, "kubeconfig": kubeconfig,
+         "status_port": str(port), "poll_s": 0.1, "drain_wait": 20, "sleep_pool": "1"}))
+    await conn.start()
+    try:
+        assert conn.pool_capacity() == {"decode": 1} and await conn.sleeping_replicas() == {"decode": 0}
+        down = asyncio.create_task(conn.set_replicas({"decode": 1}, decision_id=1))
+        await asyncio.sleep(1.0)
+        assert pods["decode-b"].controls == [("/engine/sleep", {"level": 1})]
+        assert server.pods["decode-b"]["annotations"] == {ASLEEP: "true", DELETION_COST: str(KEEP_COST)}
+        assert server.deployments["turbine-decode"]["replicas"] == 2  # the sleeper stays in the count
+        assert [n for n, p in server.pods.items() if p["deleting"]] == ["decode-c"]  # awake, least loaded
+        del server.pods["decode-c"]  # the kubelet: drained and exited
+        await asyncio.wait_for(down, 5)
+        server.deployments["turbine-decode"]["ready"] = 1  # the sleeper's /health says sleeping: not ready
+        assert await conn.sleeping_replicas() == {"decode": 1}
+        assert await conn.current_replicas() == {"decode": 1}
+        assert await conn.starting_replicas() == {"decode": 0}  # asleep is not starting
+
+        server.requests.clear()
+        await conn.set_replicas({"decode": 2}, decision_id=2)  # a wake, no scale patch
+        assert pods["decode-b"].controls[-1] == ("/engine/wake_up", {})
+        assert ASLEEP not in server.pods["decode-b"]["annotations"]
+        assert not [r for r in server.requests if r["method"] == "PATCH" and r["path"].endswith("/scale")]
+        assert server.deployments["turbine-decode"]["replicas"] == 2
+        assert await conn.sleeping_replicas() == {"decode": 0}
+
+        await conn.set_replicas({"decode": 3}, decision_id=3)  # nobody asleep: the scale
+        assert server.deployments["turbine-decode"]["replicas"] == 3
+    finally:
+        await conn.close()
+        for m in pods.values():
+            m.close()
+    with pytest.raises(ConfigError, match="status_port"):
+        KubernetesConnectorConfig({"decode": "d"}, namespace=NS, status_port=None, sleep_pool=1)
 
 
 async def test_a_wrong_deployment_name_fails_at_start_and_unknown_roles_are_refused(api):

@@ -31,9 +31,33 @@ def test_defaults_come_from_the_embedded_model(model_dir):
     (["--endpoint", "a.b"], "--endpoint"),
     (["--gc-interval", "-1"], "--gc-interval"),
     (["--startup-time", "-1"], "--startup-time"),
+    (["--sleep-time", "-1"], "--sleep-time"),
+    (["--wake-time", "-0.5"], "--wake-time"),
 ])
 def test_bad_mocker_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as info:
         parse_mocker_args(argv)
     assert info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+async def test_sleep_and_wake_take_the_times_given(monkeypatch):
+    """--sleep-time / --wake-time: the simulated engine waits that long (real seconds) in a sleep and a
+    wake, as a GPU engine's (the planner benchmark's sleeping pool); nothing timed: the waits are recorded."""
+    import turbine.mocker.worker as worker
+    from turbine.mocker.tokens import TokenSampler
+
+    cfg = parse_mocker_args(["--sleep-time", "0.08", "--wake-time", "0.12"])
+    assert (cfg.sleep_time, cfg.wake_time) == (0.08, 0.12)
+    info = cfg.model_info
+    engines = worker.WorkerEngines(cfg, TokenSampler(info.vocab_size, info.eos_token_ids, info.special_token_ids,
+                                                     cfg.natural_output_len, info.word_token_ids))
+    waits = []
+
+    async def sleep(seconds):
+        waits.append(seconds)
+
+    monkeypatch.setattr(worker.asyncio, "sleep", sleep)
+    await engines.sleep(1)
+    await engines.wake_up()
+    assert waits == [0.08, 0.12] and engines.level == 0
