@@ -52,7 +52,8 @@ rate (`horizon(wake)`) when the start-up horizon's need fits in what serves, sta
 (the sleepers cover it: nothing to start cold yet), else the start-up horizon's need (`delay_s`); a
 step down that puts a worker to sleep (the pool has room) can be undone in a wake, so the load
 path's wait under target and `keep`'s window are the wake's then, a start-up's otherwise
-(`down_delay_s`).
+(`down_delay_s`); before a whole start-up under target it removes no more than the pool has room
+for.
 
 The request rate the throughput path predicts from is the interval's arrivals, counted as the
 requests that finished plus the change in those in the engines (running + waiting, from the load
@@ -387,6 +388,9 @@ class Planner:
                     # Half the surplus over what the backlog needs at a time: a fleet sized for a peak comes
                     # down in a few start-ups, not one worker each, and keeps room if the load returns.
                     step = -math.ceil((base.get(role, 0) - need) / 2)
+                if step < 0 and now - since_under < self.startup_s():
+                    # Under target for a wake only: only as many as go into the pool (those would stop cold).
+                    step = max(step, -(self.pool_capacity.get(role, 0) - self.asleep.get(role, 0)))
             else:
                 self._under_since.pop(role, None)
             need = None

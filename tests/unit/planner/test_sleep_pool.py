@@ -64,10 +64,10 @@ def test_the_delays_follow_the_pool(profile_path):  # noqa: F811
 def test_with_room_in_the_pool_the_load_path_steps_down_after_a_wake_not_a_start_up(profile_path):  # noqa: F811
     # 1/s then 0.1/s twice, start-up 15 s (a window of 3 intervals keeps 3 engines: test_planner_logic.py's
     # keep test), wake 1 s (a window of 2 intervals: 0.1/s, 1 engine).
-    def run(pool):
+    def run(pool, asleep=0):
         p = planner(profile_path, mode="agg", fast_interval_s=2, max_replicas={"agg": 8}, startup_s=15, wake_s=1,
                     connector="local", connector_options={"roles": {"agg": {}}})
-        p.note_pool({"agg": 0}, {"agg": pool})
+        p.note_pool({"agg": asleep}, {"agg": pool})
         for n in (10, 1, 1):
             p.throughput_step(obs(n), {"agg": 1})
         p.decided({"agg": 4}, "load")
@@ -79,6 +79,9 @@ def test_with_room_in_the_pool_the_load_path_steps_down_after_a_wake_not_a_start
     pooled, steps = run(pool=4)
     assert pooled.keep == {"agg": 1}
     assert steps == [None, {"agg": 2}, None]  # under target for a wake (1 s): half the surplus (of 4 idle)
+    # Room for one only: after a wake, one goes to sleep (not half the surplus: those would stop cold).
+    _, steps = run(pool=4, asleep=3)
+    assert steps == [None, {"agg": 3}, None]
     cold, steps = run(pool=0)
     assert cold.keep == {"agg": 3}
     assert steps == [None, None, {"agg": 3}]  # a whole start-up first, and not below `keep`
