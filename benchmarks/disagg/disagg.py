@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 r"""Disaggregated prefill/decode (issue #5): aggregated vs disaggregated at equal worker count.
 
-Three parts (`--part`), each on private file discovery (benchmarks/common.py), one stack at a time:
+Three parts (`--part`), each on private file discovery (benchmarks/lib/stack.py), one stack at a time:
 
 mocker     Simulated workers at --speedup-ratio 1 with the calibrated CPU profile:
            N aggregated workers (`turbine.mocker --num-workers N`) vs P prefill + D decode workers
@@ -31,15 +31,15 @@ disaggregated setups the frontend's `turbine_frontend_prefills_total` (remote, l
 how many long prompts were prefilled locally anyway (prefill workers saturated).  Setups alternate
 (agg, disagg | disagg, agg); values are medians over repeats.
 
-  .venv/bin/python benchmarks/disagg.py --part mocker --repeats 2
-  .venv/bin/python benchmarks/disagg.py --part vllm --repeats 2
-  .venv/bin/python benchmarks/disagg.py --part crossover --repeats 3
+  .venv/bin/python -m benchmarks.disagg.disagg --part mocker --repeats 2
+  .venv/bin/python -m benchmarks.disagg.disagg --part vllm --repeats 2
+  .venv/bin/python -m benchmarks.disagg.disagg --part crossover --repeats 3
 
 --request-planes tcp,nats (mocker, vllm): instead of aggregated vs disaggregated, the disaggregated setup of
 each pair once per request plane (every process of the stack on it; nats through a private nats-server
 that is one of the stack's processes, its CPU recorded), alternating as above:
 
-  .venv/bin/python benchmarks/disagg.py --part vllm --request-planes tcp,nats --repeats 2
+  .venv/bin/python -m benchmarks.disagg.disagg --part vllm --request-planes tcp,nats --repeats 2
 """
 
 from __future__ import annotations
@@ -59,18 +59,20 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import StreamError, record_usage, sse_chunks
+from benchmarks.lib.metrics import scrape
+from benchmarks.lib.paths import REPO_ROOT, default_model, versions
+from benchmarks.lib.proc import http_get_json, log, proc_cpu_s, tail
+from benchmarks.lib.quiet import is_pytest, wait_quiet
+from benchmarks.lib.results import dump_json
+from benchmarks.lib.stack import Stack, start_nats, turbine_env
+from benchmarks.lib.stats import fmt, median, pct, ratio
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, StreamError, start_nats, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
-    record_usage, sse_chunks, tail,
-    turbine_env, versions, wait_quiet)
-from common import _is_pytest  # noqa: E402
-from kv_routing_fleet import dump_json, pct, scrape  # noqa: E402
 
 SERVED = "smollm2-135m-instruct"
 PARTS = ("mocker", "vllm", "crossover")
-PROFILE = REPO_ROOT / "benchmarks/results/mocker_profile-2026-11-26.json"
+PROFILE = REPO_ROOT / "benchmarks/results/mocker/mocker_profile-2026-11-26.json"
 HUGE = 10**9  # --max-local-prefill-length that keeps every prompt on the decode worker
 
 
@@ -206,7 +208,7 @@ class QuietWatch:
     def _run(self):
         while not self._stop.wait(self.every_s):
             r = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True)
-            if any(_is_pytest(int(p)) for p in r.stdout.split() if p.strip() and int(p) != os.getpid()):
+            if any(is_pytest(int(p)) for p in r.stdout.split() if p.strip() and int(p) != os.getpid()):
                 self.pytest_seen_s += self.every_s
             self.loadavg.append(os.getloadavg()[0])
 
@@ -651,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute a saved crossover result's summary with --tolerance/--stall-ms, run nothing")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=None, help=f"default benchmarks/results/disagg-PART-{today}.json")
+    p.add_argument("--out", default=None, help=f"default benchmarks/results/disagg/disagg-PART-{today}.json")
     p._today = today
     return p
 
@@ -671,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(x not in ("tcp", "nats") for x in a.request_planes):
         parser.error(f"--request-planes {','.join(a.request_planes)}: choose from tcp, nats")
     a.model = a.model or default_model(a.python)
-    a.out = a.out or str(REPO_ROOT / "benchmarks" / "results" / f"disagg-{a.part}-{parser._today}.json")
+    a.out = a.out or str(REPO_ROOT / "benchmarks" / "results" / "disagg" / f"disagg-{a.part}-{parser._today}.json")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(a.work_dir or f"/tmp/turbine-disagg-{a.part}-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

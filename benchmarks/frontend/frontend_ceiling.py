@@ -50,7 +50,7 @@ TURBINE_PEER_DIR, PY_SPY), by default from this checkout: `make bench-tools` (ai
 and `make bench-peer` (Dynamo and py-spy in .peer-venv), for example:
 
   make bench-tools bench-peer
-  .venv/bin/python benchmarks/frontend_ceiling.py --turbine-baseline ../baseline-b979bab \
+  .venv/bin/python -m benchmarks.frontend.frontend_ceiling --turbine-baseline ../baseline-b979bab \
       --systems turbine,turbine-base,dynamo --repeats 3 --py-spy .peer-venv/bin/py-spy
 """
 
@@ -70,12 +70,17 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.aiperf import aiperf_point
+from benchmarks.lib.args import parse_int_list
+from benchmarks.lib.paths import (
+    REPO_ROOT, default_aiperf, default_dynamo_python, default_model, shared_path, versions
+)
+from benchmarks.lib.proc import log, proc_cpu_s
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.stack import Stack, checkout_env, start_nats, start_turbine, turbine_origin
+from benchmarks.lib.stats import fmt, median, ratio
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, aiperf_point, start_nats, checkout_env, default_aiperf, default_dynamo_python, default_model, fmt,
-    free_port, log, median, parse_int_list, proc_cpu_s, ratio, shared_path, start_turbine, turbine_origin, versions,
-    wait_quiet)
 
 SERVED = "smollm2-135m-instruct"
 # The peer's recipe and its zmq_broker.py: --peer-dir, $TURBINE_PEER_DIR, else the project's shared/
@@ -281,7 +286,7 @@ async def _load(url: str, c: int, requests: int, tools: bool, isl_words: int, ma
 
     import httpx
 
-    from common import sse_chunks
+    from benchmarks.lib.load import sse_chunks
 
     body = {"model": SERVED, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": " ".join(["word"] * isl_words)}]}
@@ -715,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the NATS request plane instead: turbine-nats (frontend and mocker on "
                         "--request-plane nats, through a private nats-server) vs turbine (tcp), two stacks up side "
                         "by side, built-in load (no aiperf); reports CPU per request of every process")
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_ceiling-{today}.json"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "frontend" / f"frontend_ceiling-{today}.json"))
     return p
 
 

@@ -20,8 +20,8 @@ instruction counts: `--callgrind` runs each detok implementation under valgrind'
 twice (N streams and 0 streams) and reports (Ir(N) - Ir(0)) / tokens, which does not depend on
 other load.
 
-  .venv/bin/python benchmarks/frontend_cpu_micro.py --repeats 15
-  .venv/bin/python benchmarks/frontend_cpu_micro.py --callgrind --streams 50   # instructions/token
+  .venv/bin/python -m benchmarks.frontend.frontend_cpu_micro --repeats 15
+  .venv/bin/python -m benchmarks.frontend.frontend_cpu_micro --callgrind --streams 50   # instructions/token
 
 The model folder comes from --model, else env TURBINE_BENCH_MODEL, else the repo's own resolution
 (`turbine model prepare`).
@@ -44,12 +44,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+# Standalone (callgrind runs this file by path in a child): the checkout is two folders up.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-from turbine.frontend.models.tokenizer import TextTokenizer  # noqa: E402
-from turbine.frontend.postprocess import detokenizer as current_detok  # noqa: E402
+from turbine.frontend.models.tokenizer import TextTokenizer
+from turbine.frontend.postprocess import detokenizer as current_detok
 
 ENGLISH = ("The quick brown fox jumps over the lazy dog while the committee reviews its annual budget, "
            "and the river keeps flowing past the old mill where children once played on summer evenings. ")
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encode-calls", type=int, default=500)
     p.add_argument("--callgrind", action="store_true", help="instruction counts of the detok implementations instead")
     p.add_argument("--only-detok", choices=("ref", "current"), help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"frontend_cpu_micro-{today}.json"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "frontend" / f"frontend_cpu_micro-{today}.json"))
     a = p.parse_args(argv)
     a.model = a.model or default_model()
     tok = TextTokenizer.from_dir(a.model)

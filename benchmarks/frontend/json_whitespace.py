@@ -10,9 +10,9 @@ whether it ended by itself (finish_reason stop / tool_calls) and its JSON parses
 against the schema, whether max_tokens cut it, its completion tokens, and the whitespace characters
 in the JSON. Quality is not timed: no timings are compared.
 
-  python benchmarks/json_whitespace.py [--max-tokens 96] [--seeds 3] [--concurrency 8]
+  python -m benchmarks.frontend.json_whitespace [--max-tokens 96] [--seeds 3] [--concurrency 8]
 
-Writes benchmarks/results/json_whitespace-DATE.json and prints a table (RESULTS.md, "JSON whitespace").
+Writes benchmarks/results/frontend/json_whitespace-DATE.json and prints a table (docs/benchmarks/frontend.md, "JSON whitespace").
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import http_post_json, log
+from benchmarks.lib.stack import Stack, start_turbine
+from turbine.runtime.ports import free_port
 
-from common import REPO_ROOT, Stack, free_port, http_post_json, log, start_turbine  # noqa: E402
 
 SERVED = "json-whitespace-model"
 SCHEMAS = {
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--modes", default="any,compact")
     p.add_argument("--startup-timeout", type=float, default=300)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "frontend"
                                         / f"json_whitespace-{_dt.date.today().isoformat()}.json"))
     a = p.parse_args(argv)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

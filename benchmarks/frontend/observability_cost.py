@@ -17,7 +17,7 @@ The systems alternate (ABBA over --repeats); reported: medians of the per-repeat
 and (one more run each, under cProfile) the Python function calls per request, which do not depend on
 what else the host runs.
 
-  .venv/bin/python benchmarks/observability_cost.py --baseline /tmp/turbine-base --repeats 6
+  .venv/bin/python -m benchmarks.frontend.observability_cost --baseline /tmp/turbine-base --repeats 6
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# Standalone (its child runs this file by path against another checkout): the checkout is two folders up.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("base", "default", "no-access", "tracing")
 
 
@@ -140,7 +141,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--tokens", type=int, default=64, help="one-token chunks per streamed answer")
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/observability_cost-DATE.json)")
+    p.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/frontend/observability_cost-DATE.json)")
     p.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--count-calls", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -163,7 +164,7 @@ def main() -> int:
               "baseline": a.baseline, "cpu_per_request_ms": runs, "median_ratio_to_base": ratios,
               "python_calls_per_request": calls,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out = Path(a.out or REPO_ROOT / "benchmarks" / "results" / f"observability_cost-{time.strftime('%Y-%m-%d')}.json")
+    out = Path(a.out or REPO_ROOT / "benchmarks" / "results" / "frontend" / f"observability_cost-{time.strftime('%Y-%m-%d')}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     print(f"-> {out}")

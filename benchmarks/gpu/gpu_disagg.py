@@ -16,9 +16,9 @@ Every process is Turbine's own (`python -m turbine.frontend`, `python -m turbine
 discovery; each worker gets one GPU through CUDA_VISIBLE_DEVICES. It also runs on a CPU host (vLLM's
 CPU build, NIXL over host memory) for a quick check of the script itself.
 
-    PYTHONPATH=<site>:. python3 benchmarks/gpu_disagg.py parity --model <smollm2 folder> --dtype float32 \
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_disagg parity --model <smollm2 folder> --dtype float32 \
         --out $OUT/gpu_disagg_parity.json
-    PYTHONPATH=<site>:. python3 benchmarks/gpu_disagg.py load --model <llama-3.1-8b folder> --load-format dummy \
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_disagg load --model <llama-3.1-8b folder> --load-format dummy \
         --setups disagg,agg --out $OUT/gpu_disagg_load.json
 """
 
@@ -38,9 +38,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.gpu.gpu_serving import Procs, _ms, free_port, log, machine, pct, stream_completion
 
-from gpu_serving import Procs, _ms, free_port, log, machine, pct, stream_completion  # noqa: E402
 
 SERVED = "model"
 

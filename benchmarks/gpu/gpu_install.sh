@@ -1,9 +1,9 @@
 #!/bin/bash
 # The "there" half of gpu_site_bundle.sh: on the offline GPU host, run from the checkout the device tool
 # sends, gathers the pieces that arrived in earlier device calls and installs them once all are in.
-#   bash benchmarks/gpu_install.sh stash DIR...   copy the files in DIR... to $STAGE (persists while the
+#   bash benchmarks/gpu/gpu_install.sh stash DIR...   copy the files in DIR... to $STAGE (persists while the
 #                                                  machine stays warm), one call per piece
-#   bash benchmarks/gpu_install.sh install         join + check the pieces, unpack the site (vLLM, nixl, ...)
+#   bash benchmarks/gpu/gpu_install.sh install         join + check the pieces, unpack the site (vLLM, nixl, ...)
 #                                                  into $SITE, the 8B model folder into $H8/model-llama-3.1-8b,
 #                                                  and convert the embedded SmolLM2 to $H8/smollm2 (bf16)
 # Then: export PYTHONPATH=$SITE:<the checkout>.
@@ -11,7 +11,7 @@ set -euo pipefail
 H8=${H8:-/tmp/h8}
 STAGE=${STAGE:-$H8/stage}
 SITE=${SITE:-$H8/site}
-HERE=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$STAGE"
 case "${1:-}" in
   stash)

@@ -16,8 +16,8 @@ architecture's config with vLLM's dummy weights (the host has no network).
 Every process is Turbine's own on file discovery; the frontend routes with the KV router. Results and the
 checks' verdicts go to --out (JSON); the log says each verdict as it comes.
 
-    PYTHONPATH=<site>:. python3 benchmarks/gpu_parallel.py dp --model <llama-3.1-8b folder> --out $OUT/gpu_dp.json
-    PYTHONPATH=<site>:. python3 benchmarks/gpu_parallel.py moe --tokenizer-from <llama-3.1-8b folder> --out $OUT/gpu_moe.json
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_parallel dp --model <llama-3.1-8b folder> --out $OUT/gpu_dp.json
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_parallel moe --tokenizer-from <llama-3.1-8b folder> --out $OUT/gpu_moe.json
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.gpu.gpu_disagg import SERVED, Stack, get_json, metric_sum, post_json, scrape
+from benchmarks.gpu.gpu_serving import free_port, log, machine, stream_completion
 
-from gpu_disagg import SERVED, Stack, get_json, metric_sum, post_json, scrape  # noqa: E402
-from gpu_serving import free_port, log, machine, stream_completion  # noqa: E402
 
 # A small MoE in Mixtral's published architecture (8 experts, 2 per token), sized to start in seconds.
 MIXTRAL_SMALL = {

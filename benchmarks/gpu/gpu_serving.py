@@ -45,9 +45,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.lib.paths import REPO_ROOT
 from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVED = "llama-3.1-8b-dummy"
 
 # meta-llama/Llama-3.1-8B's published config.json (architecture only; the weights are vLLM's dummy ones)

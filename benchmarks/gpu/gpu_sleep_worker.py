@@ -11,7 +11,7 @@ waking is the one the issue asks about; all are compared). Level 2 needs weights
 again (the worker refuses level 2 on dummy weights), so the model is a real checkpoint (the
 embedded SmolLM2, converted on the host).
 
-    PYTHONPATH=<site>:. python3 benchmarks/gpu_sleep_worker.py --model <folder> --out $OUT/gpu_sleep_worker.json
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_sleep_worker --model <folder> --out $OUT/gpu_sleep_worker.json
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.gpu.gpu_serving import Procs, free_port, log, machine
+from benchmarks.gpu.sleep_wake_gpu import GpuMemory
 
-from gpu_serving import Procs, free_port, log, machine  # noqa: E402
-from sleep_wake_gpu import GpuMemory  # noqa: E402
 
 SERVED = "model"
 CHATS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea.",

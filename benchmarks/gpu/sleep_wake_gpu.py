@@ -22,7 +22,7 @@ benchmark calls vLLM's `reload_weights` (from the model folder) instead.
 GPU memory is read with NVML (device-wide used bytes and the engine process's bytes) so this process
 opens no CUDA context of its own.
 
-    PYTHONPATH=<site>:. python3 benchmarks/sleep_wake_gpu.py --model <folder> --load-format dummy \\
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.sleep_wake_gpu --model <folder> --load-format dummy \\
         --out $OUT/sleep_wake_gpu.json
 """
 

@@ -1,12 +1,12 @@
 """Does a third-party KV connector run on the vLLM CPU build? One engine (SmolLM2, float32, 24 blocks of 128
 tokens) with vLLM's OffloadingConnector (`offload`) or LMCache's LMCacheConnectorV1 (`lmcache`); four 1000-token
 prompts (1, 2, 3, 1): the last one returns after two others pushed it out of the small engine cache, so a working
-connector shows as cached tokens and a shorter time. Results and the reasons: benchmarks/RESULTS.md ("Multi-tier KV
+connector shows as cached tokens and a shorter time. Results and the reasons: docs/benchmarks/kv_tiers.md ("Multi-tier KV
 cache"); run under the engine lock:
 
-  flock /tmp/turbine-engine.lock .venv/bin/python benchmarks/kv_alternatives_trial.py offload MODEL_DIR
+  flock /tmp/turbine-engine.lock .venv/bin/python -m benchmarks.kv_tiers.kv_alternatives_trial offload MODEL_DIR
   LMCACHE_CHUNK_SIZE=128 LMCACHE_LOCAL_CPU=True LMCACHE_MAX_LOCAL_CPU_SIZE=1 PYTHONPATH=LMCACHE_WHEEL_DIR:DEPS_DIR \
-      flock /tmp/turbine-engine.lock .venv/bin/python benchmarks/kv_alternatives_trial.py lmcache MODEL_DIR
+      flock /tmp/turbine-engine.lock .venv/bin/python -m benchmarks.kv_tiers.kv_alternatives_trial lmcache MODEL_DIR
 """
 import json, random, sys, time, traceback
 from vllm import LLM, SamplingParams

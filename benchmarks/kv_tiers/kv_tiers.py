@@ -2,7 +2,7 @@
 r"""Multi-tier KV cache (issue #18) on a real vLLM CPU worker: returning conversations' TTFT and the
 run's throughput with no tiers vs `--connector kvbm` tiers, same run, alternating order, repeats.
 
-Each run starts, on a private file-discovery folder (benchmarks/common.py):
+Each run starts, on a private file-discovery folder (benchmarks/lib/stack.py):
   python -m turbine.vllm --model SmolLM2 --dtype float32 --enforce-eager --max-model-len L
         --num-gpu-blocks-override N [mode's flags]
         (VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=--omp-bind: the same core(s) in every mode)
@@ -44,7 +44,7 @@ turns, run throughput (requests/s and prompt tokens/s over the whole run), cache
 returning turns (usage cached_tokens / prompt tokens), disk bytes written and tier hits (the
 worker's turbine_kvbm_* counters); ratios of `none` over each mode's returning-turn TTFT p50.
 
-  .venv/bin/python benchmarks/kv_tiers.py --repeats 2 --lock /tmp/turbine-engine.lock --out benchmarks/results/kv_tiers-$(date +%F).json
+  .venv/bin/python -m benchmarks.kv_tiers.kv_tiers --repeats 2 --lock /tmp/turbine-engine.lock --out benchmarks/results/kv_tiers/kv_tiers-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -64,11 +64,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import stream_request
+from benchmarks.lib.metrics import scrape
+from benchmarks.lib.paths import REPO_ROOT, default_model
+from benchmarks.lib.proc import http_get_json, log
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.stack import Stack, turbine_env
+from benchmarks.lib.stats import fmt, median, pct, ratio
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, default_model, fmt, free_port, http_get_json, log, median, ratio, turbine_env, wait_quiet)
-from kv_routing_fleet import pct, scrape, stream_request  # noqa: E402
 
 SERVED = "smollm2-135m-instruct"
 BASE_MODES = ("none", "host", "host+disk", "small-host")
@@ -337,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=str(REPO_ROOT / ".venv/bin/python"))
     p.add_argument("--model", default=None, help="model folder (default: `turbine model prepare`'s SmolLM2)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                   help="gpu: no CPU core binding, --dtype auto unless given (benchmarks/gpu_tests.sh)")
+                   help="gpu: no CPU core binding, --dtype auto unless given (benchmarks/gpu/gpu_tests.sh)")
     p.add_argument("--dtype", default=None, help="the worker's --dtype (default: float32 on cpu, auto on gpu)")
     p.add_argument("--served-model-name", default=SERVED)
     p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (default: SmolLM2's)")

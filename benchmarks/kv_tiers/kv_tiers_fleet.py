@@ -2,8 +2,8 @@
 r"""Multi-tier KV cache on a simulated fleet (issue #18): returning conversations with no tiers, with
 tiers and engine-only routing, and with tiers and tier-aware routing.
 
-Each run starts, on a private file-discovery folder (benchmarks/common.py, via kv_routing_fleet):
-  python -m turbine.mocker --num-workers 8 --profile benchmarks/results/mocker_profile-2026-11-25.json
+Each run starts, on a private file-discovery folder (benchmarks/lib/stack.py, via kv_routing_fleet):
+  python -m turbine.mocker --num-workers 8 --profile benchmarks/results/mocker/mocker_profile-2026-11-25.json
         --block-size 128 --num-gpu-blocks N [--kv-host-cache-gb G] ...
   python -m turbine.frontend --router-mode kv [--no-router-kv-tiers]
 and drives kv_routing_fleet's multi-turn chat (each conversation its own system prompt here, so the
@@ -21,8 +21,8 @@ request and output-token throughput, the cache hit rate (usage cached_tokens: en
 loaded from a tier, as vLLM counts them), the blocks loaded from the tiers (turbine_mocker_kvbm_hits),
 and the ratios against `none` of the same repeat.
 
-  .venv/bin/python benchmarks/kv_tiers_fleet.py --repeats 2 --lock /tmp/turbine-engine.lock \
-      --out benchmarks/results/kv_tiers_fleet-$(date +%F).json
+  .venv/bin/python -m benchmarks.kv_tiers.kv_tiers_fleet --repeats 2 --lock /tmp/turbine-engine.lock \
+      --out benchmarks/results/kv_tiers/kv_tiers_fleet-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -40,10 +40,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import drive
+from benchmarks.lib.metrics import scrape, worker_spread
+from benchmarks.lib.paths import REPO_ROOT, default_model
+from benchmarks.lib.proc import log
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.results import dump_json
+from benchmarks.lib.stats import fmt, median, pct, ratio
 
-import kv_routing_fleet as kf  # noqa: E402
-from common import REPO_ROOT, default_model, fmt, log, median, ratio, wait_quiet  # noqa: E402
+from benchmarks.routing import kv_routing_fleet as kf
 
 MODES = ("none", "engine-only", "tier-aware")
 BLOCK_SIZE = 128  # the real vLLM CPU worker's
@@ -79,9 +84,9 @@ def run_one(a, mode: str, workload, rep: int, run_dir: Path) -> dict:
         st = kf.start_stack(m, "kv", "chat", run_dir, tag)
         try:
             w0 = time.monotonic()
-            records, _ = asyncio.run(kf.drive(workload, st.base_url))
+            records, _ = asyncio.run(drive(workload, st.base_url))
             wall = time.monotonic() - w0
-            mocker = [x for port in st.metrics_ports for x in kf.scrape(f"http://127.0.0.1:{port}/metrics")]
+            mocker = [x for port in st.metrics_ports for x in scrape(f"http://127.0.0.1:{port}/metrics")]
             died = [p.name for p in st.procs if not p.alive()]
         finally:
             st.stop()
@@ -94,13 +99,13 @@ def run_one(a, mode: str, workload, rep: int, run_dir: Path) -> dict:
     out = {
         "repeat": rep, "mode": mode, "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "error_samples": sorted({r["error"] for r in records if r["error"]})[:5],
-        "returning_ttft_p50_ms": kf.pct(ttft[True], 50), "returning_ttft_p99_ms": kf.pct(ttft[True], 99),
-        "first_turn_ttft_p50_ms": kf.pct(ttft[False], 50), "returning": len(ttft[True]),
+        "returning_ttft_p50_ms": pct(ttft[True], 50), "returning_ttft_p99_ms": pct(ttft[True], 99),
+        "first_turn_ttft_p50_ms": pct(ttft[False], 50), "returning": len(ttft[True]),
         "request_per_s": len(ok) / (t1 - t0) if t1 > t0 else None,
         "output_tok_s": sum(r["completion_tokens"] for r in ok) / (t1 - t0) if t1 > t0 else None,
         "returning_hit_rate": sum(r["cached_tokens"] for r in ok if r["turn"] > 0) / prompt if prompt else None,
         "tier_hit_blocks": tier_hits, "makespan_s": t1 - t0, "wall_s": wall, "pytest_wait_s": waited,
-        "workers": kf.worker_spread(mocker), "died": died, "mocker_argv": st.argv_mocker,
+        "workers": worker_spread(mocker), "died": died, "mocker_argv": st.argv_mocker,
         "frontend_argv": st.argv_frontend, "logs": [str(p.log_path) for p in st.procs],
     }
     log(f"{tag}: {out['ok']}/{out['requests']} ok, returning TTFT p50 {fmt(out['returning_ttft_p50_ms'])} "
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--host-cache-gb", type=float, default=0.75,
                    help="--kv-host-cache-gb per worker (0.75 GiB: 273 blocks of SmolLM2's 2.9 MB)")
     g.add_argument("--speedup", type=float, default=1.0, help="mocker --speedup-ratio")
-    g.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker_profile-2026-11-25.json"))
+    g.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker/mocker_profile-2026-11-25.json"))
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=2048)
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--min-think-s", type=float, default=0.2)
     p.add_argument("--startup-timeout", type=float, default=120)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"kv_tiers_fleet-{today}.json"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "kv_tiers" / f"kv_tiers_fleet-{today}.json"))
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                            text=True).stdout.strip()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(kf.dump_json({
+    out.write_text(dump_json({
         "benchmark": "kv_tiers_fleet", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "duration_s": round(time.time() - started, 1), "command": [sys.executable, *sys.argv], "commit": commit,
         "turbine_tree_changes": dirty.splitlines(),

@@ -15,7 +15,7 @@ the difference is the full blocks' cost: computed (fresh), loaded (tier) or alre
 The shared tier is the disk tier's file code on a directory others also write (on this host a local
 directory): it gets the disk weight unless measured on a network filesystem.
 
-    flock /tmp/turbine-engine.lock .venv/bin/python benchmarks/kvbm_tier_weights.py --rounds 5
+    flock /tmp/turbine-engine.lock .venv/bin/python -m benchmarks.kv_tiers.kvbm_tier_weights --rounds 5
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import log
+from benchmarks.lib.stack import Stack, start_turbine
+from turbine.runtime.ports import free_port
 
-from common import Stack, free_port, log, start_turbine  # noqa: E402
-
-from turbine.model.prepare import DEFAULT_MODEL  # noqa: E402
+from turbine.model.prepare import DEFAULT_MODEL
 
 BLOCK = 128
 FULL = 8  # full blocks per prompt
@@ -84,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON results file (default: benchmarks/results/kvbm_tier_weights-<time>.json)")
+    ap.add_argument("--out", default=None, help="JSON results file (default: benchmarks/results/kv_tiers/kvbm_tier_weights-<time>.json)")
     args = ap.parse_args()
     from openai import OpenAI
 
@@ -142,7 +143,7 @@ def main() -> None:
         result["weights"] = {t: round((med[t] - med["engine"]) / span, 3) for t in ("host", "disk") if t in med}
         result["per_block_ms"] = {"compute": round(span / FULL * 1000, 1), **{
             t: round((med[t] - med["engine"]) / FULL * 1000, 1) for t in ("host", "disk") if t in med}}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"kvbm_tier_weights-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else REPO_ROOT / "benchmarks" / "results" / "kv_tiers" / f"kvbm_tier_weights-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

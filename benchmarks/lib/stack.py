@@ -1,132 +1,20 @@
-"""Helpers shared by the benchmarks of issue #3 (mocker fidelity, frontend ceiling, mocker scale).
-
-The process handling, aiperf invocation and aiperf-export parsing are the ones of
-`frontend_overhead.py` (imported from it, not copied); this module adds what the new
-benchmarks need beyond them: a Turbine stack with any worker command, a generic aiperf point,
-the quiet-machine check, reading model cards from file discovery, and CPU-time accounting.
-"""
+"""A serving stack of a benchmark: its processes (started in order, stopped in reverse), a Turbine frontend and
+worker on a private file-discovery folder, a private NATS server, another checkout's Turbine, and the model
+cards the stack registered."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import shlex
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from frontend_overhead import (  # noqa: E402  (re-exported for the other benchmarks)
-    REPO_ROOT,
-    Proc,
-    default_aiperf,
-    default_dynamo_python,
-    default_model,
-    find_export,
-    fmt,
-    free_port,
-    http_get_json,
-    http_post_json,
-    log,
-    median,
-    parse_export,
-    parse_int_list,
-    run_aiperf,
-    shared_path,
-    tail,
-    versions,
-)
-
-__all__ = ["REPO_ROOT", "Proc", "start_nats", "default_aiperf", "default_dynamo_python", "shared_path", "default_model", "find_export", "fmt", "free_port", "http_get_json",
-           "http_post_json", "log", "median", "parse_export", "parse_int_list", "run_aiperf", "tail",
-           "versions", "Stack", "aiperf_point", "wait_quiet", "read_cards", "proc_cpu_s", "ratio",
-           "StreamError", "sse_chunks", "record_usage", "checkout_env", "turbine_origin"]
-
-
-class StreamError(Exception):
-    """An OpenAI streaming response that failed: an HTTP error, or an error chunk."""
-
-
-async def sse_chunks(client, url: str, body: dict):
-    """The JSON chunks of one OpenAI streaming response (httpx client), up to [DONE]."""
-    import json
-
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise StreamError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()  # "data: x" or "data:x": both are SSE
-            if data == "[DONE]":
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise StreamError(str(chunk["error"])[:300])
-            yield chunk
-
-
-def record_usage(rec: dict, chunk: dict) -> None:
-    """Copies a chunk's usage (prompt, completion and cached tokens) into a request record."""
-    usage = chunk.get("usage")
-    if usage:
-        rec["prompt_tokens"] = usage.get("prompt_tokens")
-        rec["completion_tokens"] = usage.get("completion_tokens")
-        rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-# --------------------------------------------------------------------------- quiet machine
-def wait_quiet(poll_s: float = 20.0, max_wait_s: float = 3600.0) -> float:
-    """Block while a `pytest` process runs (the lead's CI pass shares the 2 cores); return the
-    seconds waited.  Measurements must not overlap it."""
-    if os.environ.get("BENCH_SKIP_QUIET_CHECK") == "1":  # smoke tests only, never for measurements
-        return 0.0
-    waited = 0.0
-    while waited < max_wait_s:
-        r = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True)
-        pids = [p for p in r.stdout.split() if p.strip() and int(p) != os.getpid() and _is_pytest(int(p))]
-        if not pids:
-            return waited
-        if waited == 0:
-            log(f"pytest is running (pids {' '.join(pids)}): waiting for a quiet machine")
-        time.sleep(poll_s)
-        waited += poll_s
-    raise RuntimeError(f"pytest still running after {max_wait_s:.0f}s")
-
-
-def _is_pytest(pid: int) -> bool:
-    """A pytest run itself (`pytest ...`, `python -m pytest ...`), not a process that merely has
-    "pytest" in an argument (e.g. a leftover test worker given a /tmp/pytest-of-root/... path)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    argv = [x.decode(errors="replace") for x in argv if x]
-    if not argv or os.path.basename(argv[0]) == "flock":
-        return False  # `flock LOCK pytest ...` waits for the engine lock (maybe ours): not running yet
-    if os.path.basename(argv[0]).startswith(("pytest", "py.test")):
-        return True
-    if len(argv) > 1 and os.path.basename(argv[1]).startswith(("pytest", "py.test")):
-        return True  # python /path/to/pytest ...
-    return any(a == "-m" and b == "pytest" for a, b in zip(argv, argv[1:]))
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of one process (Linux /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
+from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import Proc, http_get_json, http_post_json, log, tail
+from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
 
 
 # --------------------------------------------------------------------------- stacks
@@ -276,34 +164,3 @@ async def _read_cards(discovery_dir: str):
 def read_cards(discovery_dir: str):
     """(model cards, instance records) currently in a file-discovery folder."""
     return asyncio.run(_read_cards(discovery_dir))
-
-
-# --------------------------------------------------------------------------- aiperf
-def aiperf_point(*, aiperf: str, url: str, model: str, tokenizer: str, concurrency: int, requests: int,
-                 warmup: int, isl: int, osl: int, seed: int, artifact_dir: Path, log_path: Path,
-                 extra: list[str] | None = None, timeout: float = 900) -> dict:
-    """One aiperf run with frontend_overhead's load (streaming chat, fixed ISL/OSL, ignore_eos,
-    output tokens from the server's usage) plus `extra` aiperf flags.  Returns a record with the
-    parsed metrics and ok / error."""
-    ns = argparse.Namespace(
-        aiperf=aiperf, served_model_name=model, tokenizer=tokenizer, model=tokenizer,
-        requests_per_point=requests, min_requests=requests, requests_multiplier=1,
-        warmup_requests=warmup, isl=isl, osl=osl, seed=seed, use_server_token_count=True,
-        aiperf_workers=0, aiperf_args=shlex.join(extra or []), point_timeout=timeout)
-    artifact_dir.mkdir(parents=True, exist_ok=True)
-    rc, wall = run_aiperf(ns, url, concurrency, artifact_dir, log_path)
-    export = find_export(artifact_dir)
-    rec = {"concurrency": concurrency, "requests": requests, "warmup": warmup, "isl": isl, "osl": osl,
-           "seed": seed, "extra": extra or [], "aiperf_rc": rc, "wall_s": wall,
-           "artifact_dir": str(artifact_dir), "export": str(export) if export else None, "metrics": {}}
-    if export:
-        try:
-            rec["metrics"] = parse_export(export)
-        except (OSError, ValueError) as e:
-            rec["error"] = f"cannot parse {export}: {e}"
-    m = rec["metrics"]
-    rec["ok"] = rc == 0 and m.get("output_tok_s") is not None and not m.get("errors")
-    if not rec["ok"]:
-        rec.setdefault("error", f"aiperf rc={rc}, errors={m.get('errors')}")
-        log(f"aiperf FAILED ({rec['error']}); log {log_path}:\n{tail(log_path, 25)}")
-    return rec

@@ -33,10 +33,10 @@ p50/p99 (per request: (last token - first token) / (tokens - 1), percentiles ove
 requests), the p99 of each request's longest gap between tokens (a migration's stall shows here),
 and the ratios of the p99s to the nokill phase's.
 
-  .venv/bin/python benchmarks/chaos.py --engine mocker --duration-s 600 --phases nokill,off,on \
-      --out benchmarks/results/chaos-mocker-$(date +%F).json
-  flock /tmp/turbine-engine.lock .venv/bin/python benchmarks/chaos.py --engine vllm --workers 2 \
-      --duration-s 150 --kill-interval-s 30 --phases nokill,off,on --out benchmarks/results/chaos-vllm-$(date +%F).json
+  .venv/bin/python -m benchmarks.lifecycle.chaos --engine mocker --duration-s 600 --phases nokill,off,on \
+      --out benchmarks/results/lifecycle/chaos-mocker-$(date +%F).json
+  flock /tmp/turbine-engine.lock .venv/bin/python -m benchmarks.lifecycle.chaos --engine vllm --workers 2 \
+      --duration-s 150 --kill-interval-s 30 --phases nokill,off,on --out benchmarks/results/lifecycle/chaos-vllm-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import sse_chunks
+from benchmarks.lib.paths import default_model
+from benchmarks.lib.proc import Proc, http_get_json, log, tail
+from benchmarks.lib.stack import turbine_origin
+from turbine.runtime.ports import free_port
 
-from common import Proc, default_model, free_port, http_get_json, log, sse_chunks, tail, turbine_origin  # noqa: E402
 
 MODEL_NAME = "chaos"
 

@@ -8,7 +8,7 @@ Three ways to get a ready worker (GET /health = 200), each timed from its trigge
   it), then `criu restore -d` brings it back and restore-complete is written: timed from the
   restore command to /health 200. Only where `criu check` passes; otherwise its error is printed.
 
-    .venv/bin/python benchmarks/checkpoint_restore.py --repeats 3 [--criu /path/to/criu]
+    .venv/bin/python -m benchmarks.lifecycle.checkpoint_restore --repeats 3 [--criu /path/to/criu]
 
 Rounds alternate the order (cold, marker, criu / criu, marker, cold); medians are reported
 (seconds; criu_image_mb: the dump's size). Checkpoint-mode mockers run on asyncio, not uvloop:
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.lib.paths import REPO_ROOT
 
 
 def healthy(port: int) -> bool:
@@ -63,7 +63,7 @@ def mocker(root: Path, port: int, control: Path | None) -> subprocess.Popen:
     # Its own session, stdin from /dev/null: a process tree CRIU can dump without --shell-job.
     return subprocess.Popen([sys.executable, "-m", "turbine.mocker", "--system-port", str(port),
                              "--speedup-ratio", "0"], env=env, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
 
 
 def stop(pid: int) -> None:

@@ -4,7 +4,7 @@
 # CRIU: a 4.x build (Debian bookworm's 3.17.1 cannot start on kernel 6.13+); set CRIU=/path/to/criu.
 CRIU=${CRIU:-criu}  # the criu on PATH unless told
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 D=$(mktemp -d /tmp/vllm-criu.XXXX); mkdir -p $D/img
 PORT=$(.venv/bin/python -c "import socket;s=socket.socket();s.bind(('127.0.0.1',0));print(s.getsockname()[1])")
 export TURBINE_DISCOVERY_DIR=$D/disc VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1

@@ -20,8 +20,8 @@ Dynamo's mocker decodes ~5x faster than Turbine's (its default timing is a GPU's
 2-core CPU worker's), so each system gets its own `max_tokens` (defaults 1500 and 200, as the peer's
 recipe) and both are killed at the same fraction of their streams.
 
-  .venv/bin/python benchmarks/kill_one_side_by_side.py --systems turbine,dynamo --limits 3,0 --repeats 3 \
-      --out benchmarks/results/kill_one-$(date +%F).json
+  .venv/bin/python -m benchmarks.lifecycle.kill_one_side_by_side --systems turbine,dynamo --limits 3,0 --repeats 3 \
+      --out benchmarks/results/lifecycle/kill_one-$(date +%F).json
 
 `--limits off` runs Turbine's frontend without the flag (main before request migration).
 """
@@ -40,11 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import sse_chunks
+from benchmarks.lib.paths import default_dynamo_python, default_model, shared_path
+from benchmarks.lib.proc import Proc, http_get_json, log, tail
+from benchmarks.lib.stack import turbine_origin
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    Proc, default_dynamo_python, default_model, free_port, http_get_json, log, shared_path, sse_chunks, tail,
-    turbine_origin)
 
 MODEL_NAME = "smol"
 PROMPT = "tell me a story " * 20

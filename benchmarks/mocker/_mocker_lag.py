@@ -1,4 +1,4 @@
-"""`python benchmarks/_mocker_lag.py <turbine mocker flags>`: the unmodified mocker process, with
+"""`python -m benchmarks.mocker._mocker_lag <turbine mocker flags>`: the unmodified mocker process, with
 each simulated step's lateness recorded (benchmark instrumentation only; turbine/ is not changed).
 
 The engine (turbine/mocker/engine.py) ends each step at a deadline counted from the previous

@@ -4,7 +4,7 @@ r"""Mocker fidelity: does a calibrated `turbine mocker` time requests like the r
 1. Start the real worker (`python -m turbine.vllm --enforce-eager --max-model-len 2048`,
    VLLM_CPU_KVCACHE_SPACE=2) and a Turbine frontend on a private file-discovery folder.
 2. Unless --profile is given: `turbine mocker calibrate` against it, writing the profile
-   JSON (default benchmarks/results/mocker_profile-<date>.json).
+   JSON (default benchmarks/results/mocker/mocker_profile-<date>.json).
 3. Run the aiperf points (concurrency x input length x shared prefix or not) through the frontend.
 4. Stop it; start the frontend + `turbine mocker --block-size 128 --profile <fitted>
    --num-gpu-blocks <the real worker's total blocks>` (also the real worker's max-num-seqs,
@@ -12,7 +12,7 @@ r"""Mocker fidelity: does a calibrated `turbine mocker` time requests like the r
 Systems alternate per repeat (real, mock, mock, real, ...).  Reported: TTFT p50 and ITL p50 of
 both and mock / real per point (target 0.8 .. 1.2), medians over repeats.
 
-  .venv/bin/python benchmarks/mocker_fidelity.py --repeats 2     # aiperf: make bench-tools, or --aiperf / env AIPERF
+  .venv/bin/python -m benchmarks.mocker.mocker_fidelity --repeats 2     # aiperf: make bench-tools, or --aiperf / env AIPERF
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.aiperf import aiperf_point
+from benchmarks.lib.paths import REPO_ROOT, default_aiperf, default_model, versions
+from benchmarks.lib.proc import log
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.stack import Stack, read_cards, start_turbine
+from benchmarks.lib.stats import fmt, median, ratio
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, aiperf_point, default_aiperf, default_model, fmt, free_port, log, median, ratio, read_cards,
-    start_turbine, versions, wait_quiet)
 
 SERVED = "smollm2-135m-instruct"
 
@@ -213,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", default=None,
                    help="use this profile instead of calibrating (default: calibrate into "
-                        "benchmarks/results/mocker_profile-<date>.json)")
+                        "benchmarks/results/mocker/mocker_profile-<date>.json)")
     p.add_argument("--profile-out", default=None,
-                   help="where calibration writes the profile (default benchmarks/results/mocker_profile-<date>.json)")
+                   help="where calibration writes the profile (default benchmarks/results/mocker/mocker_profile-<date>.json)")
     p.add_argument("--calibrate-args", default="", help="extra `turbine mocker calibrate` flags")
     p.add_argument("--calibrate-direct", action="store_true",
                    help="calibrate over the worker's request plane (before 2026-11-26 this was the only way); "
@@ -229,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--point-timeout", type=float, default=600)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"mocker_fidelity-{today}.json"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "mocker" / f"mocker_fidelity-{today}.json"))
     p._today = today
     return p
 
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     a.model = a.model or default_model(a.python)
     calibrate_here = a.profile is None
     if calibrate_here:
-        a.profile = a.profile_out or str(REPO_ROOT / "benchmarks" / "results" / f"mocker_profile-{parser._today}.json")
+        a.profile = a.profile_out or str(REPO_ROOT / "benchmarks" / "results" / "mocker" / f"mocker_profile-{parser._today}.json")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(a.work_dir or f"/tmp/turbine-mocker-fidelity-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 r"""Mocker scale: how many simulated workers one `turbine mocker` process sustains in real time.
 
 For each (workers N, request rate R) point: start one mocker process with N workers at
---speedup-ratio 1 (through benchmarks/_mocker_lag.py, which records how late every simulated
+--speedup-ratio 1 (through benchmarks/mocker/_mocker_lag.py, which records how late every simulated
 step ends), then send an open-loop Poisson stream of R requests/s for --duration seconds,
 round-robin over the N instances, straight over Turbine's request plane (the `generate`
 endpoint, as `turbine mocker calibrate` does; no frontend in the path; its ceiling is measured
@@ -23,7 +23,7 @@ too: each one stalls every worker of the process.  The mocker runs a full pass e
 --variants runs each point with several mocker flag sets in turn (the same load, one process
 at a time), e.g. the paced collector against Python's automatic one:
 
-  .venv/bin/python benchmarks/mocker_scale.py --workers 128,256 --rate 200 --duration 75 --repeats 2 \
+  .venv/bin/python -m benchmarks.mocker.mocker_scale --workers 128,256 --rate 200 --duration 75 --repeats 2 \
       --variants 'paced=;automatic=--gc-interval 0'
 """
 
@@ -43,19 +43,16 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.args import parse_int_list
+from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import log, proc_cpu_s
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.stack import Stack, read_cards, turbine_env
+from benchmarks.lib.stats import fmt, pct
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, fmt, free_port, log, parse_int_list, proc_cpu_s, read_cards, turbine_env, wait_quiet)
 
 SERVED = "smollm2-135m-instruct"
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 async def drive(records, rate: float, duration: float, isl: int, osl: int, vocab: int, seed: int) -> dict:
@@ -236,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-lag-frac", type=float, default=0.10)
     p.add_argument("--startup-timeout", type=float, default=180)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"mocker_scale-{today}.json"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "mocker" / f"mocker_scale-{today}.json"))
     a = p.parse_args(argv)
     if a.pin and (os.cpu_count() or 1) < 2:
         p.error("--pin needs at least 2 CPUs")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 r"""Image chats (issue #19): aggregated vs E/PD on the same cores, and the encode worker's embedding cache.
 
-Setups, one at a time, each on private file discovery (benchmarks/common.py), same engine flags:
+Setups, one at a time, each on private file discovery (benchmarks/lib/stack.py), same engine flags:
 
 agg   one vLLM worker `--enable-multimodal` (the engine encodes the images) + a frontend.
 epd   an encode worker (`--multimodal-encode-worker`, the vision tower alone) + one vLLM worker
@@ -21,7 +21,7 @@ Reported per setup, workload and concurrency: TTFT p50/p90, requests/s, output t
 encoder runs and cache hits (the encode worker's counters). Setups alternate (agg, epd | epd, agg); values are
 medians over --repeats.
 
-  .venv/bin/python benchmarks/multimodal.py --repeats 2 --concurrency 1,4 --requests 16
+  .venv/bin/python -m benchmarks.multimodal.multimodal --repeats 2 --concurrency 1,4 --requests 16
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.lib.proc import log
+from benchmarks.lib.stack import Stack, turbine_env
 
-from common import Stack, log, turbine_env  # noqa: E402
 
 SERVED = "tiny-vlm"
 ENGINE = ["--served-model-name", SERVED, "--enable-multimodal", "--enforce-eager", "--dtype", "float32",
@@ -119,7 +118,7 @@ def metric(url: str, name: str) -> float:
 
 
 def start(setup: str, model: str, run_dir: Path, tag: str) -> tuple[Stack, str | None]:
-    from common import free_port
+    from turbine.runtime.ports import free_port
 
     stack = Stack(setup, run_dir, tag)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)

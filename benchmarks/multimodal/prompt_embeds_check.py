@@ -2,7 +2,7 @@
 pybase64, off the event loop above 256 KiB: the loop keeps ticking meanwhile) and the vLLM
 worker's weights-only load and checks.
 
-    .venv/bin/python benchmarks/prompt_embeds_check.py
+    .venv/bin/python -m benchmarks.multimodal.prompt_embeds_check
 """
 
 from __future__ import annotations

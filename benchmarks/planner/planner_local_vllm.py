@@ -3,8 +3,8 @@ scale-down under a steady stream of streamed requests through the real frontend 
 client), counting failed requests. A benchmark rather than a test: on this 2-core host a second vLLM
 engine takes 1-4 minutes to start while the first serves (more when the host is shared).
 
-    flock /tmp/turbine-engine.lock .venv/bin/python benchmarks/planner_local_vllm.py \\
-        --out benchmarks/results/planner_local_vllm-$(date +%F).json
+    flock /tmp/turbine-engine.lock .venv/bin/python -m benchmarks.planner.planner_local_vllm \\
+        --out benchmarks/results/planner/planner_local_vllm-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.integration.planner_traffic import SteadyTraffic  # noqa: E402
-from tests.integration.procs import ENGINE_FLAGS, free_port, metric  # noqa: E402
-from turbine.config import DiscoveryConfig  # noqa: E402
-from turbine.model.prepare import DEFAULT_MODEL  # noqa: E402
-from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole  # noqa: E402
+from tests.integration.planner_traffic import SteadyTraffic
+from tests.integration.procs import ENGINE_FLAGS, free_port, metric
+from turbine.config import DiscoveryConfig
+from turbine.model.prepare import DEFAULT_MODEL
+from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole
 
 
 def get(url: str) -> str:

@@ -37,17 +37,18 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.lib.load import StreamError, sse_chunks
+from benchmarks.lib.paths import REPO_ROOT as REPO, shared_path
+from benchmarks.lib.proc import log
+from benchmarks.lib.quiet import wait_quiet
 
-from benchmarks.common import StreamError, log, shared_path, sse_chunks, wait_quiet  # noqa: E402
 from turbine.config import DiscoveryConfig  # noqa: E402
 from turbine.planner.connectors.local import LocalConnector, LocalConnectorConfig, LocalRole  # noqa: E402
 from turbine.runtime.ports import free_port  # noqa: E402
 
 # The trace: --trace, else $TURBINE_BENCH_TRACE (as kv_routing_fleet.py), else shared/data/ in or beside the checkout.
 DEFAULT_TRACE = os.environ.get("TURBINE_BENCH_TRACE", str(shared_path("data", "mooncake_synthetic_trace.jsonl")))
-PROFILE = REPO / "benchmarks" / "results" / "mocker_profile-2026-11-26-avx2.json"
+PROFILE = REPO / "benchmarks" / "results" / "mocker" / "mocker_profile-2026-11-26-avx2.json"
 MOONCAKE_BLOCK = 512
 SERVED = "smollm2-135m-instruct"
 

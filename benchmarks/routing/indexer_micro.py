@@ -32,8 +32,8 @@ the latency of the KV routing decision for long prompts against a large index.
 Single thread, one process: "one core".  Numbers are per wall second and per CPU second of this
 process (CPU time is less disturbed by other processes on a shared machine).
 
-  .venv/bin/python benchmarks/indexer_micro.py --repeats 5 --compare-ref 8559aaa \
-      --out benchmarks/results/indexer_micro-$(date +%F).json
+  .venv/bin/python -m benchmarks.routing.indexer_micro --repeats 5 --compare-ref 8559aaa \
+      --out benchmarks/results/routing/indexer_micro-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -52,28 +52,23 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.args import parse_int_list
+from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import log
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.results import git_commit
+from benchmarks.lib.stats import pct
 
-from common import REPO_ROOT, log, parse_int_list, wait_quiet  # noqa: E402
 
-sys.path.insert(0, str(REPO_ROOT))
+import msgspec
 
-import msgspec  # noqa: E402
-
-from turbine.mocker.kv_cache import BlockPool  # noqa: E402
-from turbine.protocol.kv_events import BlockRemoved, BlockStored, KvEventBatch  # noqa: E402
-from turbine.router.config import KvRouterConfig  # noqa: E402
-from turbine.router.indexer import WorkerKey  # noqa: E402
+from turbine.mocker.kv_cache import BlockPool
+from turbine.protocol.kv_events import BlockRemoved, BlockStored, KvEventBatch
+from turbine.router.config import KvRouterConfig
+from turbine.router.indexer import WorkerKey
 
 VOCAB = 49152  # SmolLM2's vocabulary size: token ids are drawn below it
 _INTS = list(range(VOCAB))  # token lists reference these shared int objects (memory)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 def block_events(event) -> int:
@@ -616,14 +611,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-sizes", type=parse_int_list, default=[16, 64, 128],
@@ -655,11 +642,11 @@ def main(argv: list[str] | None = None) -> int:
                         "before the bit-mask indexer and one-shot hashing), alternating with this tree's, same run; "
                         "a revision before wire version 2 reads BlockStored.token_ids, which unpacks the packed "
                         "tokens: not the cost of decoding v1's int lists)")
-    p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/indexer_micro-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/routing/indexer_micro-<date>.json)")
     a = p.parse_args(argv)
     if a.pin_cpu is not None:
         os.sched_setaffinity(0, {a.pin_cpu})
-    out_path = Path(a.out or REPO_ROOT / "benchmarks" / "results" / f"indexer_micro-{_dt.date.today().isoformat()}.json")
+    out_path = Path(a.out or REPO_ROOT / "benchmarks" / "results" / "routing" / f"indexer_micro-{_dt.date.today().isoformat()}.json")
     result = {"benchmark": "indexer_micro", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "argv": sys.argv, "config": vars(a), "python": sys.version.split()[0],
               "platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),

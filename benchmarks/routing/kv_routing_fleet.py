@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 r"""KV-aware routing on a simulated fleet (issue #4): `--router-mode kv` vs `round-robin` vs `random`.
 
-Each run starts, on a private file-discovery folder (benchmarks/common.py):
-  python -m turbine.mocker --num-workers 16 --profile benchmarks/results/mocker_profile-2026-11-25.json
+Each run starts, on a private file-discovery folder (benchmarks/lib/stack.py):
+  python -m turbine.mocker --num-workers 16 --profile benchmarks/results/mocker/mocker_profile-2026-11-25.json
         --speedup-ratio 1 --max-num-seqs 128 --max-num-batched-tokens 2048 --max-model-len 2048
         --block-size B --num-gpu-blocks N --system-port P
   python -m turbine.frontend --router-mode MODE --http-port Q
@@ -43,8 +43,8 @@ order and each chat answer's blocks once it is back (the router's block hashes; 
 at most the full blocks before a prompt's last token count).  The TTFT floor: each request's
 prefill alone on a worker holding the oracle's prefix, timed by the profile (no router beats its p50).  Per-worker request counts come from the mocker's /metrics.
 
-  .venv/bin/python benchmarks/kv_routing_fleet.py --repeats 2 \
-      --out benchmarks/results/kv_routing_fleet-$(date +%F).json
+  .venv/bin/python -m benchmarks.routing.kv_routing_fleet --repeats 2 \
+      --out benchmarks/results/routing/kv_routing_fleet-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -63,17 +63,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import drive, stream_request
+from benchmarks.lib.metrics import scrape, worker_spread
+from benchmarks.lib.paths import REPO_ROOT, default_model, shared_path
+from benchmarks.lib.proc import http_get_json, log, proc_cpu_s, tail
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.results import dump_json
+from benchmarks.lib.stack import Stack, turbine_env
+from benchmarks.lib.stats import fmt, median, pct, ratio
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, StreamError, default_model, fmt, free_port, http_get_json, log, median, proc_cpu_s, ratio,
-    record_usage, shared_path, sse_chunks, tail,
-    turbine_env, wait_quiet)
 
-sys.path.insert(0, str(REPO_ROOT))
 
 SERVED = "smollm2-135m-instruct"
 MODES = ("kv", "round-robin", "random")
@@ -81,13 +83,6 @@ WORKLOADS = ("chat", "trace")
 # The trace comes from --trace or $TURBINE_BENCH_TRACE; by default the project's shared/ folder in or beside the checkout.
 DEFAULT_TRACE = shared_path("data", "mooncake_synthetic_trace.jsonl")
 MOONCAKE_BLOCK = 512
-
-
-def pct(values: list[float], q: float) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 # --------------------------------------------------------------------------- workloads
@@ -231,33 +226,6 @@ class TraceWorkload:
         await asyncio.gather(*(one(i, item) for i, item in enumerate(self.items)))
 
 
-async def stream_request(client, url: str, body: dict, kind: str) -> dict:
-    """One streaming request; times from the send to the first non-empty content and the last."""
-    rec = {"t_send": time.monotonic(), "t_first": None, "t_last": None, "prompt_tokens": None, "cached_tokens": None,
-           "completion_tokens": None, "error": None, "text": ""}
-    parts = []
-    try:
-        async for chunk in sse_chunks(client, url, body):
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
-                if text:
-                    now = time.monotonic()
-                    if rec["t_first"] is None:
-                        rec["t_first"] = now
-                    rec["t_last"] = now
-                    parts.append(text)
-            record_usage(rec, chunk)
-    except StreamError as e:
-        rec["error"] = str(e)
-    except Exception as e:  # noqa: BLE001  (recorded, counted as an error)
-        rec["error"] = f"{type(e).__name__}: {e}"[:300]
-    rec["t_end"] = time.monotonic()
-    rec["text"] = "".join(parts)
-    if rec["error"] is None and (rec["t_first"] is None or rec["completion_tokens"] is None):
-        rec["error"] = "no content or no usage"
-    return rec
-
-
 # --------------------------------------------------------------------------- oracle + metrics
 def oracle_cached(records: list[dict], block_size: int) -> list[int]:
     """Cached tokens of each request (in `records` order) under a worker-agnostic prefix cache of
@@ -358,42 +326,6 @@ def analyze(records: list[dict], block_size: int, profile=None) -> dict:
     }
 
 
-_METRIC_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
-
-
-def scrape(url: str) -> list[tuple[str, dict, float]]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        m = _METRIC_LINE.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        try:
-            out.append((m.group(1), labels, float(m.group(3))))
-        except ValueError:
-            pass
-    return out
-
-
-def worker_spread(samples) -> dict:
-    per = {labels["worker_id"]: 0.0 for _, labels, _ in samples if "worker_id" in labels}
-    for name, labels, v in samples:
-        if name == "turbine_worker_requests_total" and labels.get("outcome", "ok") in ("ok", "success", "finished"):
-            per[labels.get("worker_id", "?")] = per.get(labels.get("worker_id", "?"), 0) + v
-    if not per:  # outcome label values we do not know: count all outcomes
-        for name, labels, v in samples:
-            if name == "turbine_worker_requests_total":
-                per[labels.get("worker_id", "?")] = per.get(labels.get("worker_id", "?"), 0) + v
-    counts = sorted(per.values())
-    return {"per_worker": counts, "min": counts[0] if counts else None, "max": counts[-1] if counts else None,
-            "cv": (statistics.pstdev(counts) / statistics.fmean(counts)) if len(counts) > 1 and statistics.fmean(counts) else None}
-
-
 # --------------------------------------------------------------------------- stacks
 def mocker_argv(a, workload: str, port: int) -> list[str]:
     if workload == "chat":
@@ -450,16 +382,6 @@ def start_stack(a, mode: str, workload: str, run_dir: Path, tag: str) -> Stack:
         st.stop()
         raise
     return st
-
-
-async def drive(workload, url: str) -> tuple[list[dict], float]:
-    import httpx
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
-        records: list[dict] = []
-        t0 = time.monotonic() + 0.5
-        await workload.run(client, url, records, t0)
-    return records, t0
 
 
 def run_one(a, mode: str, workload, rep: int, run_dir: Path) -> dict:
@@ -569,12 +491,6 @@ def markdown(summary: dict, runs: list[dict], modes: list[str], describe: dict) 
     return "\n".join(lines)
 
 
-def dump_json(obj) -> str:
-    """Indented JSON with every innermost list on one line (the per-request table stays compact)."""
-    text = json.dumps(obj, indent=1, default=str)
-    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
-
-
 def main(argv: list[str] | None = None) -> int:
     today = _dt.date.today().isoformat()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -592,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--vllm-args", default="", help="extra turbine.vllm flags (--engine vllm)")
     g.add_argument("--num-workers", type=int, default=16)
     g.add_argument("--speedup", type=float, default=1.0, help="mocker --speedup-ratio")
-    g.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker_profile-2026-11-25.json"))
+    g.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker/mocker_profile-2026-11-25.json"))
     g.add_argument("--chat-block-size", type=int, default=128, help="the real vLLM CPU worker's block size")
     g.add_argument("--num-gpu-blocks", type=int, default=728, help="blocks of --chat-block-size per worker")
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -627,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--trace-max-output", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=120)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / f"kv_routing_fleet-{today}.json"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "routing" / f"kv_routing_fleet-{today}.json"))
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     workloads = [w for w in a.workloads.split(",") if w]

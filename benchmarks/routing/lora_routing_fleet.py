@@ -2,9 +2,9 @@
 r"""Adapter-aware routing on a simulated LoRA fleet (issue #16): the KV router with its LoRA-slot term
 (`aware`) vs the same router without it (`kv`: --router-lora-swap-weight 0) vs `round-robin`.
 
-Each run starts, on a private file-discovery folder (benchmarks/common.py):
+Each run starts, on a private file-discovery folder (benchmarks/lib/stack.py):
   python -m turbine.mocker --num-workers 4 --enable-lora --max-loras 2 --lora-modules lora00=DIR ... lora15=DIR
-        --profile benchmarks/results/mocker_profile-2026-11-25.json --speedup-ratio 1 --block-size 128
+        --profile benchmarks/results/mocker/mocker_profile-2026-11-25.json --speedup-ratio 1 --block-size 128
         --num-gpu-blocks 728 --max-num-seqs 128 --max-num-batched-tokens 2048 --max-model-len 2048 --system-port P
   python -m turbine.frontend --router-mode MODE [--router-lora-swap-weight W] --http-port Q
 so every worker holds all 16 adapters and can serve any of them; what limits it is its 2 active slots
@@ -23,8 +23,8 @@ Reported per mode (medians over --repeats; modes alternate, the order reversed o
 TTFT p50/p99 (send to first text), adapter swaps per minute (the mocker's turbine_mocker_lora_swaps
 over the load's wall time), output tokens/s, requests per worker, and each mode's ratio to `aware`.
 
-  .venv/bin/python benchmarks/lora_routing_fleet.py --repeats 3 \
-      --out benchmarks/results/lora_routing_fleet-$(date +%F).json
+  .venv/bin/python -m benchmarks.routing.lora_routing_fleet --repeats 3 \
+      --out benchmarks/results/routing/lora_routing_fleet-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -42,14 +42,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.load import drive, stream_request
+from benchmarks.lib.metrics import scrape, worker_spread
+from benchmarks.lib.paths import REPO_ROOT, default_model
+from benchmarks.lib.proc import http_get_json, http_post_json, log
+from benchmarks.lib.quiet import wait_quiet
+from benchmarks.lib.stack import Stack, turbine_env
+from benchmarks.lib.stats import fmt, median, pct, ratio
+from turbine.runtime.ports import free_port
 
-from common import (  # noqa: E402
-    REPO_ROOT, Stack, default_model, fmt, free_port, http_get_json, http_post_json, log, median, ratio,
-    turbine_env, wait_quiet)
-from kv_routing_fleet import drive, pct, scrape, stream_request, worker_spread  # noqa: E402
 
-sys.path.insert(0, str(REPO_ROOT))
 
 SERVED = "smollm2-135m-instruct"
 MODES = ("aware", "kv", "round-robin")
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--speedup", type=float, default=1.0)
-    ap.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker_profile-2026-11-25.json"))
+    ap.add_argument("--profile", default=str(REPO_ROOT / "benchmarks/results/mocker/mocker_profile-2026-11-25.json"))
     ap.add_argument("--model", default=None)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--mocker-args", default="")

@@ -9,7 +9,7 @@ and `swap` (the other adapter: it must be copied into the slot before the prefil
 is median(swap) - median(same). The adapters are real PEFT adapters (rank 16 on every linear
 module, made with peft, as a fine-tune would be).
 
-    flock /tmp/turbine-engine.lock .venv/bin/python benchmarks/lora_swap_calibrate.py --out /tmp/lora_swap.json
+    flock /tmp/turbine-engine.lock .venv/bin/python -m benchmarks.routing.lora_swap_calibrate --out /tmp/lora_swap.json
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib.paths import default_model
+from benchmarks.lib.proc import log
 
-from common import default_model, log  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

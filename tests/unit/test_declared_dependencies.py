@@ -40,9 +40,8 @@ def declared(*extras: str) -> set[str]:
 def third_party_imports(folder: Path) -> dict[str, str]:
     """Top-level module name -> one file importing it (absolute imports only)."""
     found: dict[str, str] = {}
-    # The folder's own modules, and the benchmark scripts that tests import by path.
-    local = {p.stem for p in folder.glob("*.py")} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | \
-        {"turbine", "tests", "conftest"}
+    # The folder's own modules, and the packages of this repository.
+    local = {p.stem for p in folder.glob("*.py")} | {"turbine", "tests", "benchmarks", "conftest"}
     for path in folder.rglob("*.py"):
         if path.is_relative_to(OWN_VENVS):
             continue
