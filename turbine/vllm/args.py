@@ -195,7 +195,7 @@ def _build_parser():
                              "are checksummed, see turbine/kvbm/block.py)")
     parser.add_argument("--kv-disk-min-uses", type=int, default=None,
                         help="--connector kvbm: write a block to the disk tier only once it has been used this many "
-                             "times (computed, or hit in a tier); default 1, every block (see benchmarks/RESULTS.md)")
+                             "times (computed, or hit in a tier); default 1, every block (see docs/benchmarks/kv_tiers.md)")
     parser.add_argument("--kv-shared-cache-gb", type=float, default=None,
                         help="--connector kvbm: shared tier size in GiB (with --kv-shared-cache-dir): what all the "
                              "workers that share the directory keep there together")
@@ -220,7 +220,7 @@ def _build_parser():
     parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default="compact",
                         help="whitespace in structured JSON outputs (forced tool calls, response_format json_schema / "
                              "json_object, guided_json): compact (none between tokens: a small model cannot run away "
-                             "in newlines until max_tokens; measured in benchmarks/json_whitespace.py) or any (JSON's "
+                             "in newlines until max_tokens; measured in benchmarks/frontend/json_whitespace.py) or any (JSON's "
                              "free whitespace, vLLM's default). Engine-wide: vLLM's grammar backends read it from the "
                              "engine's config, not per request (env TURBINE_JSON_WHITESPACE; default compact)")
     # Every flag Turbine adds has its environment variable by the naming rule (TURBINE_<FLAG>); vLLM's own

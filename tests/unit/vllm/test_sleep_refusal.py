@@ -62,7 +62,7 @@ class RecordingAsyncLLM:
 
 def test_waking_from_level_2_loads_the_weights_again(monkeypatch):
     # On a GPU, vLLM's wake_up after level 2 gives the weights memory but not values (the H100 run in
-    # benchmarks/RESULTS.md): the worker must load them again before it serves.
+    # docs/benchmarks/gpu.md): the worker must load them again before it serves.
     monkeypatch.setattr("turbine.vllm.sleep.platform_sleep_refusal", lambda: None)
     engine = RecordingAsyncLLM()
     sleep = VllmSleep(engine)
