@@ -3,6 +3,7 @@ found where `make bench-tools` / `make bench-peer` put them unless a flag or the
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -51,3 +52,42 @@ def test_shared_files_are_looked_up_in_then_beside_the_checkout(inside, tmp_path
     target.write_text("{}\n")
     monkeypatch.setattr(paths, "REPO_ROOT", repo)
     assert paths.shared_path("data", "trace.jsonl") == target
+
+
+def benchmark_sources():
+    return [(p, ast.parse(p.read_text(), str(p))) for p in sorted((ROOT / "benchmarks").rglob("*.py"))]
+
+
+def test_no_benchmark_edits_sys_path():
+    """They run as modules of the `benchmarks` package (benchmarks/README.md): the root is on the path already."""
+    offenders = [f"{p.relative_to(ROOT)}:{n.lineno}" for p, tree in benchmark_sources() for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and ast.unparse(n).startswith("sys.path.")]
+    assert offenders == []
+
+
+def test_every_import_between_benchmarks_names_a_module_and_what_it_defines():
+    """A moved or renamed helper breaks here, without starting the benchmark."""
+    broken = []
+    for p, tree in benchmark_sources():
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "benchmarks"):
+                continue
+            target = ROOT.joinpath(*n.module.split("."))
+            if target.is_dir() and all((target / f"{a.name}.py").exists() for a in n.names):
+                continue  # `from benchmarks.routing import kv_routing_fleet`
+            source = target.with_suffix(".py")
+            if not source.exists():
+                broken.append(f"{p.relative_to(ROOT)}:{n.lineno}: no module {n.module}")
+                continue
+            defined = set()
+            for top in ast.parse(source.read_text()).body:
+                if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    defined.add(top.name)
+                elif isinstance(top, (ast.Assign, ast.AnnAssign)):
+                    defined |= {t.id for t in (top.targets if isinstance(top, ast.Assign) else [top.target])
+                                if isinstance(t, ast.Name)}
+                elif isinstance(top, (ast.Import, ast.ImportFrom)):
+                    defined |= {(a.asname or a.name).split(".")[0] for a in top.names}
+            broken += [f"{p.relative_to(ROOT)}:{n.lineno}: {n.module} has no {a.name}"
+                       for a in n.names if a.name not in defined]
+    assert broken == []
