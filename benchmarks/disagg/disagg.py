@@ -59,7 +59,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.lib.load import StreamError, record_usage, sse_chunks
+from benchmarks.lib.load import read_stream
 from benchmarks.lib.metrics import scrape
 from benchmarks.lib.paths import REPO_ROOT, default_model, versions
 from benchmarks.lib.proc import http_get_json, log, proc_cpu_s, tail
@@ -111,16 +111,12 @@ async def stream_one(client, url: str, prompt_ids: list[int], max_tokens: int) -
             "stream": True, "stream_options": {"include_usage": True}}
     rec = {"t_send": time.monotonic(), "times": [], "prompt_tokens": None, "completion_tokens": None,
            "cached_tokens": None, "error": None}
-    try:
-        async for chunk in sse_chunks(client, f"{url}/v1/completions", body):
-            if any(c.get("text") for c in chunk.get("choices") or ()):
-                rec["times"].append(time.monotonic())
-            record_usage(rec, chunk)
-    except StreamError as e:
-        rec["error"] = str(e)
-    except Exception as e:  # noqa: BLE001  (recorded, counted as an error)
-        rec["error"] = f"{type(e).__name__}: {e}"[:300]
-    rec["t_end"] = time.monotonic()
+
+    def on_chunk(chunk: dict, now: float) -> None:
+        if any(c.get("text") for c in chunk.get("choices") or ()):
+            rec["times"].append(now)
+
+    await read_stream(client, f"{url}/v1/completions", body, rec, on_chunk)
     if rec["error"] is None and (not rec["times"] or rec["completion_tokens"] != max_tokens):
         rec["error"] = f"no content or wrong token count ({rec['completion_tokens']} of {max_tokens})"
     return rec

@@ -36,27 +36,36 @@ def record_usage(rec: dict, chunk: dict) -> None:
         rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def stream_request(client, url: str, body: dict, kind: str) -> dict:
-    """One streaming request; times from the send to the first non-empty content and the last."""
-    rec = {"t_send": time.monotonic(), "t_first": None, "t_last": None, "prompt_tokens": None, "cached_tokens": None,
-           "completion_tokens": None, "error": None, "text": ""}
-    parts = []
+async def read_stream(client, url: str, body: dict, rec: dict, on_chunk) -> None:
+    """Reads one streaming response into a request record: `on_chunk(chunk, arrival time)` for every chunk, the
+    usage, any failure (HTTP, an error chunk, an exception) as `error`, and `t_end`."""
     try:
         async for chunk in sse_chunks(client, url, body):
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
-                if text:
-                    now = time.monotonic()
-                    if rec["t_first"] is None:
-                        rec["t_first"] = now
-                    rec["t_last"] = now
-                    parts.append(text)
+            on_chunk(chunk, time.monotonic())
             record_usage(rec, chunk)
     except StreamError as e:
         rec["error"] = str(e)
     except Exception as e:  # noqa: BLE001  (recorded, counted as an error)
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
     rec["t_end"] = time.monotonic()
+
+
+async def stream_request(client, url: str, body: dict, kind: str) -> dict:
+    """One streaming request; times from the send to the first non-empty content and the last."""
+    rec = {"t_send": time.monotonic(), "t_first": None, "t_last": None, "prompt_tokens": None, "cached_tokens": None,
+           "completion_tokens": None, "error": None, "text": ""}
+    parts = []
+
+    def on_chunk(chunk: dict, now: float) -> None:
+        for choice in chunk.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
+            if text:
+                if rec["t_first"] is None:
+                    rec["t_first"] = now
+                rec["t_last"] = now
+                parts.append(text)
+
+    await read_stream(client, url, body, rec, on_chunk)
     rec["text"] = "".join(parts)
     if rec["error"] is None and (rec["t_first"] is None or rec["completion_tokens"] is None):
         rec["error"] = "no content or no usage"
