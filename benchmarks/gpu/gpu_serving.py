@@ -19,9 +19,9 @@ later chunks. The generator's own CPU time is recorded: `client_cpu_max` is the 
 process's CPU seconds / wall seconds (1.0 = that process was saturated, so the point measured the
 client).
 
-    python3 benchmarks/gpu_serving.py prepare --tokenizer-from ~/.cache/turbine/models/smollm2-135m-instruct \
+    python3 -m benchmarks.gpu.gpu_serving prepare --tokenizer-from ~/.cache/turbine/models/smollm2-135m-instruct \
         --out .gpu-carry/llama-3.1-8b
-    PYTHONPATH=<site>:. python3 benchmarks/gpu_serving.py run --model .gpu-carry/llama-3.1-8b \
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_serving run --model .gpu-carry/llama-3.1-8b \
         --systems offline,serve,turbine --loads 128x512,1024x256 --concurrency 256 --out $OUT/gpu_serving.json
 """
 
@@ -333,13 +333,18 @@ def run_offline(a, points) -> dict:
     for isl, osl, conc in points:
         n = a.requests or conc * a.requests_per_slot
         sp = SamplingParams(temperature=0.0, max_tokens=osl, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts(min(n, 32), isl, a.seed + 1)], sp, use_tqdm=False)
+        warm = SamplingParams(temperature=0.0, max_tokens=min(osl, 32), ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts(min(n, 32), isl, a.seed + 1)], warm, use_tqdm=False)
         batch = [{"prompt_token_ids": p} for p in prompts(n, isl, a.seed)]
         t = time.perf_counter()
-        outs = llm.generate(batch, sp, use_tqdm=False)
+        if conc == 1:  # one at a time: the engine may batch more (max_num_seqs >= 2)
+            outs = [o for b in batch for o in llm.generate([b], sp, use_tqdm=False)]
+        else:
+            outs = llm.generate(batch, sp, use_tqdm=False)
         wall = time.perf_counter() - t
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        # offline has no concurrency: the engine's max_num_seqs bounds the batch; `requests` are all queued at once
+        # offline has no concurrency: the engine's max_num_seqs bounds the batch (run_offline_limits sets it to
+        # the point's concurrency); `requests` are all queued at once
         res.append({"isl": isl, "osl": osl, "concurrency": conc, "max_num_seqs": a.max_num_seqs, "requests": n,
                     "ok": len(outs), "wall_s": round(wall, 3),
                     "output_tok_s": round(out_tokens / wall, 1),
@@ -356,6 +361,28 @@ def _offline_child(a, points, q) -> None:
         q.put({"error": f"{type(exc).__name__}: {exc}"[-3000:]})
 
 
+def run_offline_limits(a, points) -> dict:
+    """Offline has no concurrency, so its limit at concurrency C is an engine whose batch is at most C:
+    one engine per concurrency (--max-num-seqs min(C, the flag's)), each in its own process so that it
+    and its GPU memory go away before the next."""
+    ctx = mp.get_context("spawn")
+    out = {"engine_start_s": [], "points": []}
+    for conc in sorted({c for _, _, c in points}):
+        # At least 2: vLLM 0.26 on an H200 failed at start with max_num_seqs 1 ("an illegal memory access",
+        # 2026-11-29); C=1 is then one request at a time (run_offline), which is that limit.
+        mine = argparse.Namespace(**dict(vars(a), max_num_seqs=max(2, min(conc, a.max_num_seqs))))
+        q = ctx.Queue()
+        child = ctx.Process(target=_offline_child, args=(mine, [p for p in points if p[2] == conc], q))
+        child.start()
+        res = q.get()
+        child.join()
+        if "error" in res:
+            return dict(out, error=res["error"])
+        out["engine_start_s"].append(res["engine_start_s"])
+        out["points"] += res["points"]
+    return out
+
+
 # Every measured server point as it comes, also kept in the JSON if the run is cut short (a
 # `timeout` around it): the per-system results are only written once a system is done.
 MEASURED: list[dict] = []
@@ -365,7 +392,8 @@ def measure_server(a, base_url: str, points, tag: str) -> list[dict]:
     res = []
     for isl, osl, conc in points:
         n = a.requests or conc * a.requests_per_slot
-        load_point(base_url, SERVED, isl, osl, min(conc, 32), min(conc, 32), a.client_processes, a.seed + 1)  # warm
+        # warm-up: short answers, enough to reach every server part once
+        load_point(base_url, SERVED, isl, min(osl, 32), min(conc, 32), min(conc, 32), a.client_processes, a.seed + 1)
         r = load_point(base_url, SERVED, isl, osl, conc, n, a.client_processes, a.seed)
         log(f"{tag} {isl}/{osl} C={conc}: {r['output_tok_s']} out tok/s, TTFT p50 {r['ttft_p50_ms']} ms, "
             f"ITL p50 {r['itl_p50_ms']} ms, client cpu max {r['client_cpu_max']}, errors {r['errors']}")
@@ -431,7 +459,10 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
                 if a.parity:
                     out["parity_texts"] = greedy_texts(a, f"http://127.0.0.1:{port}")
             log(f"turbine ({n} frontend processes) ready after {start:.0f}s")
-            out["by_frontend_processes"][str(n)] = measure_server(a, f"http://127.0.0.1:{port}", points,
+            mine = points
+            if a.scaling_concurrency and n != a.frontend_processes[0]:
+                mine = [p for p in points if p[2] == a.scaling_concurrency]
+            out["by_frontend_processes"][str(n)] = measure_server(a, f"http://127.0.0.1:{port}", mine,
                                                                   f"turbine x{n}")
             procs.stop("turbine_frontend")
         return out
@@ -489,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--requests-per-slot", type=int, default=2, help="requests per point = concurrency x this")
     r.add_argument("--requests", type=int, default=0, help="fixed requests per point (overrides the above)")
     r.add_argument("--frontend-processes", default="1", help="Turbine frontend process counts to measure")
+    r.add_argument("--scaling-concurrency", type=int, default=0,
+                   help="measure the frontend counts after the first only at this concurrency (0: every point)")
     r.add_argument("--client-processes", type=int, default=8)
     r.add_argument("--max-model-len", type=int, default=2048)
     r.add_argument("--max-num-seqs", type=int, default=512)
@@ -528,13 +561,7 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
         t = time.monotonic()
         try:
             if system == "offline":
-                # its own process: the engine and its GPU memory go away with it
-                ctx = mp.get_context("spawn")
-                q = ctx.Queue()
-                child = ctx.Process(target=_offline_child, args=(a, points, q))
-                child.start()
-                res = q.get()
-                child.join()
+                res = run_offline_limits(a, points)
             elif system == "serve":
                 res = run_serve(a, points, run_dir)
             elif system == "turbine":

@@ -11,6 +11,8 @@
 #                                                 speculator, default n-gram); ARGS go to pytest (e.g. a -k)
 #   bash benchmarks/gpu/gpu_tests.sh kv-tiers [ARGS]  benchmarks/kv_tiers/kv_tiers.py on the Llama-3.1-8B architecture (dummy
 #                                                 weights), a working set several times the GPU cache
+#   bash benchmarks/gpu/gpu_tests.sh serving [ARGS]   the serving matrix of issue #29 §5 (gpu_serving.py): --systems
+#                                                 in alternating orders over several calls
 #   bash benchmarks/gpu/gpu_tests.sh offload [ARGS]   benchmarks/gpu/gpu_serving.py: plain Turbine vs --connector kvbm
 #                                                 (every block saved to the host tier) on decode-heavy load
 # Two GPUs (issue #30):
@@ -54,6 +56,8 @@ case "$step" in
     python3 -m pytest -p no:cacheprovider -q -rA --durations=15 --junitxml="$OUT/gpu_tests.xml" \
       tests/integration/test_kvbm_vllm.py tests/integration/test_multimodal_disagg.py \
       tests/integration/test_speculative_vllm.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    # The engines' own logs (a failed engine's traceback is only there), back with the results.
+    find /tmp/pytest-of-*/ -name '*.log' -mmin -120 2>/dev/null | tar -czf "$OUT/gpu_test_logs.tgz" -T - 2>/dev/null || true
     ;;
   kv-tiers)
     # 16,384-token histories, 8 conversations: a 131k-token working set over a 2,048-block (32k-token) GPU cache.
@@ -62,6 +66,14 @@ case "$step" in
       --conversations 8 --turns 3 --host-gb 20 --small-host-gb 2 --disk-gb 24 \
       --worker-args "--load-format dummy --gpu-memory-utilization 0.5" --run-dir /tmp/kv-tiers \
       --out "$OUT/kv_tiers_gpu.json" "$@" 2>&1 | tail -40
+    ;;
+  serving)
+    # Issue #29 §5: offline (an engine per concurrency) vs `vllm serve` vs Turbine, both loads, C = 1, 64, 256, 512,
+    # frontend processes 1, 2, 4 at C=512. One call's 600 s fits about two systems: run it twice or more with
+    # --systems in alternating orders (e.g. serve,turbine then offline,turbine then offline,serve).
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} taskset -c 0-15 python3 -m benchmarks.gpu.gpu_serving run \
+      --model "$LLAMA" --loads 128x512,1024x256 --concurrency 1,64,256,512 --frontend-processes 1,2,4 \
+      --scaling-concurrency 512 --out "$OUT/gpu_serving.json" "$@" 2>&1 | grep -E '^\[' | tail -40
     ;;
   offload)
     python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
@@ -82,7 +94,7 @@ case "$step" in
       "$@" 2>&1 | grep -v '"logs"' | tail -40
     ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | offload [args] | tp | dp | moe | disagg-load" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | offload [args] | tp | dp | moe | disagg-load" >&2
     exit 2
     ;;
 esac
