@@ -63,8 +63,14 @@ def default_model() -> str:
 
 
 def legacy_detok_class(ref: str):
-    src = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:turbine/frontend/postprocess/detokenizer.py"],
-                         capture_output=True, text=True, check=True).stdout
+    # the detokenizer's path at that revision: postprocess/ since the frontend's folders (issue #32), top level before
+    for rel in ("turbine/frontend/postprocess/detokenizer.py", "turbine/frontend/detokenizer.py"):
+        got = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:{rel}"], capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"--compare-ref {ref}: no detokenizer at {ref} ({got.stderr.strip()})")
+    src = got.stdout.replace("turbine.frontend.tokenizer import", "turbine.frontend.models.tokenizer import")
     path = Path(tempfile.mkdtemp(prefix="detok_ref_")) / "detokenizer_ref.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("detokenizer_ref", path)
