@@ -2,8 +2,8 @@
 # Builds CRIU >= 4.1 once into a cache folder and prints the binary's path (a second run prints it at once).
 # Why: Debian bookworm's criu 3.17.1 cannot start on kernels >= 6.13 (the vDSO data area is split in two
 # mappings, handled from CRIU 4.1 on; see benchmarks/RESULTS.md "Checkpoint / restore"). The source is
-# Debian unstable's criu source package (4.2.1 when written), fetched with apt-get source through a private
-# sources list (the system's apt sources are left as they are); the build's libraries come from the
+# Debian unstable's criu source package (4.2.1 when written), found with apt-get through a private
+# sources list on the system's own Debian archive (the system's apt sources are left as they are); the build's libraries come from the
 # system's own release. Cache: $TURBINE_CRIU_CACHE (default ~/.cache/turbine/criu)/criu.
 # Needs root (apt-get) and Debian's archive; about 1-2 min on 2 cores, once.
 set -euo pipefail
@@ -25,7 +25,11 @@ WORK=$(mktemp -d "$CACHE/build.XXXX")
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/apt/lists/partial" "$WORK/apt/cache/archives/partial" "$WORK/src"
 chmod -R a+rx "$WORK"
-echo "deb-src http://deb.debian.org/debian sid main" >"$WORK/apt/sources.list"
+# The system's own Debian archive (the one its release's packages come from), suite unstable.
+mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 'Created-By: Packages' 2>/dev/null |
+         awk '$2 !~ /-(security|updates|backports)$/ {print $1; exit}')
+[ -n "$mirror" ] || { echo "build_criu: no Debian archive in the system's apt sources" >&2; exit 1; }
+echo "deb-src ${mirror%/} sid main" >"$WORK/apt/sources.list"
 APT=(-o Dir::Etc::sourcelist="$WORK/apt/sources.list" -o Dir::Etc::sourceparts=/dev/null
      -o Dir::State::Lists="$WORK/apt/lists" -o Dir::Cache="$WORK/apt/cache")
 apt-get "${APT[@]}" update -qq 2>/dev/null >&2

@@ -5,7 +5,10 @@ worker needs here (benchmarks/RESULTS.md "Checkpoint / restore" says why each on
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 # Established loopback TCP (vLLM's ZMQ sockets), external unix sockets, no iptables here to lock the
@@ -29,10 +32,26 @@ def check(criu: str) -> str | None:
 
 
 def dump(criu: str, pid: int, images: Path) -> subprocess.CompletedProcess:
-    """Dump the process tree of `pid` into `images` (which ends it)."""
+    """Dump the process tree of `pid` into `images` (which ends it); returns once every process of the
+    tree is gone (the caller reaps `pid` itself if it is its child): a restore takes their pids back."""
     images.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([criu, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4", *FLAGS],
-                          capture_output=True, text=True)
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    out = subprocess.run([criu, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4", *FLAGS],
+                         capture_output=True, text=True)
+    if out.returncode == 0:
+        psutil.wait_procs([p for p in tree if p.pid != pid], timeout=30)
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    """Until no process has one of `pids` (a zombie still holds its pid until reaped)."""
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def restore(criu: str, images: Path) -> int:

@@ -114,6 +114,7 @@ def test_a_restored_vllm_worker_serves_the_same_greedy_answers_under_its_new_ide
         dumped = criu.dump(criu_bin, held.popen.pid, images)
         assert dumped.returncode == 0, criu.log_tail(images / "dump.log")
         held.popen.wait(30)  # the dump ends it; reaped so that the restore can take its pid back
+        criu.wait_gone([held.popen.pid])
         (control / READY_FOR_CHECKPOINT).unlink()  # the image wrote it already
 
         restored = tree(criu.restore(criu_bin, images))
