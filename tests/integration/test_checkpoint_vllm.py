@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,6 +142,7 @@ def test_a_restored_vllm_worker_serves_the_same_greedy_answers_under_its_new_ide
         reference.stop()
         held.stop()
         end(restored, timeout=30)
+        shutil.rmtree(tmp_path / "images", ignore_errors=True)  # 3.5 GB: not kept with the test's logs
         for name in set(os.listdir("/dev/shm")) - shm_before:  # the dump's link-remap files
             if name.startswith("link_remap."):
                 os.unlink(f"/dev/shm/{name}")
