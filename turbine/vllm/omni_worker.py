@@ -139,15 +139,16 @@ class OmniHandlers:
         try:
             if req.image is not None and "image" not in self.modalities:
                 raise InvalidRequest("image: this pipeline answers with " + " and ".join(self.modalities))
-            if req.image is None and "text" not in self.modalities and req.sampling.n != 1:
-                raise InvalidRequest("n: an image pipeline's chat answer is one choice")
+            if req.image is None and "text" not in self.modalities:
+                raise InvalidRequest("image: this pipeline answers with images only; the request asks for text")
             prompt = self.prompt(req)
             params = self.sampling_params_list(req)
         except InvalidRequest:
             self.metrics.error("invalid_request")
             raise
         omni_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"  # unique per attempt, as the vLLM worker's
-        wanted = ["image"] if req.image is not None else None
+        # A pipeline with text and image outputs answers a text request with its text only.
+        wanted = ["image"] if req.image is not None else ["text"] if "image" in self.modalities else None
         completion = {}
         prompt_len = len(req.token_ids)
         finished = False

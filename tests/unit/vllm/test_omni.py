@@ -247,3 +247,17 @@ async def test_the_canary_starts_with_the_bos_of_asyncomnis_tokenizer():
     assert await engine.canary() is None
     prompt, _, params, _ = omni.calls[0]
     assert prompt == {"prompt_token_ids": [Tokenizer.bos_token_id]} and params[0].max_tokens == 1
+
+
+async def test_a_text_request_asks_a_text_and_image_pipeline_for_text_and_an_image_only_one_refuses_it():
+    from vllm import SamplingParams
+
+    from turbine.vllm.omni_worker import OmniHandlers
+
+    omni = FakeOmni([text_output("ok", [5], "stop", True)], [SamplingParams(), DiffusionParams()])
+    both = OmniHandlers(omni, metrics(), ["llm", "diffusion"], ["text", "image"], Tokenizer())
+    [c async for c in both.generate(chat(), None)]
+    assert omni.calls[0][3] == ["text"]
+    only_images = OmniHandlers(omni, metrics(), ["diffusion"], ["image"], None)
+    with pytest.raises(InvalidRequest, match="images only"):
+        [c async for c in only_images.generate(chat(), None)]

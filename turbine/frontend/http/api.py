@@ -30,7 +30,7 @@ from turbine.frontend import request_id
 from turbine.frontend.apis import anthropic
 from turbine.frontend.apis.batch import BatchRun
 from turbine.frontend.apis.embeddings import embeddings
-from turbine.frontend.apis.images import images_generations
+from turbine.frontend.apis.images import answers_images_only, image_chat, images_generations
 from turbine.frontend.apis.response_routes import ResponseRoutes
 from turbine.frontend.apis.responses import ResponsesRun
 from turbine.frontend.apis.responses import prepare as prepare_response
@@ -223,6 +223,14 @@ class HttpApi:
                 tracing.end(span, exc.message)
                 raise
             tracing.end(span)
+            if answers_images_only(prepared.model):  # an omni pipeline that ends in images only
+                model_name = prepared.model.name
+                if kind != "chat":
+                    raise RequestError(f"the model {model_name!r} answers with images only: ask "
+                                       "/v1/chat/completions or /v1/images/generations", param="model")
+                answer, media_type = await image_chat(prepared, self.frontend.client, self.metrics)
+                self.metrics.requests.labels(model_name, kind, "200").inc()
+                return Response(answer, media_type=media_type)
             if kind == "messages":
                 model_name = prepared.model.name
                 run = anthropic.MessagesRun(messages_req, prepared, self.frontend.client, self.metrics.of(model_name),

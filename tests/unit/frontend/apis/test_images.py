@@ -149,3 +149,44 @@ async def test_the_openai_client_gets_images_and_named_400s_through_the_http_sta
         await client.close()
         await frontend.client.close()
         await server.stop()
+
+
+async def test_a_chat_with_an_image_only_model_gets_image_parts_with_data_urls():
+    """Streamed and not, through the official client; completions for that model are a 400 naming it."""
+    import httpx
+    import openai
+
+    from turbine.frontend.app import Frontend, FrontendConfig
+    from turbine.frontend.http.api import asgi_app
+
+    asked = []
+
+    async def generate(req, ctx):
+        asked.append(req)
+        yield GenerateOutput(token_ids=[], images=[PNG] * req.sampling.n, finish_reason="stop")
+
+    server = RequestPlaneServer()
+    server.register("generate", GenerateRequest, generate)
+    await server.start()
+    frontend = Frontend(FrontendConfig())
+    frontend.models.models.update(table(None, ("i", server.address, ["image"])).models)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(frontend)), base_url="http://frontend")
+    client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="x", http_client=http, max_retries=0)
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    messages = [{"role": "user", "content": "draw a cat"}]
+    try:
+        reply = await client.chat.completions.create(model="m", messages=messages)
+        assert reply.choices[0].message.content == [{"type": "image_url", "image_url": {"url": url}}]
+        assert reply.choices[0].finish_reason == "stop"
+        stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.content == [{"type": "image_url", "image_url": {"url": url}}]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="m", prompt="a cat")
+        assert info.value.body["param"] == "model" and "images only" in info.value.body["message"]
+    finally:
+        await client.close()
+        await frontend.client.close()
+        await server.stop()
+    assert [r.text.messages for r in asked] == [messages, messages] and all(r.image is not None for r in asked)
