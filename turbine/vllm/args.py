@@ -325,24 +325,12 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
 
 
 def _check_omni(args, parser) -> None:
-    """--omni and --stage-configs-path: each needs the other, the file is read and checked, then whether
-    vllm-omni can run here at all (refused by name with the reason, before any engine is built)."""
-    from turbine.vllm.omni_config import StageConfigError, omni_refusal, read_stage_configs
+    """--omni and --stage-configs-path: refused before any engine is built where they cannot run (the reason
+    named: turbine.vllm.omni_config.omni_flags_refusal)."""
+    from turbine.vllm.omni_config import omni_flags_refusal
 
-    if args.omni and args.stage_configs_path is None:
-        parser.error("--omni needs --stage-configs-path FILE (the pipeline's stages)")
-    if args.stage_configs_path is not None and not args.omni:
-        parser.error("--stage-configs-path is the omni worker's pipeline: add --omni or drop it")
-    if not args.omni:
-        return
-    try:
-        read_stage_configs(args.stage_configs_path)
-    except StageConfigError as exc:
-        parser.error(str(exc))
-    from vllm.platforms import current_platform
-
-    if (reason := omni_refusal(VLLM_VERSION, current_platform.device_type)) is not None:
-        parser.error(f"--omni: {reason}")
+    if (refusal := omni_flags_refusal(args.omni, args.stage_configs_path)) is not None:
+        parser.error(refusal)
 
 
 JSON_WHITESPACE = ("compact", "any")

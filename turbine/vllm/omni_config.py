@@ -100,17 +100,38 @@ def read_stage_configs(path: str) -> StageConfigs:
                         output_modalities=tuple(dict.fromkeys(outputs)) if fmt == "stage_args" else None)
 
 
+def omni_flags_refusal(omni: bool, stage_configs_path: str | None) -> str | None:
+    """Why `--omni` / `--stage-configs-path` cannot start this worker (None: they can, or neither is given): each
+    needs the other, then the file is read and checked, then whether vllm-omni can run beside this vLLM here.
+    The worker's parser and `turbine serve` both ask this before anything starts."""
+    if omni and stage_configs_path is None:
+        return "--omni needs --stage-configs-path FILE (the pipeline's stages)"
+    if stage_configs_path is not None and not omni:
+        return "--stage-configs-path is the omni worker's pipeline: add --omni or drop it"
+    if not omni:
+        return None
+    try:
+        read_stage_configs(stage_configs_path)
+    except StageConfigError as exc:
+        return str(exc)
+    import vllm
+    from vllm.platforms import current_platform
+
+    reason = omni_refusal(vllm.__version__, current_platform.device_type)
+    return None if reason is None else f"--omni: {reason}"
+
+
 def omni_refusal(vllm_version: str, device_type: str) -> str | None:
     """Why vllm-omni cannot run beside this vLLM on this platform (None: it may). Checked in the order that
     keeps vllm-omni's own import (which patches vLLM's internals) for last: installed, release, platform."""
     try:
         omni_version = importlib.metadata.version("vllm-omni")
     except importlib.metadata.PackageNotFoundError:
-        return (f"vllm-omni is not installed (the release that goes with this vLLM {vllm_version} is "
-                f"vllm-omni=={_major_minor(vllm_version)}.*, which needs a GPU)")
+        return (f"vllm-omni is not installed (its release follows vLLM's: this vLLM {vllm_version} would need "
+                f"vllm-omni {_major_minor(vllm_version)}.x; vllm-omni runs on GPUs and other accelerators only)")
     if _major_minor(omni_version) != _major_minor(vllm_version):
         return (f"vllm-omni {omni_version} goes with vLLM {_major_minor(omni_version)}.x; this is vLLM "
-                f"{vllm_version} (install vllm-omni=={_major_minor(vllm_version)}.*)")
+                f"{vllm_version}, which would need vllm-omni {_major_minor(vllm_version)}.x")
     if device_type == "cpu":
         return (f"vllm-omni {omni_version} has no CPU platform (it runs on CUDA, ROCm, NPU, XPU and MUSA); "
                 "this vLLM build runs on CPU")

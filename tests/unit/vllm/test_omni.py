@@ -108,7 +108,7 @@ def test_the_reasons_in_order(monkeypatch):
         return versions[name]
 
     monkeypatch.setattr(omni_config.importlib.metadata, "version", version)
-    assert "not installed" in omni_refusal("0.32.0+cpu", "cpu") and "vllm-omni==0.32.*" in omni_refusal("0.32.0", "cpu")
+    assert "not installed" in omni_refusal("0.32.0+cpu", "cpu") and "vllm-omni 0.32.x" in omni_refusal("0.32.0", "cpu")
     versions["vllm-omni"] = "0.26.0"
     assert "vllm-omni 0.26.0 goes with vLLM 0.26.x; this is vLLM 0.32.0" in omni_refusal("0.32.0", "cpu")
     assert "no CPU platform" in omni_refusal("0.26.1", "cpu")
@@ -261,3 +261,16 @@ async def test_a_text_request_asks_a_text_and_image_pipeline_for_text_and_an_ima
     only_images = OmniHandlers(omni, metrics(), ["diffusion"], ["image"], None)
     with pytest.raises(InvalidRequest, match="images only"):
         [c async for c in only_images.generate(chat(), None)]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--omni"], "--omni needs --stage-configs-path"),
+    (["--stage-configs-path", "x.yaml"], "add --omni"),
+    (["--omni", "--stage-configs-path", "/no/such.yaml"], "--stage-configs-path /no/such.yaml: cannot be read"),
+])
+def test_turbine_serve_refuses_the_same_before_starting_anything(argv, words, capsys):
+    from turbine.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *argv])
+    assert info.value.code == 2 and words in capsys.readouterr().err
