@@ -274,3 +274,51 @@ def test_turbine_serve_refuses_the_same_before_starting_anything(argv, words, ca
     with pytest.raises(SystemExit) as info:
         main(["serve", *argv])
     assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+class FakeAsyncOmni:
+    """vllm-omni 0.26.0's AsyncOmni as the engine kind uses it: built from the model and the stage-config path,
+    its stages' metadata, its tokenizer, its comprehension stage's vLLM config, shutdown."""
+
+    built: list = []
+
+    def __init__(self, model="", **kwargs):
+        FakeAsyncOmni.built.append((model, kwargs))
+        metas = [SimpleNamespace(stage_type="llm", final_output=True, final_output_type="text"),
+                 SimpleNamespace(stage_type="diffusion", final_output=True, final_output_type="image")]
+        self.engine = SimpleNamespace(get_stage_metadata=lambda i: metas[i])
+        self.num_stages = 2
+        self.default_sampling_params_list = [None, DiffusionParams()]
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=4096), cache_config=SimpleNamespace(block_size=16,
+                                                                                           num_gpu_blocks=99),
+            scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=4096))
+        self.shut = False
+
+    async def get_tokenizer(self):
+        return Tokenizer()
+
+    def shutdown(self):
+        self.shut = True
+
+
+async def test_the_card_says_the_pipelines_output_modalities_and_stop_closes_it(tmp_path, monkeypatch):
+    from turbine.vllm.omni_worker import OmniEngine
+
+    module = SimpleNamespace(AsyncOmni=FakeAsyncOmni)
+    monkeypatch.setitem(sys.modules, "vllm_omni", SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "vllm_omni.entrypoints", SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "vllm_omni.entrypoints.async_omni", module)
+    path = write(tmp_path, TEXT_TO_IMAGE)
+    cfg = dataclasses.replace(parse_worker_args(["--enforce-eager"]), omni=True, stage_configs_path=path)
+    publisher = SimpleNamespace(address="tcp://127.0.0.1:1", close=lambda: None)
+    plane = SimpleNamespace(publisher=lambda iid: publisher)
+    engine = OmniEngine(cfg)
+    (inst,) = await engine.start(plane, SimpleNamespace(succeeded=lambda: None))
+    assert FakeAsyncOmni.built[-1] == (cfg.model_path, {"stage_configs_path": path})
+    card = inst.card
+    assert (card.output_modalities, card.model_input, card.engine) == (["text", "image"], "text", "vllm-omni")
+    assert (card.context_length, card.total_kv_blocks, card.max_num_seqs) == (4096, 99, 8)
+    assert engine._handlers.tokenizer is not None  # the canary's BOS and the chat template come from it
+    await engine.close()
+    assert engine.omni.shut
