@@ -123,6 +123,8 @@ class OmniHandlers:
                 for k, v in fields.items():
                     setattr(p, k, v)
                 p.output_kind = RequestOutputKind.DELTA
+                # Its own checks and derived fields again (greedy at temperature 0, the stop strings' buffer).
+                p.__post_init__()
                 params.append(p)
             else:
                 changes = {}
@@ -132,6 +134,10 @@ class OmniHandlers:
                     changes["num_outputs_per_prompt"] = req.sampling.n
                 if req.sampling.seed is not None:
                     changes["seed"] = req.sampling.seed
+                if default is None:  # as vllm-omni builds a diffusion stage's defaults
+                    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+                    default = OmniDiffusionSamplingParams()
                 params.append(dataclasses.replace(default, **changes) if changes else default)
         return params
 
