@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-# Imported only under `except ImportError` with an install hint (turbine/vllm/connectors.py).
-OPTIONAL = {"lmcache"}
+# Imported only under `except ImportError` with an install hint (turbine/vllm/connectors.py); vllm-omni only once
+# --omni was checked to run here (turbine/vllm/omni_config.py: installed, vLLM's release, a GPU platform).
+OPTIONAL = {"lmcache", "vllm_omni"}
 # Client scripts that run in venvs of their own, whose packages the Makefile pins (instructor's:
 # .instructor-venv), not pyproject: they cannot share the project's venv.
 OWN_VENVS = ROOT / "tests" / "integration" / "clients"

@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         from turbine.vllm.headless import HeadlessNode
 
         return run_host(HeadlessNode(cfg).run)
+    if cfg.omni:  # parse_worker_args refused it where vllm-omni cannot run
+        from turbine.vllm.omni_worker import OmniEngine
+
+        return run_host(WorkerHost(cfg, OmniEngine(cfg)).run)
     if cfg.multimodal_encode_worker:
         from turbine.vllm.encode_worker import EncodeEngine
 
