@@ -50,7 +50,7 @@ $(BENCH_VENV)/bin/aiperf:
 	$(BENCH_VENV)/bin/python -m pip install aiperf==$(AIPERF_VERSION)
 	$(BENCH_VENV)/bin/aiperf --version
 
-# NVIDIA Dynamo for benchmarks/frontend_ceiling.py and kill_one_side_by_side.py (found in $(PEER_VENV)).
+# NVIDIA Dynamo for benchmarks/frontend/frontend_ceiling.py and kill_one_side_by_side.py (found in $(PEER_VENV)).
 # Its wheels' full dependency list pulls in what a frontend + mocker do not need, hence --no-deps.
 bench-peer: $(PEER_VENV)/bin/py-spy
 

@@ -1,5 +1,5 @@
 """MkDocs hook (mkdocs.yml `hooks:`): links from a docs page to a file of the repository outside docs/
-(benchmarks/RESULTS.md, a package's README, deploy/...) are not pages of the site, so MkDocs cannot check or
+(benchmarks/README.md, a package's README, deploy/...) are not pages of the site, so MkDocs cannot check or
 rewrite them. This hook checks that each such file exists (a missing one fails the build) and turns the link
 into a plain HTML link that reaches the file in the checkout when the site is built into site/ at the
 repository root (the default: `mkdocs build`), e.g. browsed with `python -m http.server` from the root.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Imports every `turbine.*` module on this host's vLLM and says which fail, and why.
 
-The first thing to run on a GPU host after installing the bundle (benchmarks/gpu_install.sh): a vLLM
+The first thing to run on a GPU host after installing the bundle (benchmarks/gpu/gpu_install.sh): a vLLM
 name the GPU release lacks breaks the worker at import, and CI, which has the CPU build only, cannot
 see it (tests/vllm_releases.py checks the names statically; this checks the real thing: native
 libraries, torch, CUDA). Every module is imported in this one process, in name order; a failure is

@@ -115,7 +115,7 @@ def build_vlm(out: Path, *, text_model_dir: str | None = None, seed: int = 0) ->
     if tiled():
         # A picture resized to twice the tile and split into tiles plus the whole (global) image, as SmolVLM
         # does: vLLM 0.26 counts the crops of an unsplit picture as 0 (its Idefics3 lacks 0.32's max(n, 1)) and
-        # drops the image, so the GPU release's runs use this form (benchmarks/gpu_tests.sh).
+        # drops the image, so the GPU release's runs use this form (benchmarks/gpu/gpu_tests.sh).
         image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
                                                     max_image_size={"longest_edge": IMAGE_SIZE},
                                                     do_image_splitting=True)

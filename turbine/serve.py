@@ -157,6 +157,7 @@ def plan(argv: list[str], workdir: str) -> ServePlan:
     frontend_tokens, worker_tokens = split_tokens(rest, frontend)
     shared_tokens, _ = split_tokens(frontend_tokens, shared)
     worker_tokens = shared_tokens + worker_tokens
+    _check_omni(parser, worker_tokens, by_owner["worker"])
 
     def child_config(owner: str) -> list[str]:
         if not by_owner[owner]:
@@ -351,6 +352,19 @@ def _connector_words(tokens: list[str], file_settings: dict) -> list[str]:
     if value is not None:
         words += [str(v) for v in value] if isinstance(value, list) else [str(value)]
     return [w for word in words for w in word.replace(",", " ").split()]
+
+
+def _check_omni(parser, worker_tokens: list[str], from_file: dict) -> None:
+    """The omni worker's flags (given here or in the config file) refused before anything starts, as the worker
+    would refuse them (turbine/vllm/omni_config.py): each needs the other, the file, vllm-omni on this build."""
+    filed = {config_key_flag(k): v for k, v in from_file.items()}
+    omni = "--omni" in worker_tokens or filed.get("--omni") is True
+    stages = _flag_value(worker_tokens, "--stage-configs-path") or filed.get("--stage-configs-path")
+    if omni or stages is not None:
+        from turbine.vllm.omni_config import omni_flags_refusal
+
+        if (refusal := omni_flags_refusal(omni, stages)) is not None:
+            parser.error(refusal)
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

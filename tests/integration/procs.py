@@ -20,7 +20,7 @@ from turbine.runtime.ports import free_port  # noqa: F401  (the tests import it 
 
 ENGINE_FLAGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16"]
 # More flags for every vLLM worker a test starts, for running the modules elsewhere: on one GPU, several
-# engines must share it (e.g. TURBINE_TEST_VLLM_ARGS="--gpu-memory-utilization 0.2"; benchmarks/gpu_tests.sh).
+# engines must share it (e.g. TURBINE_TEST_VLLM_ARGS="--gpu-memory-utilization 0.2"; benchmarks/gpu/gpu_tests.sh).
 EXTRA_VLLM_ARGS = shlex.split(os.environ.get("TURBINE_TEST_VLLM_ARGS", ""))
 
 

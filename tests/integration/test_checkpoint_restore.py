@@ -1,6 +1,6 @@
 """Checkpoint mode (TURBINE_SNAPSHOT_CONTROL_DIR) driven through its marker files against real
-worker processes: the mocker (vLLM's CPU build cannot sleep, so the vLLM worker refuses the
-mode: tests/unit/vllm/test_sleep_refusal.py). Whether CRIU can dump such a process here: benchmarks/checkpoint_restore.py."""
+mocker processes. The vLLM worker with a real CRIU dump and restore: test_checkpoint_vllm.py; restore
+against cold start: benchmarks/lifecycle/checkpoint_restore.py."""
 
 from __future__ import annotations
 

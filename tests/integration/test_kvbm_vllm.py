@@ -103,7 +103,7 @@ def cached_by_source(worker) -> dict[str, float]:
 
     vLLM 0.32 counts cached tokens by source (device, host, disk, external_unspecified: the connector's
     `get_external_cache_hit_sources`). 0.26 (the GPU release, where this module also runs:
-    benchmarks/gpu_tests.sh) has no such counter: there the engine's own hits are its prefix-cache hits and
+    benchmarks/gpu/gpu_tests.sh) has no such counter: there the engine's own hits are its prefix-cache hits and
     each tier's tokens are the blocks the connector loaded from it; vLLM's external total is counted in both."""
     out: dict[str, float] = {}
     text = http_text(f"{worker.url}/metrics")

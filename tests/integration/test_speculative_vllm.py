@@ -11,7 +11,7 @@ block size or input path can flip a near-tie between two tokens in a long greedy
   or another), and a request that continues a conversation is routed to the worker holding it;
 - a speculative stream whose worker is SIGKILLed goes on on the other worker, unbroken (last: it ends one).
 
-On a GPU (benchmarks/gpu_tests.sh) the same module runs with TURBINE_TEST_SPEC_CONFIG naming another
+On a GPU (benchmarks/gpu/gpu_tests.sh) the same module runs with TURBINE_TEST_SPEC_CONFIG naming another
 speculator (a draft model), where one can be built there."""
 
 from __future__ import annotations

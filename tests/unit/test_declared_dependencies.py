@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-# Imported only under `except ImportError` with an install hint (turbine/vllm/connectors.py).
-OPTIONAL = {"lmcache"}
+# Imported only under `except ImportError` with an install hint (turbine/vllm/connectors.py); vllm-omni only once
+# --omni was checked to run here (turbine/vllm/omni_config.py: installed, vLLM's release, a GPU platform).
+OPTIONAL = {"lmcache", "vllm_omni"}
 # Client scripts that run in venvs of their own, whose packages the Makefile pins (instructor's:
 # .instructor-venv), not pyproject: they cannot share the project's venv.
 OWN_VENVS = ROOT / "tests" / "integration" / "clients"
@@ -40,9 +41,8 @@ def declared(*extras: str) -> set[str]:
 def third_party_imports(folder: Path) -> dict[str, str]:
     """Top-level module name -> one file importing it (absolute imports only)."""
     found: dict[str, str] = {}
-    # The folder's own modules, and the benchmark scripts that tests import by path.
-    local = {p.stem for p in folder.glob("*.py")} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | \
-        {"turbine", "tests", "conftest"}
+    # The folder's own modules, and the packages of this repository.
+    local = {p.stem for p in folder.glob("*.py")} | {"turbine", "tests", "benchmarks", "conftest"}
     for path in folder.rglob("*.py"):
         if path.is_relative_to(OWN_VENVS):
             continue

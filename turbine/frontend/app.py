@@ -32,7 +32,7 @@ MIN_REQUEST_BYTES = 1024
 ROUTER_METRICS_EXPORT_S = 1.0
 
 
-# Far above what one frontend process streams at speed (benchmarks/RESULTS.md, frontend ceiling),
+# Far above what one frontend process streams at speed (docs/benchmarks/frontend.md, frontend ceiling),
 # so it bites only on a flood.
 DEFAULT_MAX_INFLIGHT_REQUESTS = 4096
 MAX_PROCESSES = 256  # --frontend-processes

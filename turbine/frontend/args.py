@@ -116,7 +116,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     d.add_argument("--max-local-prefill-length", type=int,
                    default=env_int("TURBINE_MAX_LOCAL_PREFILL_LENGTH", DisaggConfig.max_local_prefill_length),
                    help="prompts with fewer tokens not yet cached on the decode worker are prefilled there "
-                        "(0: every prompt goes to a prefill worker); default from benchmarks/disagg.py "
+                        "(0: every prompt goes to a prefill worker); default from benchmarks/disagg/disagg.py "
                         "--part crossover")
     d.add_argument("--prefill-timeout", type=float,
                    default=env_float("TURBINE_PREFILL_TIMEOUT", DisaggConfig.prefill_timeout_s),

@@ -38,7 +38,7 @@ class MockerConfig(ServingConfig):
     speedup_ratio: float = flag("--speedup-ratio", default=1.0)
     # Seconds (real time, not scaled) the simulated engine takes to start before it registers.
     startup_time: float = flag("--startup-time", default=0.0)
-    # Seconds (real time, not scaled) a sleep and a wake take, as a GPU engine's (benchmarks/RESULTS.md,
+    # Seconds (real time, not scaled) a sleep and a wake take, as a GPU engine's (docs/benchmarks/gpu.md,
     # "Sleep / wake of the vLLM engine on a GPU": level 1 on an H100, ~0.4 s to sleep, ~0.6 s to wake).
     sleep_time: float = flag("--sleep-time", default=0.0)
     wake_time: float = flag("--wake-time", default=0.0)

@@ -17,7 +17,7 @@
   Hashes are the router's; `tokens` is empty and `parent_hash` None, as the connector sends them.
 
 The default bandwidths are the effective rates measured on the real vLLM CPU engine with the real
-tiers (benchmarks/kvbm_tier_weights.py, RESULTS.md "KV tier weights", 2026-11-27): a 5,898,240-byte
+tiers (benchmarks/kv_tiers/kvbm_tier_weights.py, docs/benchmarks/kv_tiers.md "KV tier weights", 2026-11-27): a 5,898,240-byte
 block (128 tokens of SmolLM2-135M in float32) took 2.84 ms more than an engine hit from host memory
 and 3.60 ms from the disk tier (its files in the page cache): 2.1 and 1.6 GB/s. Those rates include
 everything a load costs the engine, not only the copy.

@@ -28,7 +28,7 @@ import msgspec
 # of its max_loras slots before the forward pass. On the real vLLM CPU worker that the built-in profile
 # models (SmolLM2-135M, 2 cores), swapping a rank-16 adapter of every linear module (20 MB) into its one
 # slot did not make a one-token request measurably slower: -19 ms, medians of 50 against 50 requests
-# of about 900 ms (benchmarks/lora_swap_calibrate.py, benchmarks/RESULTS.md "Adapter-aware routing").
+# of about 900 ms (benchmarks/routing/lora_swap_calibrate.py, docs/benchmarks/routing.md "Adapter-aware routing").
 # So 0: the slots still limit which requests batch together. Give a GPU engine's copy time to model one.
 DEFAULT_LORA_LOAD_TIME_MS = 0.0
 

@@ -94,6 +94,10 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # and its card stays with this set, so that frontends answer a model whose every worker sleeps with a
     # 503 to retry (not a 404: the model exists). Put back without it on wake-up.
     sleeping: bool = False
+    # What the instance answers with (an omni worker's pipeline: its final stages' output types, "text" and/or
+    # "image"); None: text only, as every other worker. The frontend sends image requests only to instances
+    # whose card says "image".
+    output_modalities: list[str] | None = None
     # A LoRA adapter's card (None: the base model's): `name` is then the adapter's name, which is
     # also `lora_name`, and `base_model` the served name of the model it adapts (its `parent`);
     # the rest is the base card's (tokenizer, parsers, limits). One per adapter loaded on the
@@ -102,6 +106,10 @@ class ModelCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     lora_id: int | None = None
     base_model: str | None = None
     v: int = WIRE_VERSION
+
+    @property
+    def modalities(self) -> list[str]:
+        return self.output_modalities if self.output_modalities is not None else ["text"]
 
     @property
     def path(self) -> str:

@@ -115,6 +115,14 @@ class ImageEmbedding(msgspec.Struct, omit_defaults=True, kw_only=True):
     nixl: NixlSource | None = None
 
 
+class ImageOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """An image the request asks an omni worker's pipeline for (cards whose output_modalities has "image"):
+    its size in pixels; None: the pipeline's default. The count is SamplingOptions.n."""
+
+    width: int | None = None
+    height: int | None = None
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
     model: str
@@ -147,6 +155,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # one per image in order; the worker's engine loads them instead of running its vision encoder (cards
     # that say `takes_image_embeddings`). The images still come: the engine's processor sizes their placeholders.
     image_embeddings: list[ImageEmbedding] | None = None
+    # An omni worker's image output (/v1/images/generations, or a chat with an image-output model): the
+    # pipeline answers with images (GenerateOutput.images) rather than text.
+    image: ImageOptions | None = None
     v: int = WIRE_VERSION
 
 
@@ -182,6 +193,8 @@ class GenerateOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     # Text mode: the text new since the previous chunk (stop strings already applied).
     text: str | None = None
+    # An omni worker's image outputs: PNG files (the choice's last chunk).
+    images: list[bytes] | None = None
     v: int = WIRE_VERSION
 
 

@@ -12,12 +12,12 @@ from turbine.config import check, config_errors_to, flag
 from turbine.router.approx import DEFAULT_TTL_S
 from turbine.router.event_watchdog import DEFAULT_DEADLINE_S
 
-# Prefill blocks weigh 4 decode blocks: on the 16-worker fleet benchmark (benchmarks/RESULTS.md,
+# Prefill blocks weigh 4 decode blocks: on the 16-worker fleet benchmark (docs/benchmarks/routing.md,
 # 2026-11-26) weight 4 beat 1 on TTFT p50/p99 and cache hits for both workloads; computing a block
 # of prompt costs the engine far more than holding one more block while decoding.
 DEFAULT_OVERLAP_WEIGHT = 4.0
 # A request whose adapter is not in a worker's active LoRA slots costs that worker this many blocks
-# more (the swap, and the wait for a slot). Chosen from the LoRA fleet benchmark (benchmarks/RESULTS.md,
+# more (the swap, and the wait for a slot). Chosen from the LoRA fleet benchmark (docs/benchmarks/routing.md,
 # "Adapter-aware routing").
 DEFAULT_LORA_SWAP_WEIGHT = 64.0
 

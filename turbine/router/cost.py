@@ -12,7 +12,7 @@ itself reports waiting beyond those (another router's, or a frontend's that rest
 the size of the request being routed. Counting the queued requests' cached prefix too (their
 whole context) was measured and left out: on the Mooncake trace at 200 % of capacity it spread
 conversations away from their caches, lowering the hit rate and the fleet's throughput
-(benchmarks/RESULTS.md, KV routing under overload).
+(docs/benchmarks/routing.md, KV routing under overload).
 
 LoRA: a request for an adapter that a worker does not hold in its active slots (as its last load
 report lists them, plus the adapters of the requests this router sent it that have not finished)
@@ -21,12 +21,12 @@ prefill. Twice that where every slot serves unfinished requests of other adapter
 sent there: the request also waits for one of those adapters to drain (vLLM batches at most
 max_loras adapters). Without that second level, the few requests of rare adapters landed on workers
 whose slots the popular adapters kept busy and waited there for seconds (the TTFT tail; benchmarks/
-RESULTS.md, "Adapter-aware routing").
+docs/benchmarks/routing.md, "Adapter-aware routing").
 
 KV tiers (`--connector kvbm`): a prompt block that a worker's engine lacks but one of its offload
 tiers holds (or the shared tier it sees) is loaded, not computed: it costs TIER_WEIGHTS[tier] of a
 prefill block (0 would be an engine hit, 1 a recomputation). The weights are measured on the real
-CPU engine (benchmarks/kvbm_tier_weights.py, RESULTS.md "KV tier weights"), not guessed.
+CPU engine (benchmarks/kv_tiers/kvbm_tier_weights.py, docs/benchmarks/kv_tiers.md "KV tier weights"), not guessed.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def new_blocks(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
 
 
 # What loading one block from a tier costs, as a share of computing it (the engine's own cache: 0).
-# Measured on the real vLLM CPU engine (benchmarks/kvbm_tier_weights.py, RESULTS.md "KV tier weights",
+# Measured on the real vLLM CPU engine (benchmarks/kv_tiers/kvbm_tier_weights.py, docs/benchmarks/kv_tiers.md "KV tier weights",
 # 2026-11-27: SmolLM2-135M float32, 128-token blocks of 5.9 MB; a block computed in 253 ms, loaded from
 # host memory in 2.8 ms, from the disk tier in 3.6 ms, its files in the page cache): host 0.011, disk
 # 0.014. The shared tier is the disk tier's file code on a directory others write too: the disk weight

@@ -56,6 +56,9 @@ MULTIMODAL_REFUSED = {
     "enable_mm_embeds": "--enable-mm-embeds is not supported: the frontend takes no image embeddings "
                         "(image_url parts only); drop the flag",
 }
+OMNI_ALONE = ("an omni worker runs its pipeline's stages as whole requests, in text mode: drop "
+              "--disaggregation-mode, --multimodal-encode-worker, --headless, --enable-multimodal, "
+              "--take-image-embeddings and --use-vllm-tokenizer")
 ENCODE_WORKER_ALONE = ("an encode worker (--multimodal-encode-worker) serves only the encode endpoint: drop "
                        "--enable-multimodal, --take-image-embeddings, --disaggregation-mode, --connector, "
                        "--use-vllm-tokenizer and --runner pooling (one role per process)")
@@ -88,9 +91,20 @@ class WorkerConfig(ServingConfig):
     # A secondary node (turbine/vllm/headless.py): vLLM's engine processes of the ranks or workers the leader
     # fronts; it serves and registers nothing.
     headless: bool = flag("--headless", default=False)
+    # A multi-stage vLLM-Omni pipeline (turbine/vllm/omni_worker.py) built from its stage-config file instead of
+    # one engine; each flag needs the other.
+    omni: bool = flag("--omni", default=False)
+    stage_configs_path: str | None = flag("--stage-configs-path", default=None)
 
     def __post_init__(self):
         super().__post_init__()
+        check(self, not self.omni or self.stage_configs_path is not None, "omni",
+              "needs --stage-configs-path FILE (the pipeline's stages)")
+        check(self, self.stage_configs_path is None or self.omni, "stage_configs_path",
+              "is the omni worker's pipeline: add --omni or drop it")
+        check(self, not self.omni or not (self.multimodal_encode_worker or self.headless or self.enable_multimodal
+                                          or self.take_image_embeddings or self.use_vllm_tokenizer)
+              and self.disaggregation_mode == "agg", "omni", OMNI_ALONE)
         if self.kv_events_port is not None:
             last = self.kv_events_port + self.data_parallel_size - 1
             check(self, 1024 <= self.kv_events_port and last <= 65535, "kv_events_port",
@@ -195,7 +209,7 @@ def _build_parser():
                              "are checksummed, see turbine/kvbm/block.py)")
     parser.add_argument("--kv-disk-min-uses", type=int, default=None,
                         help="--connector kvbm: write a block to the disk tier only once it has been used this many "
-                             "times (computed, or hit in a tier); default 1, every block (see benchmarks/RESULTS.md)")
+                             "times (computed, or hit in a tier); default 1, every block (see docs/benchmarks/kv_tiers.md)")
     parser.add_argument("--kv-shared-cache-gb", type=float, default=None,
                         help="--connector kvbm: shared tier size in GiB (with --kv-shared-cache-dir): what all the "
                              "workers that share the directory keep there together")
@@ -213,6 +227,14 @@ def _build_parser():
                              "parallel ranks --data-parallel-start-rank.. that the leader fronts, or the workers of "
                              "--node-rank > 0 for tensor/pipeline parallelism across nodes); no request plane, no "
                              "registration, a status server (/health, /live) when --system-port is given")
+    parser.add_argument("--omni", action="store_true",
+                        help="serve a multi-stage vLLM-Omni pipeline (e.g. text->text, text->image) built from "
+                             "--stage-configs-path instead of one engine: chat text from the messages, text answers "
+                             "streamed, images as PNGs (chat content parts, /v1/images/generations). Needs the "
+                             "vllm-omni release of this vLLM and a GPU: refused with the reason otherwise")
+    parser.add_argument("--stage-configs-path", default=None,
+                        help="--omni: the pipeline's stage-config YAML (vLLM-Omni's format: a `stage_args` list, "
+                             "or a deploy config's `stages` list); read and checked at start")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -220,7 +242,7 @@ def _build_parser():
     parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default="compact",
                         help="whitespace in structured JSON outputs (forced tool calls, response_format json_schema / "
                              "json_object, guided_json): compact (none between tokens: a small model cannot run away "
-                             "in newlines until max_tokens; measured in benchmarks/json_whitespace.py) or any (JSON's "
+                             "in newlines until max_tokens; measured in benchmarks/frontend/json_whitespace.py) or any (JSON's "
                              "free whitespace, vLLM's default). Engine-wide: vLLM's grammar backends read it from the "
                              "engine's config, not per request (env TURBINE_JSON_WHITESPACE; default compact)")
     # Every flag Turbine adds has its environment variable by the naming rule (TURBINE_<FLAG>); vLLM's own
@@ -254,6 +276,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         fields["endpoint_types"] = (IMAGE_ENCODE,)
         fields["endpoint"] = ENCODE_ENDPOINT
     serving = checked(ServingConfig, parser, **fields)
+    _check_omni(args, parser)
     # --reasoning-parser is the frontend's reasoning parser only; the engine does not get it. With
     # one, vLLM enforces a structured-output constraint only after the reasoning ends (`</think>`),
     # so a forced tool call's schema or a guided regex would no longer cover the whole output.
@@ -297,7 +320,17 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
-                   kv_events_port=args.kv_events_port, headless=args.headless)
+                   kv_events_port=args.kv_events_port, headless=args.headless, omni=args.omni,
+                   stage_configs_path=args.stage_configs_path)
+
+
+def _check_omni(args, parser) -> None:
+    """--omni and --stage-configs-path: refused before any engine is built where they cannot run (the reason
+    named: turbine.vllm.omni_config.omni_flags_refusal)."""
+    from turbine.vllm.omni_config import omni_flags_refusal
+
+    if (refusal := omni_flags_refusal(args.omni, args.stage_configs_path)) is not None:
+        parser.error(refusal)
 
 
 JSON_WHITESPACE = ("compact", "any")

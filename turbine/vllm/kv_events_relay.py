@@ -18,6 +18,7 @@ events with that `tier` whose hashes are already the router's (turbine.protocol.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -104,20 +105,60 @@ def _media_items(keys, lora_name: str | None) -> list[tuple[str, int]] | None:
 
 
 class VllmKvEventsRelay:
-    def __init__(self, publishers: list[KvEventPublisher], port: int | None = None, host: str = "127.0.0.1"):
-        """`publishers[r]` republishes data-parallel rank r's events; `port`: the first port of the run
-        (--kv-events-port; None: any free run). EventPlaneError naming the flag if it is taken. `host`: where
-        it listens (loopback, or the data-parallel address when ranks run on other nodes)."""
-        assert [p.dp_rank for p in publishers] == list(range(len(publishers)))
-        self.publishers = publishers
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.LINGER, 0)
+    def __init__(self, publishers: list[KvEventPublisher] | None = None, port: int | None = None,
+                 host: str = "127.0.0.1", ranks: int | None = None):
+        """`publishers[r]` republishes data-parallel rank r's events (None: given later with `attach`, then
+        `ranks` says how many); `port`: the first port of the run (--kv-events-port; None: any free run).
+        EventPlaneError naming the flag if it is taken. `host`: where it listens (loopback, or the
+        data-parallel address when ranks run on other nodes)."""
+        self.ranks = len(publishers) if publishers is not None else ranks
+        assert self.ranks, "publishers or ranks"
+        self.publishers: list[KvEventPublisher] = []
+        if publishers is not None:
+            self.attach(publishers)
+        self.host = host
+        self._sock = self._socket()
         if port is None:
-            port = _bind_port_run(self._sock, len(publishers), host)
+            port = _bind_port_run(self._sock, self.ranks, host)
         else:
-            _bind_given_run(self._sock, port, len(publishers), host)
+            _bind_given_run(self._sock, port, self.ranks, host)
+        self.port = port
         self.engine_endpoint = f"tcp://{host}:{port}"  # what vLLM's publisher (rank 0) connects to
+
+    @staticmethod
+    def _socket():
+        sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def attach(self, publishers: list[KvEventPublisher]) -> None:
+        assert [p.dp_rank for p in publishers] == list(range(self.ranks))
+        self.publishers = publishers
+
+    def unbind(self) -> None:
+        """Close the listening socket (checkpoint mode: no socket of ours in the image); the engine's
+        publisher keeps trying to reconnect, and what it publishes meanwhile is lost (nothing is
+        routed to a quiesced engine)."""
+        self._sock.close()
+        self._sock = None
+
+    async def rebind(self, wait_s: float = 5.0) -> bool:
+        """Listen again on the same ports (after a restore), then wait up to `wait_s` for the engine's
+        publisher to connect, so that the first request's events are not lost: True once it has."""
+        sock = self._socket()
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        _bind_given_run(sock, self.port, self.ranks, self.host)
+        self._sock = sock
+        try:
+            async with asyncio.timeout(wait_s):
+                await monitor.recv_multipart()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            sock.disable_monitor()
+            monitor.close()
 
     @property
     def publisher(self) -> KvEventPublisher:
@@ -160,7 +201,8 @@ class VllmKvEventsRelay:
             publisher.publish([AllBlocksCleared()])
 
     def close(self) -> None:
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
 
 
 def _bind_given_run(sock, port: int, count: int, host: str = "127.0.0.1") -> None:

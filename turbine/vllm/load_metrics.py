@@ -9,21 +9,32 @@ which case only custom loggers and Prometheus run).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from turbine.worker.load_publisher import LoadMetricsPublisher
 from turbine.worker.lora_slots import LoraSlots
 
 
+@dataclass
+class StatTargets:
+    """Where the engine's stat loggers report: read at every report, so that they can be set after the
+    engine is built (checkpoint mode: once a restored worker knows its identity). None: dropped until set.
+    `rank_gauges`: the worker's KV gauges of each data-parallel rank (WorkerMetrics.ranks)."""
+
+    publisher: LoadMetricsPublisher | None = None
+    rank_gauges: list | None = None
+
+
 class LoadMetricsStatLogger(StatLoggerBase):
     """One per engine (data-parallel rank): turns SchedulerStats into LoadMetrics updates."""
 
     def __init__(self, vllm_config, engine_index: int = 0, publisher: LoadMetricsPublisher | None = None,
-                 rank_gauges=None):
+                 targets: StatTargets | None = None):
         self.vllm_config = vllm_config
         self.engine_index = engine_index  # the data-parallel rank
-        self.publisher = publisher
-        self.gauges = rank_gauges  # this rank's KV gauges on the worker's /metrics (worker_metrics.RankGauges)
+        self.targets = targets if targets is not None else StatTargets(publisher)
         # vLLM keeps the active adapters in an LRU of max_loras GPU slots inside the engine core
         # (its model runner's LRUCacheWorkerLoRAManager), in another process, and its stats do not
         # carry the slots. What the stats carry is the adapters of the running requests
@@ -41,16 +52,17 @@ class LoadMetricsStatLogger(StatLoggerBase):
         total = self.vllm_config.cache_config.num_gpu_blocks or 0
         usable = max(total - 1, 0)  # vLLM's usage leaves out its null block
         active = round(scheduler_stats.kv_cache_usage * usable)
-        if self.gauges is not None:
-            self.gauges.active_kv_blocks.set(active)
-            self.gauges.kv_cache_usage.set(scheduler_stats.kv_cache_usage)  # what vLLM's own gauge shows
+        ranks = self.targets.rank_gauges
+        if ranks is not None and self.engine_index < len(ranks):  # this rank's KV gauges on the worker's /metrics
+            ranks[self.engine_index].active_kv_blocks.set(active)
+            ranks[self.engine_index].kv_cache_usage.set(scheduler_stats.kv_cache_usage)  # as vLLM's own gauge
         slots = self.lora_slots
         if slots is not None:
             running = [name for name, n in (scheduler_stats.running_lora_adapters or {}).items() if n > 0]
             slots.touch(running[-slots.capacity:] if slots.capacity else ())
-        if self.publisher is None:
+        if self.targets.publisher is None:
             return
-        self.publisher.update(
+        self.targets.publisher.update(
             self.engine_index,
             kv_active_blocks=active,
             kv_total_blocks=total,
@@ -64,11 +76,9 @@ class LoadMetricsStatLogger(StatLoggerBase):
         pass
 
 
-def stat_logger_factory(publisher: LoadMetricsPublisher | None, rank_gauges=None):
-    """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: (vllm_config, engine_index) -> logger.
-    `rank_gauges`: the worker's KV gauges of each data-parallel rank (WorkerMetrics.ranks)."""
+def stat_logger_factory(targets: StatTargets):
+    """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: (vllm_config, engine_index) -> logger."""
     def make(vllm_config, engine_index: int = 0) -> LoadMetricsStatLogger:
-        gauges = rank_gauges[engine_index] if rank_gauges is not None and engine_index < len(rank_gauges) else None
-        return LoadMetricsStatLogger(vllm_config, engine_index, publisher, gauges)
+        return LoadMetricsStatLogger(vllm_config, engine_index, targets=targets)
 
     return make

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -34,11 +35,12 @@ from turbine.vllm.headless import node_group
 from turbine.vllm.kv_events_relay import VllmKvEventsRelay
 from turbine.vllm.kvbm_connector import kv_shared_tier
 from turbine.vllm.lora import VllmLora
-from turbine.vllm.load_metrics import stat_logger_factory
-from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal
+from turbine.vllm.load_metrics import StatTargets, stat_logger_factory
+from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal, sleep_engine, wake_engine
 from turbine.worker.config import EMBEDDINGS
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
+from turbine.worker.snapshot import RestoredIdentity
 
 log = logging.getLogger("turbine.vllm")
 
@@ -50,66 +52,43 @@ REMOTE_RANK_TIMEOUT_S = 20.0
 
 
 class VllmEngine:
-    """vLLM as an engine kind for the worker host: one instance."""
+    """vLLM as an engine kind for the worker host: one instance. The engine is built first (build():
+    no socket of Turbine's is opened before it, except the KV-event relay's loopback listener, which
+    checkpoint mode closes while quiesced and binds again after the restore); the instance, its
+    metrics and its event publishers are made by start(), under the identity it serves as."""
 
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex[:16]
-        self.metrics = WorkerMetrics({"namespace": cfg.namespace, "component": cfg.component,
-                                      "model": cfg.served_model_name, "worker_id": self.instance_id},
-                                     data_parallel_size=cfg.data_parallel_size)
+        self.metrics: WorkerMetrics | None = None  # start(): its labels carry the identity a restore may change
         self.engine: AsyncLLM | None = None
         self.events: InstanceEvents | None = None
         self.relay: VllmKvEventsRelay | None = None
+        self._stats = StatTargets()  # where the engine's stat loggers report, set by start()
+        self._load_seconds = 0.0
+        self._quiesced: str | None = None  # how quiesce() stilled the engine: "sleep" or "pause"
         self._relay_task: asyncio.Task | None = None
         self._server: RequestPlaneServer | None = None
         self.pooling = False
         self._handlers = None  # the role's generate handlers, or the pooling worker's embed handlers (the canary)
 
     async def build(self) -> None:
-        """Nothing: start() builds the engine, after the event plane its relay and load reports need."""
-
-    def checkpoint_refusal(self) -> str | None:
-        # Checkpoint mode quiesces the engine by sleeping it, and needs the engine built before
-        # any socket; neither is done for vLLM yet, so it is refused, never half-run.
-        reason = platform_sleep_refusal() or "the vLLM worker does not build its engine before its sockets yet"
-        return f"the vLLM worker cannot be checkpointed: {reason}"
-
-    async def quiesce(self) -> None:
-        raise NotImplementedError(self.checkpoint_refusal())
-
-    async def resume(self) -> None:
-        raise NotImplementedError(self.checkpoint_refusal())
-
-    def restore_identity(self, identity) -> None:
-        raise NotImplementedError(self.checkpoint_refusal())
-
-    async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
         cfg = self.cfg
         ranks = cfg.data_parallel_size
-        if uses_nixl(cfg.engine_args.kv_transfer_config):
+        if uses_nixl(cfg.engine_args.kv_transfer_config):  # exported for the engine, read when it is built
             port = claim_nixl_side_channel(advertised_host(cfg.host), ranks)
             log.info("NIXL side channel on port %d", port)
         if uses_kvbm(cfg.engine_args.kv_transfer_config):
             keep_model_runner_v1()  # its failed loads are rewound right by V1 only (turbine.vllm.connectors)
-
-        # Load reports go out whatever the role or prefix caching. With prefix caching on, the
-        # engine's KV events are relayed for KV routers. Decode workers relay none (routing picks
-        # prefill workers by their caches, decode workers by load) but keep empty publishers, so
-        # routers follow their address for their load and get an empty cache on replay.
-        relays = cfg.engine_args.enable_prefix_caching and not cfg.is_decode
-        self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=ranks,
-                                     kv_events=relays or cfg.is_decode, kv_events_buffer=cfg.kv_events_buffer)
-        if relays:
+        # With prefix caching on, the engine's KV events are relayed for KV routers (decode workers relay none:
+        # routing picks prefill workers by their caches). The relay listens before the engine is built, as the
+        # engine's publisher connects to it; its publishers are attached by start().
+        if cfg.engine_args.enable_prefix_caching and not cfg.is_decode:
             # Ranks on other nodes publish to the relay over the data-parallel network (the one vLLM's own engine
             # handshake and outputs cross), so it listens there; otherwise on loopback.
             host = cfg.data_parallel_address if cfg.remote_ranks else "127.0.0.1"
-            self.relay = VllmKvEventsRelay(self.events.kv, port=cfg.kv_events_port, host=host)
+            self.relay = VllmKvEventsRelay(port=cfg.kv_events_port, host=host, ranks=ranks)
             cfg.engine_args.kv_events_config = self.relay.engine_config()
-            self._relay_task = asyncio.create_task(self.relay.run())
-        # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
-        stat_loggers = [stat_logger_factory(self.events.load, self.metrics.ranks)]
-
         if cfg.take_image_embeddings:
             # The engine's encoder-cache connector loads the embeddings encode workers made (ec_connector.py).
             from vllm.config import ECTransferConfig
@@ -118,8 +97,79 @@ class VllmEngine:
 
             cfg.engine_args.ec_transfer_config = ECTransferConfig(**engine_config())
         building = time.monotonic()
-        engine = self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=stat_loggers)
-        self.metrics.model_load_seconds.set(time.monotonic() - building)
+        # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
+        self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=[stat_logger_factory(self._stats)])
+        self._load_seconds = time.monotonic() - building
+
+    def checkpoint_refusal(self) -> str | None:
+        cfg = self.cfg
+        transfer = cfg.engine_args.kv_transfer_config
+        reason = None
+        if cfg.remote_ranks:
+            reason = "its data-parallel ranks on other nodes (--headless) are processes no checkpoint of this one holds"
+        elif uses_nixl(transfer) or uses_kvbm(transfer) or transfer is not None:
+            reason = "a KV connector (--connector / --kv-transfer-config) holds transfer state and sockets of its own"
+        elif cfg.take_image_embeddings:
+            reason = "--take-image-embeddings: its encoder-cache connector reads a shared store not checkpointed"
+        elif platform_sleep_refusal() is None and not cfg.engine_args.enable_sleep_mode:
+            # On a GPU the engine is quiesced by a level-1 sleep (its KV cache freed before the dump).
+            reason = "on a GPU it is quiesced by a level-1 sleep: start it with --enable-sleep-mode"
+        return None if reason is None else f"the vLLM worker cannot be checkpointed: {reason}"
+
+    async def quiesce(self) -> None:
+        """Nothing runs and nothing is cached in the image: on a GPU a level-1 sleep (KV cache freed,
+        weights offloaded); on CPU, which has no sleep mode, the scheduler is paused, drained and the
+        prefix and encoder caches reset (the image then holds an empty cache: a restored worker
+        announces none, and routers have nothing of it to forget)."""
+        engine = self.engine
+        if platform_sleep_refusal() is None:
+            await sleep_engine(engine, 1)
+            self._quiesced = "sleep"
+        else:
+            await engine.pause_generation()  # (defaults: abort what runs, clear the cache; none runs yet)
+            self._quiesced = "pause"
+            while unfinished_requests(engine):
+                await asyncio.sleep(0.05)
+            if not await engine.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be reset after draining the engine")
+            await engine.reset_encoder_cache()
+        if self.relay is not None:
+            self.relay.unbind()
+
+    async def resume(self) -> None:
+        if self._quiesced == "sleep":
+            await wake_engine(self.engine)
+        elif self._quiesced == "pause":
+            await self.engine.resume_generation()
+        self._quiesced = None
+        if self.relay is not None and not await self.relay.rebind():
+            log.warning("the engine's KV-event publisher did not reconnect to the relay within 5 s of the restore; "
+                        "events it publishes before it does are lost")
+
+    def restore_identity(self, identity: RestoredIdentity) -> None:
+        changes = {k: v for k, v in (("namespace", identity.namespace), ("component", identity.component)) if v}
+        if changes:
+            self.cfg = replace(self.cfg, **changes)
+        if identity.instance_id:
+            self.instance_id = identity.instance_id
+
+    async def start(self, plane: WorkerEventPlane, health: Health) -> list[Instance]:
+        cfg, engine = self.cfg, self.engine
+        ranks = cfg.data_parallel_size
+        self.metrics = WorkerMetrics({"namespace": cfg.namespace, "component": cfg.component,
+                                      "model": cfg.served_model_name, "worker_id": self.instance_id},
+                                     data_parallel_size=ranks)
+        self.metrics.model_load_seconds.set(self._load_seconds)
+        # Load reports go out whatever the role or prefix caching. Decode workers relay no KV events but keep
+        # empty publishers, so routers follow their address for their load and get an empty cache on replay.
+        self.events = InstanceEvents(plane, self.instance_id, data_parallel_size=ranks,
+                                     kv_events=self.relay is not None or cfg.is_decode,
+                                     kv_events_buffer=cfg.kv_events_buffer)
+        if self.relay is not None:
+            self.relay.attach(self.events.kv)
+            self._relay_task = asyncio.create_task(self.relay.run())
+        self._stats.rank_gauges = self.metrics.ranks
+        self._stats.publisher = self.events.load
         vcfg = engine.vllm_config
         self.metrics.set_total_kv_blocks(vcfg.cache_config.num_gpu_blocks or 0)
         loras = VllmLora(engine, cfg.model_path, cfg.served_model_name)
@@ -204,7 +254,7 @@ class VllmEngine:
                                 f"{REMOTE_RANK_TIMEOUT_S:.0f} s: its node stopped or died")
 
     def refresh_gauges(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self.metrics is not None:
             self.metrics.engine_unfinished.set(unfinished_requests(self.engine))
 
     def serving(self) -> None:
@@ -233,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         from turbine.vllm.headless import HeadlessNode
 
         return run_host(HeadlessNode(cfg).run)
+    if cfg.omni:  # parse_worker_args refused it where vllm-omni cannot run
+        from turbine.vllm.omni_worker import OmniEngine
+
+        return run_host(WorkerHost(cfg, OmniEngine(cfg)).run)
     if cfg.multimodal_encode_worker:
         from turbine.vllm.encode_worker import EncodeEngine
 

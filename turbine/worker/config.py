@@ -168,7 +168,8 @@ class ServingConfig:
                    multimodal: bool = False, image_token_id: int | None = None, endpoint_types: list[str] | None = None,
                    image_placeholder: tuple[list[int], tuple[int, int]] | None = None,
                    kv_shared_tier: str | None = None,
-                   takes_image_embeddings: bool = False, node_group: str | None = None) -> ModelCard:
+                   takes_image_embeddings: bool = False, node_group: str | None = None,
+                   output_modalities: list[str] | None = None) -> ModelCard:
         """The card of one instance: our settings plus what the engine reports about itself
         (`endpoint_types`: what the engine turned out to serve, when not our setting)."""
         return ModelCard(
@@ -188,6 +189,7 @@ class ServingConfig:
             image_placeholder_range=image_placeholder[1] if image_placeholder else None,
             kv_shared_tier=kv_shared_tier,
             takes_image_embeddings=takes_image_embeddings, node_group=node_group,
+            output_modalities=output_modalities,
         )
 
 

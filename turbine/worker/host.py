@@ -70,7 +70,8 @@ class EngineKind(Protocol):
         """Why this engine kind cannot run in checkpoint mode, or None if it can."""
 
     async def quiesce(self) -> None:
-        """Checkpoint mode, after build(): put the engine(s) to sleep (KV cache freed)."""
+        """Checkpoint mode, after build(): still the engine(s): nothing running, nothing cached (a sleep where
+        the engine has a sleep mode), and close whatever build() opened."""
 
     async def resume(self) -> None:
         """Checkpoint mode, restored: wake the engine(s) up."""

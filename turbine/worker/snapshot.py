@@ -2,7 +2,8 @@
 (TURBINE_SNAPSHOT_CONTROL_DIR), as Dynamo's snapshot agent drives its workers:
 
 1. the worker builds its engine before opening any socket (no status server, event plane,
-   discovery or request plane yet), then quiesces it (sleep: KV cache freed);
+   discovery or request plane yet), then quiesces it (nothing running, nothing cached: the
+   mocker and vLLM on a GPU sleep, vLLM on CPU pauses, drains and resets its caches);
 2. it writes `ready-for-checkpoint`: an outside agent may now dump the process (e.g. CRIU);
 3. it polls every 100 ms for the agent's answer:
    - `snapshot-complete`: the checkpoint is taken; the worker exits 0, never having registered;

@@ -128,7 +128,7 @@ def test_the_workers_snapshot_carries_its_tiers():
 
 
 def test_engine_only_routing_drops_the_tier_events():
-    # --no-router-kv-tiers: the peer the tier-aware cost is measured against (benchmarks/kv_tiers_fleet.py).
+    # --no-router-kv-tiers: the peer the tier-aware cost is measured against (benchmarks/kv_tiers/kv_tiers_fleet.py).
     router = KvRouter(KvRouterConfig(use_kv_tiers=False), BS, rng=random.Random(0))
     router.index.apply(A, engine_stored(6))
     router.index.apply(A, tier_stored("disk", HASHES))

@@ -285,7 +285,7 @@ def test_a_pooling_worker_serves_embeddings_only(capsys):
 
 
 def test_json_whitespace_is_compact_by_default_and_any_keeps_vllms_config(capsys):
-    """Forced tool calls and JSON outputs: no free whitespace by default (benchmarks/json_whitespace.py)."""
+    """Forced tool calls and JSON outputs: no free whitespace by default (benchmarks/frontend/json_whitespace.py)."""
     compact = parse_worker_args(["--enforce-eager"]).engine_args.structured_outputs_config
     assert (compact.backend, compact.disable_any_whitespace) == ("xgrammar", True)
     guidance = parse_worker_args(["--enforce-eager", "--structured-outputs-config", '{"backend": "guidance"}'])

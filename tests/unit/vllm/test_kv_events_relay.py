@@ -112,6 +112,38 @@ async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher(chosen):
         relay.close()
 
 
+async def test_a_relay_closed_for_a_checkpoint_listens_again_and_the_engine_reconnects():
+    """Checkpoint mode: the relay listens before the engine exists and is given its publishers later;
+    quiesced, it closes its socket (none of ours in the image); after the restore it binds the same
+    port again, waits for the engine's publisher to reconnect, and relays what the engine publishes."""
+    import asyncio
+
+    from turbine.worker.kv_publisher import KvEventPublisher
+    from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+
+    relay = VllmKvEventsRelay(ranks=1)
+    engine = vllm_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=relay.engine_endpoint)
+    plane = RecordingPlane()
+    task = None
+    try:
+        relay.unbind()
+        await asyncio.sleep(0.3)  # the engine's publisher lost its peer and retries
+        relay.attach([KvEventPublisher("restored", dp_rank=0, events_plane=plane)])
+        assert await relay.rebind()
+        task = asyncio.create_task(relay.run())
+        for _ in range(50):  # (the subscription reaches the publisher just after the connection)
+            engine.publish(vllm_events.KVEventBatch(ts=0.0, events=[vllm_stored([7], None, [1, 2, 3, 4])]))
+            await asyncio.sleep(0.1)
+            if plane.sent:
+                break
+        assert plane.sent
+    finally:
+        engine.shutdown()
+        if task is not None:
+            task.cancel()
+        relay.close()
+
+
 def test_the_kvbm_tiers_events_are_relayed_with_their_tier_and_router_hashes():
     """--connector kvbm publishes its consolidated stream through vLLM (medium "turbine.kvbm/<tier>"):
     the relay gives them their tier; the hashes are already the router's, so the index takes them as they are."""

@@ -27,7 +27,7 @@ class DisaggConfig:
     # Prompts with fewer tokens to compute on the decode worker are prefilled there. 256: from
     # there on, on the 2-core CPU host, handing over added at most 25 % to a lone prompt's TTFT
     # while a local prefill would stall the decode worker's streams for a second or more
-    # (benchmarks/RESULTS.md, "Disaggregated prefill/decode", crossover).
+    # (docs/benchmarks/disagg.md, "Disaggregated prefill/decode", crossover).
     max_local_prefill_length: int = flag("--max-local-prefill-length", default=256)
     # A prefill worker that answers later is given up on.
     prefill_timeout_s: float = flag("--prefill-timeout", default=60.0)

@@ -30,6 +30,7 @@ from turbine.frontend import request_id
 from turbine.frontend.apis import anthropic
 from turbine.frontend.apis.batch import BatchRun
 from turbine.frontend.apis.embeddings import embeddings
+from turbine.frontend.apis.images import answers_images_only, image_chat, images_generations
 from turbine.frontend.apis.response_routes import ResponseRoutes
 from turbine.frontend.apis.responses import ResponsesRun
 from turbine.frontend.apis.responses import prepare as prepare_response
@@ -60,6 +61,9 @@ GENERATION_ROUTES: dict[str, Kind | Literal["responses", "messages"]] = {
     "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
     "/v1/messages": "messages"}
 EMBEDDINGS_ROUTE = "/v1/embeddings"
+IMAGES_ROUTE = "/v1/images/generations"
+# The routes that make a worker work outside the chat/completions stages.
+OTHER_WORK_ROUTES = {EMBEDDINGS_ROUTE: "embeddings", IMAGES_ROUTE: "images"}
 # The status written in the access log and counted in turbine_frontend_requests for a request whose
 # client left before its answer was complete (nginx's "client closed request").
 CLIENT_LEFT = 499
@@ -105,7 +109,7 @@ class HttpApi:
                 return await others(scope, receive, send)
             obs = _Observed(scope, self.cfg.access_log)
             try:
-                kind = "embeddings" if scope["path"] == EMBEDDINGS_ROUTE else GENERATION_ROUTES.get(scope["path"])
+                kind = OTHER_WORK_ROUTES.get(scope["path"]) or GENERATION_ROUTES.get(scope["path"])
                 if obs.refusal is not None:
                     response = obs.refusal
                 elif kind is None:  # Starlette's routes: one or two writes, seen through a wrapper
@@ -121,7 +125,9 @@ class HttpApi:
                     watch = ClientWatch(receive)
                     request = Request(scope, watch.receive)
                     try:  # held until the answer's last byte is sent
-                        work = self.embeddings(request) if kind == "embeddings" else self.generate(request, kind)
+                        work = self.json_work(request, embeddings) if kind == "embeddings" \
+                            else self.json_work(request, images_generations) if kind == "images" \
+                            else self.generate(request, kind)
                         try:
                             response = await watch.run(work)
                         except Exception as exc:
@@ -217,6 +223,14 @@ class HttpApi:
                 tracing.end(span, exc.message)
                 raise
             tracing.end(span)
+            if answers_images_only(prepared.model):  # an omni pipeline that ends in images only
+                model_name = prepared.model.name
+                if kind != "chat":
+                    raise RequestError(f"the model {model_name!r} answers with images only: ask "
+                                       "/v1/chat/completions or /v1/images/generations", param="model")
+                answer, media_type = await image_chat(prepared, self.frontend.client, self.metrics)
+                self.metrics.requests.labels(model_name, kind, "200").inc()
+                return Response(answer, media_type=media_type)
             if kind == "messages":
                 model_name = prepared.model.name
                 run = anthropic.MessagesRun(messages_req, prepared, self.frontend.client, self.metrics.of(model_name),
@@ -279,13 +293,14 @@ class HttpApi:
             response.headers["retry-after"] = str(self.cfg.overload_retry_after)
         return response
 
-    async def embeddings(self, request: Request):
-        """Models served by pooling workers (turbine/frontend/apis/embeddings.py)."""
+    async def json_work(self, request: Request, answer):
+        """`answer`: embeddings (models served by pooling workers, turbine/frontend/apis/embeddings.py) or
+        images_generations (omni workers with image outputs, turbine/frontend/apis/images.py)."""
         try:
             if (denied := self._auth(request)) is not None:
                 return denied
-            body = await embeddings(await self._read_body(request), self.frontend.models, self.frontend.client,
-                                    self.metrics)
+            body = await answer(await self._read_body(request), self.frontend.models, self.frontend.client,
+                                self.metrics)
             return Response(body, media_type="application/json")
         except FrameTooLarge as exc:
             return self._error(RequestError(f"the request is too large to send to a worker: {exc}", status=413))

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from turbine.frontend.apis.embeddings import EmbeddingRequest
+from turbine.frontend.apis.images import ImageGenerationRequest
 from turbine.frontend.preprocess.schemas import (
     LOGIT_BIAS_LIMIT,
     MAX_BATCH_PROMPTS,
@@ -135,6 +136,8 @@ _OPERATIONS: dict[str, tuple[str, type[msgspec.Struct] | None, dict, bool]] = {
     "/v1/messages": ("Anthropic's Messages API (JSON, or SSE when stream is true); errors in Anthropic's shape",
                      MessagesRequest, _JSON_OR_SSE, True),
     "/v1/embeddings": ("Embeddings from pooling workers", EmbeddingRequest, _JSON, True),
+    "/v1/images/generations": ("Images from omni workers whose pipeline ends in an image stage (b64_json PNGs)",
+                               ImageGenerationRequest, _JSON, True),
     "/tokenize": ("A prompt or chat messages -> token ids (vLLM's shape)", TokenizeRequest, _JSON, True),
     "/detokenize": ("Token ids -> text (vLLM's shape)", DetokenizeRequest, _JSON, True),
     "/v1/models": ("The models with a live worker", None, _JSON, True),

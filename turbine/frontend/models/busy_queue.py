@@ -14,7 +14,7 @@ already serves, so every prompt it admits stretches their inter-token gaps. A re
 grows with the prompt tokens admitted during its life, which (Little's law) is about what the
 engine holds at once: bounding the prompt tokens (or requests) in flight per worker bounds the
 stall its decodes see, and the excess waits for its first token instead, where the TTFT target
-often has slack (benchmarks/RESULTS.md, SLA planner, H3). A request's continuation after a worker
+often has slack (docs/benchmarks/planner.md, SLA planner, H3). A request's continuation after a worker
 failure (migration) does not wait: it already holds its place. The counts are this frontend's own
 (as Dynamo's router-local queue); with several frontends each holds its own share.
 

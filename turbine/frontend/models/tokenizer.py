@@ -29,7 +29,7 @@ _SPECIAL_TOKEN_KEYS = (
 
 # Prompts up to this many characters are encoded on the event loop's thread. Handing one to a
 # worker thread cost 30-100 % more CPU than encoding it (a 133-token chat prompt: 181-188 us
-# encoded in place, 240-360 us through the executor; benchmarks/frontend_cpu_micro.py), while
+# encoded in place, 240-360 us through the executor; benchmarks/frontend/frontend_cpu_micro.py), while
 # 2,048 characters (~500 tokens) hold the loop for well under a millisecond.
 INLINE_ENCODE_CHARS = 2048
 

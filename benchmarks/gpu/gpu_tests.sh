@@ -1,0 +1,100 @@
+#!/bin/bash
+# The GPU half of Turbine's checks (issue #29), on an offline GPU host with the bundle installed
+# (benchmarks/gpu/gpu_site_bundle.sh here, benchmarks/gpu/gpu_install.sh there), from the checkout the device tool
+# sends. Each step writes under $OUT (default /tmp/gpu-out); run them in one call or several:
+#
+#   bash benchmarks/gpu/gpu_tests.sh sweep            every turbine.* module imported on the host's vLLM/torch/CUDA
+#   bash benchmarks/gpu/gpu_tests.sh tests [ARGS]     the integration modules whose features differ on a GPU, run
+#                                                 there by pytest as in CI: KV tiers (test_kvbm_vllm.py), E/PD and
+#                                                 E/P/D (test_multimodal_disagg.py), speculative decoding
+#                                                 (test_speculative_vllm.py; TURBINE_TEST_SPEC_CONFIG picks the
+#                                                 speculator, default n-gram); ARGS go to pytest (e.g. a -k)
+#   bash benchmarks/gpu/gpu_tests.sh kv-tiers [ARGS]  benchmarks/kv_tiers/kv_tiers.py on the Llama-3.1-8B architecture (dummy
+#                                                 weights), a working set several times the GPU cache
+#   bash benchmarks/gpu/gpu_tests.sh serving [ARGS]   the serving matrix of issue #29 §5 (gpu_serving.py): --systems
+#                                                 in alternating orders over several calls
+#   bash benchmarks/gpu/gpu_tests.sh offload [ARGS]   benchmarks/gpu/gpu_serving.py: plain Turbine vs --connector kvbm
+#                                                 (every block saved to the host tier) on decode-heavy load
+# Two GPUs (issue #30):
+#   bash benchmarks/gpu/gpu_tests.sh tp [ARGS]        tensor parallelism 2: `vllm serve`, a Turbine worker, and the same
+#                                                 over two processes as nodes (leader + --headless): greedy parity,
+#                                                 the card's KV vs vLLM's, decode-heavy throughput at C=256
+#   bash benchmarks/gpu/gpu_tests.sh dp [ARGS]        data parallelism 2 (one worker; leader + headless node): spread,
+#                                                 prefix landing, migration off a killed rank (gpu_parallel.py)
+#   bash benchmarks/gpu/gpu_tests.sh moe [ARGS]       a small Mixtral MoE with expert parallelism (TP=2+EP, DP=2+EP)
+#   bash benchmarks/gpu/gpu_tests.sh disagg-load [ARGS]  gpu_disagg.py load, strict KV: 1P1D vs 2 aggregated vs TP=2
+#
+# The tests share one GPU between their engines (several per module): TURBINE_TEST_VLLM_ARGS gives each a small
+# memory budget. The embedded SmolLM2 comes from the bundle (converted by gpu_install.sh), found where
+# `turbine model prepare` looks (TURBINE_CACHE).
+set -uo pipefail
+H8=${H8:-/tmp/h8}
+OUT=${OUT:-/tmp/gpu-out}
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$HERE"
+mkdir -p "$OUT"
+# NCCL_NVLS_ENABLE=0: NVLink multicast stays off on the lent hosts (their KINDS notes).
+export PYTHONPATH="$H8/site:$HERE" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
+export TURBINE_CACHE="$H8/cache"
+mkdir -p "$TURBINE_CACHE/models"
+ln -sfn "$H8/smollm2" "$TURBINE_CACHE/models/smollm2-135m-instruct"
+touch "$H8/smollm2/.turbine-complete"
+LLAMA="$H8/model-llama-3.1-8b"
+
+step=${1:-}
+shift || true
+case "$step" in
+  sweep)
+    python3 scripts/import_sweep.py --out "$OUT/import_sweep.json"
+    ;;
+  tests)
+    # --skip-mm-profiling: vLLM 0.26's encoder profiling fails on the tests' tiny Idefics3 (a dummy batch of
+    # zero patches); it sizes the encoder cache's memory only.
+    export TURBINE_TEST_VLLM_ARGS=${TURBINE_TEST_VLLM_ARGS:-"--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 1073741824 --skip-mm-profiling"}
+    # The test vision-language model with tiled pictures: vLLM 0.26 drops an unsplit picture (tests/multimodal_model.py).
+    export TURBINE_TEST_VLM_TILES=${TURBINE_TEST_VLM_TILES:-1}
+    python3 -m pytest -p no:cacheprovider -q -rA --durations=15 --junitxml="$OUT/gpu_tests.xml" \
+      tests/integration/test_kvbm_vllm.py tests/integration/test_multimodal_disagg.py \
+      tests/integration/test_speculative_vllm.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    # The engines' own logs (a failed engine's traceback is only there), back with the results.
+    find /tmp/pytest-of-*/ -name '*.log' -mmin -120 2>/dev/null | tar -czf "$OUT/gpu_test_logs.tgz" -T - 2>/dev/null || true
+    ;;
+  kv-tiers)
+    # 16,384-token histories, 8 conversations: a 131k-token working set over a 2,048-block (32k-token) GPU cache.
+    python3 -m benchmarks.kv_tiers.kv_tiers --python python3 --device gpu --model "$LLAMA" --served-model-name llama \
+      --vocab 128000 --block-size 16 --engine-blocks 2048 --max-model-len 16800 --context-tokens 16384 \
+      --conversations 8 --turns 3 --host-gb 20 --small-host-gb 2 --disk-gb 24 \
+      --worker-args "--load-format dummy --gpu-memory-utilization 0.5" --run-dir /tmp/kv-tiers \
+      --out "$OUT/kv_tiers_gpu.json" "$@" 2>&1 | tail -40
+    ;;
+  serving)
+    # Issue #29 §5: offline (an engine per concurrency) vs `vllm serve` vs Turbine, both loads, C = 1, 64, 256, 512,
+    # frontend processes 1, 2, 4 at C=512. One call's 600 s fits about two systems: run it twice or more with
+    # --systems in alternating orders (e.g. serve,turbine then offline,turbine then offline,serve).
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} taskset -c 0-15 python3 -m benchmarks.gpu.gpu_serving run \
+      --model "$LLAMA" --loads 128x512,1024x256 --concurrency 1,64,256,512 --frontend-processes 1,2,4 \
+      --scaling-concurrency 512 --out "$OUT/gpu_serving.json" "$@" 2>&1 | grep -E '^\[' | tail -40
+    ;;
+  offload)
+    python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
+      --loads 128x512 --concurrency 64 --max-num-seqs 64 --out "$OUT/kvbm_offload_gpu.json" "$@" 2>&1 | tail -30
+    ;;
+  tp)
+    python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --tensor-parallel-size 2 --parity 8 \
+      --systems serve,turbine,turbine-2nodes --loads 128x512 --concurrency 256 --out "$OUT/gpu_tp2.json" "$@" 2>&1 | tail -40
+    ;;
+  dp)
+    python3 -m benchmarks.gpu.gpu_parallel dp --model "$LLAMA" --out "$OUT/gpu_dp.json" "$@" 2>&1 | tail -60
+    ;;
+  moe)
+    python3 -m benchmarks.gpu.gpu_parallel moe --tokenizer-from "$LLAMA" --out "$OUT/gpu_moe.json" "$@" 2>&1 | tail -40
+    ;;
+  disagg-load)
+    python3 -m benchmarks.gpu.gpu_disagg load --model "$LLAMA" --load-format dummy --out "$OUT/gpu_disagg_load.json" \
+      "$@" 2>&1 | grep -v '"logs"' | tail -40
+    ;;
+  *)
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | offload [args] | tp | dp | moe | disagg-load" >&2
+    exit 2
+    ;;
+esac
