@@ -388,15 +388,71 @@ def run_offline_limits(a, points) -> dict:
 MEASURED: list[dict] = []
 
 
-def measure_server(a, base_url: str, points, tag: str) -> list[dict]:
+class ServerCpu:
+    """The cores each server process used over one load point (CPU seconds / wall seconds, each root
+    process and its children by pid and name): whether the engine core's loop is saturated (1.0) and
+    what the frontends and the worker's output handling take beside it."""
+
+    def __init__(self, roots: dict[str, int]):
+        self.roots = roots
+
+    def snapshot(self) -> dict[str, float]:
+        import psutil
+
+        seen: dict[str, float] = {}
+        for root, pid in self.roots.items():
+            try:
+                top = psutil.Process(pid)
+                tree = [top, *top.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in tree:
+                try:
+                    t = proc.cpu_times()
+                    seen[f"{root}:{proc.name()}:{proc.pid}"] = t.user + t.system
+                except psutil.NoSuchProcess:
+                    pass
+        return seen
+
+    @staticmethod
+    def cores(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+        used = {k: round((v - before.get(k, 0.0)) / wall_s, 2) for k, v in after.items()}
+        return {k: v for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+
+
+def _py_spy(a, roots: dict[str, int], tag: str, isl: int, osl: int) -> list[subprocess.Popen]:
+    """py-spy on each root process and its children while a point runs (raw collapsed stacks), if asked."""
+    if not a.py_spy:
+        return []
+    out = []
+    for root, pid in roots.items():
+        path = a.out.parent / f"pyspy-{tag.replace(' ', '')}-{isl}x{osl}-{root}.txt"
+        out.append(subprocess.Popen([a.py_spy, "record", "--nonblocking", "--subprocesses", "-r", "25", "-f", "raw",
+                                     "-o", str(path), "-p", str(pid)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL))
+    return out
+
+
+def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int] | None = None) -> list[dict]:
     res = []
+    cpu = ServerCpu(cpu_roots or {})
     for isl, osl, conc in points:
         n = a.requests or conc * a.requests_per_slot
         # warm-up: short answers, enough to reach every server part once
         load_point(base_url, SERVED, isl, min(osl, 32), min(conc, 32), min(conc, 32), a.client_processes, a.seed + 1)
+        spies = _py_spy(a, cpu.roots, tag, isl, osl) if conc == (a.scaling_concurrency or conc) else []
+        before, t = cpu.snapshot(), time.perf_counter()
         r = load_point(base_url, SERVED, isl, osl, conc, n, a.client_processes, a.seed)
+        r["server_cores"] = ServerCpu.cores(before, cpu.snapshot(), time.perf_counter() - t)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+            try:
+                spy.wait(60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
         log(f"{tag} {isl}/{osl} C={conc}: {r['output_tok_s']} out tok/s, TTFT p50 {r['ttft_p50_ms']} ms, "
-            f"ITL p50 {r['itl_p50_ms']} ms, client cpu max {r['client_cpu_max']}, errors {r['errors']}")
+            f"ITL p50 {r['itl_p50_ms']} ms, client cpu max {r['client_cpu_max']}, errors {r['errors']}, "
+            f"server cores {dict(list(r['server_cores'].items())[:6])}")
         res.append(r)
         MEASURED.append(dict(r, system=tag))
     return res
@@ -408,7 +464,7 @@ def run_serve(a, points, run_dir: Path) -> dict:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model),
             "--served-model-name", SERVED, "--port", str(port), "--host", "127.0.0.1",
             "--disable-uvicorn-access-log", *engine_flags(a)]
-    procs.spawn("vllm_serve", argv)
+    serve = procs.spawn("vllm_serve", argv)
     try:
         start = procs.wait(lambda: http_ok(f"http://127.0.0.1:{port}/v1/models"), a.start_timeout, "vllm serve")
         log(f"vllm serve ready after {start:.0f}s")
@@ -416,7 +472,7 @@ def run_serve(a, points, run_dir: Path) -> dict:
         out = {"engine_start_s": round(start, 1), "cache_config": cache_config(f"{base}/metrics")}
         if a.parity:
             out["parity_texts"] = greedy_texts(a, base)
-        out["points"] = measure_server(a, base, points, "serve")
+        out["points"] = measure_server(a, base, points, "serve", {"serve": serve.pid})
         return out
     except Exception:
         log(procs.tail("vllm_serve"))
@@ -442,7 +498,7 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
                         dict(env, CUDA_VISIBLE_DEVICES=str(rank)))
         worker += [*master, "--node-rank", "0"]
         env = dict(env, CUDA_VISIBLE_DEVICES="0")
-    procs.spawn("turbine_worker", [*worker, "--system-port", str(system_port)], env)
+    worker_proc = procs.spawn("turbine_worker", [*worker, "--system-port", str(system_port)], env)
     out = {"by_frontend_processes": {}}
     try:
         for n in a.frontend_processes:
@@ -450,7 +506,7 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
             fe = [sys.executable, "-m", "turbine.frontend", "--http-port", str(port)]
             if n > 1:
                 fe += ["--frontend-processes", str(n)]
-            procs.spawn("turbine_frontend", fe, env)
+            frontend = procs.spawn("turbine_frontend", fe, env)
             start = procs.wait(lambda: _turbine_ready(port), a.start_timeout, "turbine")
             if "engine_start_s" not in out:
                 out["engine_start_s"] = round(start, 1)
@@ -462,8 +518,9 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
             mine = points
             if a.scaling_concurrency and n != a.frontend_processes[0]:
                 mine = [p for p in points if p[2] == a.scaling_concurrency]
-            out["by_frontend_processes"][str(n)] = measure_server(a, f"http://127.0.0.1:{port}", mine,
-                                                                  f"turbine x{n}")
+            out["by_frontend_processes"][str(n)] = measure_server(
+                a, f"http://127.0.0.1:{port}", mine, f"turbine x{n}",
+                {"worker": worker_proc.pid, "frontend": frontend.pid})
             procs.stop("turbine_frontend")
         return out
     except Exception:
@@ -523,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--scaling-concurrency", type=int, default=0,
                    help="measure the frontend counts after the first only at this concurrency (0: every point)")
     r.add_argument("--client-processes", type=int, default=8)
+    r.add_argument("--py-spy", default="", help="a py-spy binary: profile the servers' processes during the points "
+                                                "at --scaling-concurrency (every point if 0), raw stacks beside --out")
     r.add_argument("--max-model-len", type=int, default=2048)
     r.add_argument("--max-num-seqs", type=int, default=512)
     r.add_argument("--max-num-batched-tokens", type=int, default=8192)

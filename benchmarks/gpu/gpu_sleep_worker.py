@@ -11,7 +11,15 @@ waking is the one the issue asks about; all are compared). Level 2 needs weights
 again (the worker refuses level 2 on dummy weights), so the model is a real checkpoint (the
 embedded SmolLM2, converted on the host).
 
-    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_sleep_worker --model <folder> --out $OUT/gpu_sleep_worker.json
+With `--checkpoint` (issue #34 §1 on a GPU), a second worker then starts in checkpoint mode
+(TURBINE_SNAPSHOT_CONTROL_DIR, turbine/worker/snapshot.py) and is driven by its markers as a
+snapshot agent would, without a dump (no CRIU for CUDA processes here): its engine is built and
+quiesced by a level-1 sleep before any socket of Turbine's opens -> `ready-for-checkpoint` -> GPU
+memory read while quiesced, nothing registered -> `restore-context.json` (a new instance id) and
+`restore-complete`, as a restored copy would see them -> the time until the frontend routes to it,
+the instance id it registered under, and the same greedy chats compared with the plain worker's.
+
+    PYTHONPATH=<site>:. python3 -m benchmarks.gpu.gpu_sleep_worker --model <folder> [--checkpoint] --out $OUT/gpu_sleep_worker.json
 """
 
 from __future__ import annotations
@@ -68,6 +76,53 @@ def routable(base: str) -> bool:
     return status == 200 and isinstance(body, dict) and (body.get("models") or {}).get(SERVED) == 1
 
 
+def registered_ids(discovery_dir: str) -> list[str]:
+    """The instance ids of the generate endpoints in file discovery."""
+    import asyncio
+
+    from turbine.runtime.discovery.file import FileDiscovery
+    from turbine.runtime.discovery.registry import Registry
+
+    async def go():
+        return [r.instance_id for r in await Registry(FileDiscovery(discovery_dir)).list_instances()
+                if r.endpoint == "generate"]
+    return asyncio.run(go())
+
+
+def checkpoint_phase(a, procs: Procs, gpu, env: dict, worker_argv: list[str], base: str, reference: list[str],
+                     run_dir: Path) -> dict:
+    """A worker in checkpoint mode, quiesced (level-1 sleep) and then answered `restore-complete`."""
+    from turbine.worker.snapshot import READY_FOR_CHECKPOINT, RESTORE_COMPLETE, RESTORE_CONTEXT, SNAPSHOT_CONTROL_DIR_ENV
+
+    control = Path(tempfile.mkdtemp(prefix="control_", dir=run_dir))
+    rec: dict = {"memory_before": gpu.read()}
+    t = time.perf_counter()
+    procs.spawn("checkpointed", worker_argv, dict(env, **{SNAPSHOT_CONTROL_DIR_ENV: str(control)}))
+    procs.wait(lambda: (control / READY_FOR_CHECKPOINT).exists(), a.start_timeout, "ready-for-checkpoint")
+    rec["ready_for_checkpoint_s"] = round(time.perf_counter() - t, 1)
+    time.sleep(1.0)
+    rec["memory_quiesced"] = gpu.read()
+    rec["registered_while_quiesced"] = registered_ids(env["TURBINE_DISCOVERY_DIR"])
+    (control / RESTORE_CONTEXT).write_text(json.dumps({"version": 1, "env": {"TURBINE_INSTANCE_ID": "restored-1"}}))
+    t = time.perf_counter()
+    (control / RESTORE_COMPLETE).touch()
+    rec["routable_after_restore_s"] = round(procs.wait(lambda: routable(base), 120, "the restored worker"), 2)
+    rec["registered_after_restore"] = registered_ids(env["TURBINE_DISCOVERY_DIR"])
+    rec["memory_restored"] = gpu.read()
+    after = answers(base, a.max_tokens)
+    rec["answers_equal"] = f"{sum(x == y for x, y in zip(after, reference))}/{len(reference)}"
+    if after != reference:
+        rec["answers"] = after
+    rec["ok"] = (not rec["registered_while_quiesced"] and rec["registered_after_restore"] == ["restored-1"]
+                 and after == reference)
+    log(f"checkpoint mode: ready-for-checkpoint after {rec['ready_for_checkpoint_s']}s, quiesced "
+        f"{rec['memory_quiesced']['used_gib']} GiB (awake worker before: {rec['memory_before']['used_gib']} GiB), "
+        f"registered while quiesced {rec['registered_while_quiesced']}, routable {rec['routable_after_restore_s']}s "
+        f"after restore-complete as {rec['registered_after_restore']}, answers equal {rec['answers_equal']}: "
+        f"{'PASS' if rec['ok'] else 'FAIL'}")
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
@@ -76,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--engine-args", default="", help="more worker flags, space separated")
     p.add_argument("--start-timeout", type=float, default=400)
+    p.add_argument("--checkpoint", action="store_true",
+                   help="then a worker in checkpoint mode: quiesce (level-1 sleep) and restore-complete (issue #34)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_sleep_worker.json")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -139,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{rec['memory_asleep']['used_gib']} GiB, wake {rec['wake_status']} {rec['wake_s']}s, routable "
                     f"{rec['routable_after_wake_s']}s, awake {rec['memory_awake']['used_gib']} GiB, answers equal "
                     f"{rec['answers_equal']}, while asleep HTTP {st}")
+        if a.checkpoint:
+            procs.stop("worker")
+            procs.wait(lambda: not routable(base), 60, "the plain worker gone")
+            doc["checkpoint"] = checkpoint_phase(a, procs, gpu, env, worker, base, reference, run_dir)
     finally:
         procs.stop()
         a.out.write_text(json.dumps(doc, indent=1))

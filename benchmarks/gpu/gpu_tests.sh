@@ -75,6 +75,12 @@ case "$step" in
       --model "$LLAMA" --loads 128x512,1024x256 --concurrency 1,64,256,512 --frontend-processes 1,2,4 \
       --scaling-concurrency 512 --out "$OUT/gpu_serving.json" "$@" 2>&1 | grep -E '^\[' | tail -40
     ;;
+  lifecycle)
+    # Sleep / wake at levels 1 and 2, then checkpoint mode (quiesce by a level-1 sleep, restore-complete) on the
+    # embedded SmolLM2 (level 2 needs real weights on disk): issues #20 and #34.
+    python3 -m benchmarks.gpu.gpu_sleep_worker --model "$H8/smollm2" --cycles 1 --checkpoint \
+      --engine-args "--gpu-memory-utilization 0.3" --out "$OUT/gpu_sleep_worker.json" "$@" 2>&1 | tail -30
+    ;;
   offload)
     python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
       --loads 128x512 --concurrency 64 --max-num-seqs 64 --out "$OUT/kvbm_offload_gpu.json" "$@" 2>&1 | tail -30
@@ -94,7 +100,7 @@ case "$step" in
       "$@" 2>&1 | grep -v '"logs"' | tail -40
     ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | offload [args] | tp | dp | moe | disagg-load" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | lifecycle [args] | offload [args] | tp | dp | moe | disagg-load" >&2
     exit 2
     ;;
 esac
