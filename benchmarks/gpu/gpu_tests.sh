@@ -81,6 +81,16 @@ case "$step" in
     python3 -m benchmarks.gpu.gpu_sleep_worker --model "$H8/smollm2" --cycles 1 --checkpoint \
       --engine-args "--gpu-memory-utilization 0.3" --out "$OUT/gpu_sleep_worker.json" "$@" 2>&1 | tail -30
     ;;
+  profile)
+    # Issue #29: why 2 and 4 frontend processes served prefill-heavy load at C=512 slower than one. Each server
+    # process's cores per point, and py-spy's stacks of the worker's and frontends' processes (a py-spy wheel in
+    # .whl/, carried).
+    PYSPY=$(ls -d /tmp/pyspy/*.data/scripts/py-spy 2>/dev/null || (mkdir -p /tmp/pyspy && cd /tmp/pyspy &&
+      python3 -m zipfile -e "$HERE"/.whl/py_spy-*.whl . && chmod +x ./*.data/scripts/py-spy && ls -d "$PWD"/*.data/scripts/py-spy))
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} taskset -c 0-15 python3 -m benchmarks.gpu.gpu_serving run \
+      --model "$LLAMA" --systems turbine --loads 1024x256 --concurrency 512 --frontend-processes 1,2,4 \
+      --scaling-concurrency 512 --py-spy "$PYSPY" --out "$OUT/gpu_profile.json" "$@" 2>&1 | grep -E '^\[' | tail -40
+    ;;
   offload)
     python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
       --loads 128x512 --concurrency 64 --max-num-seqs 64 --out "$OUT/kvbm_offload_gpu.json" "$@" 2>&1 | tail -30
@@ -100,7 +110,7 @@ case "$step" in
       "$@" 2>&1 | grep -v '"logs"' | tail -40
     ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | lifecycle [args] | offload [args] | tp | dp | moe | disagg-load" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | tp | dp | moe | disagg-load" >&2
     exit 2
     ;;
 esac
