@@ -76,16 +76,14 @@ def pil_image(image):
 
     if isinstance(image, Image.Image):
         return image
-    import numpy as np
-
-    arr = np.asarray(image)
+    arr = image  # a numpy array: its own methods (numpy is theirs to bring, not imported here)
     while arr.ndim > 3:
         arr = arr[0]
     if arr.dtype.kind == "f":
         if arr.min() < 0:
-            arr = np.clip(arr, -1.0, 1.0) * 0.5 + 0.5
-        arr = np.rint(np.clip(arr, 0.0, 1.0) * 255)
-    arr = np.clip(arr, 0, 255).astype(np.uint8)
+            arr = arr.clip(-1.0, 1.0) * 0.5 + 0.5
+        arr = (arr.clip(0.0, 1.0) * 255).round()
+    arr = arr.clip(0, 255).astype("uint8")
     if arr.ndim == 3 and arr.shape[-1] == 1:
         arr = arr[..., 0]
     return Image.fromarray(arr)

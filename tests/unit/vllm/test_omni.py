@@ -327,15 +327,14 @@ async def test_the_card_says_the_pipelines_output_modalities_and_stop_closes_it(
 async def test_numpy_images_and_nested_lists_come_back_as_pngs():
     """Some of vLLM-Omni's diffusion pipelines return numpy arrays (floats in [-1, 1] or [0, 1], a batch axis)
     or a nested list (layered models): each is one PNG of its size."""
-    import numpy as np
+    import torch
     from PIL import Image
-    from vllm import SamplingParams
 
     from turbine.vllm.omni_worker import OmniHandlers
 
-    minus_one_to_one = np.full((1, 32, 48, 3), -1.0, dtype=np.float32)  # batch axis; black
-    zero_to_one = np.ones((32, 48, 3), dtype=np.float32)  # white
-    grey = np.full((32, 48, 3), 128, dtype=np.uint8)
+    minus_one_to_one = torch.full((1, 32, 48, 3), -1.0).numpy()  # a batch axis; black
+    zero_to_one = torch.ones((32, 48, 3)).numpy()  # white
+    grey = torch.full((32, 48, 3), 128, dtype=torch.uint8).numpy()
     out = SimpleNamespace(final_output_type="image", images=[[minus_one_to_one, zero_to_one], grey],
                           request_output=None, finished=True, error=None)
     handlers = OmniHandlers(FakeOmni([out], [DiffusionParams()]), metrics(), ["diffusion"], ["image"], None)
