@@ -78,13 +78,13 @@ def clip_byte_tokenizer(folder: Path) -> None:
 def build_tiny_sd(out: Path, seed: int = 0) -> dict:
     """A Stable Diffusion pipeline (UNet2DConditionModel, AutoencoderKL with 4 blocks: 8× downscale, CLIP text
     encoder, the byte tokenizer, Euler scheduler) with random weights, saved in diffusers' layout."""
+    if (out / "model_index.json").exists():
+        return {"path": str(out), "built": False}
     import torch
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
     from transformers.models.clip.tokenization_clip import CLIPTokenizer
 
-    if (out / "model_index.json").exists():
-        return {"path": str(out), "built": False}
     tmp = out.with_name(out.name + ".tmp")
     torch.manual_seed(seed)
     clip_byte_tokenizer(tmp / "tokenizer")
@@ -385,12 +385,14 @@ def phase_image(a, doc: dict, procs, configs: dict) -> None:
         full = time.monotonic() - t0
         after = stage_totals()
         stage0 = after["0"][0] - before["0"][0]
-        cut = max(0.05, stage0 / 2)  # mid stage 0: before the diffusion stage has started
+        # 40% into the request: past the frontend, into the pipeline (stage 0, or stage 1 on a fast stage 0).
+        cut = max(0.25, 0.4 * full)
         m0 = scrape(worker_metrics)
         t0 = time.monotonic()
         try:
             generate(size_=big, timeout=cut)
-            return {"ok": False, "why": f"the request finished within {cut:.2f}s: nothing to cancel"}
+            return {"ok": False, "why": f"the request finished within {cut:.2f}s: nothing to cancel (raise "
+                    "--cancel-size or --image-llm-tokens)", "full_request_s": round(full, 3)}
         except Exception as exc:  # the client gives up: the frontend sees the disconnect and cancels
             left = f"{type(exc).__name__}"
         time.sleep(3.0)
