@@ -137,12 +137,16 @@ def llm_stage(a, model: str, final: bool, max_tokens: int, ignore_eos: bool) -> 
     params = {"temperature": 0.0, "max_tokens": max_tokens}
     if ignore_eos:
         params["ignore_eos"] = True
+    if a.llm_worker == "ar":
+        worker = {"worker_type": "ar", "scheduler_cls": "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler",
+                  "async_scheduling": False}
+    else:  # the fallback: vLLM's own worker and scheduler for the stage
+        worker = {"worker_cls": "auto"}
     return {
         "stage_id": 0, "stage_type": "llm", "is_comprehension": True,
         "runtime": {"process": True, "devices": "0"},
         "engine_args": {
-            "model": model, "model_stage": "llm", "worker_type": "ar",
-            "scheduler_cls": "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler", "async_scheduling": False,
+            "model": model, "model_stage": "llm", **worker,
             "engine_output_type": "text", "enforce_eager": True, "max_model_len": a.max_model_len,
             "gpu_memory_utilization": a.gpu_memory_utilization, "kv_cache_memory_bytes": a.kv_cache_bytes,
             "skip_mm_profiling": True},
@@ -640,6 +644,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     p.add_argument("--kv-cache-bytes", type=int, default=2 << 30,
                    help="each LLM engine's KV cache (fixed: engines start side by side on one GPU)")
+    p.add_argument("--llm-worker", choices=("ar", "auto"), default="ar",
+                   help="the LLM stages' worker: vLLM-Omni's AR worker and scheduler (as its deploy configs give an "
+                        "llm_ar stage), or vLLM's own (worker_cls auto), a fallback")
     p.add_argument("--steps", type=int, default=25, help="the diffusion stage's inference steps")
     p.add_argument("--image-llm-tokens", type=int, default=48,
                    help="tokens the image pipeline's LLM stage writes (ignore_eos) for the diffusion prompt")

@@ -11,15 +11,16 @@
 #   carried (imported on the path of AsyncOmni, an LLM stage and a diffusion stage): diffusers==0.38.0 (pinned),
 #     cache-dit==1.3.0 (pinned; the diffusion model runner imports it), omegaconf (the stage-config loader;
 #     2.4.0 needs only PyYAML, 2.3 would need antlr4), janus (the orchestrator's queues), aenum==3.1.16 (pinned;
-#     vllm_omni.patch), prettytable + wcwidth (vllm_omni.metrics), soundfile, torchsde + trampoline (small,
-#     imported by some pipelines at module level)
+#     vllm_omni.patch), prettytable + wcwidth (vllm_omni.metrics), torchsde + trampoline (small; AudioX's
+#     pipeline module imports it)
 #   on the host already: transformers>=5.5.3 (5.17.0), safetensors>=0.8.0, einops, tqdm, msgpack, onnxruntime,
 #     imageio, pillow; in the main bundle: pyzmq, pydantic, pydantic-settings, gguf, loguru
 #   accelerate==1.12.0 (pinned): the host's 1.15.0 is kept (only one speech model's vocoder imports it;
 #     diffusers uses it optionally and works with 1.15)
 #   left out, each an optional import for models the proof does not run: av (video muxing, AudioX; 35 MB),
 #     imageio[ffmpeg] (68 MB), fa3-fwd==0.0.3 (FlashAttention-3 for diffusion attention, 28 MB; without it the
-#     diffusion attention falls back to SDPA), openai-whisper (MagiHuman), x-transformers (speech DiTs)
+#     diffusion attention falls back to SDPA), openai-whisper (MagiHuman), x-transformers (speech DiTs),
+#     soundfile (speech and singing models; it needs cffi, which the host lacks too)
 set -euo pipefail
 DIR=${1:?usage: gpu_omni_bundle.sh DIR}
 PY=${PYTHON:-python3}
@@ -36,7 +37,6 @@ janus==2.0.0
 aenum==3.1.16
 prettytable==3.18.0
 wcwidth==0.9.4
-soundfile==0.14.0
 torchsde==0.2.6
 trampoline==0.1.2
 EOF
