@@ -420,7 +420,7 @@ def phase_image(a, doc: dict, procs, configs: dict) -> None:
                    "direct AsyncOmni")
         tsize = f"{a.timing_size}x{a.timing_size}"
         generate(size_=tsize)  # warm-up of Turbine's path (the direct process warms its own)
-        turbine_e2e, direct_e2e, direct_stages = [], [], {"0": [], "1": []}
+        turbine_e2e, direct_e2e, direct_png, direct_stages = [], [], [], {"0": [], "1": []}
         turbine_stage = {"0": [0.0, 0.0], "1": [0.0, 0.0]}
         order = []
         for r in range(a.rounds):
@@ -440,6 +440,7 @@ def phase_image(a, doc: dict, procs, configs: dict) -> None:
                 else:
                     res = direct_round(direct, results, a.repeats)
                     direct_e2e += res["e2e_s"]
+                    direct_png += res.get("png_s", [])
                     for s, vals in res["stages_s"].items():
                         direct_stages.setdefault(s, []).extend(vals)
         med_t, med_d = statistics.median(turbine_e2e), statistics.median(direct_e2e)
@@ -458,7 +459,8 @@ def phase_image(a, doc: dict, procs, configs: dict) -> None:
         return {"ok": ratio >= 0.95 and stage_ok, "why": f"e2e direct/turbine {ratio:.3f}; per stage {stage_ratios}",
                 "size": tsize, "rounds": a.rounds, "repeats": a.repeats, "first_each_round": order,
                 "e2e": {"turbine_median_s": med_t, "direct_median_s": med_d, "ratio_direct_over_turbine": ratio,
-                        "turbine_s": turbine_e2e, "direct_s": direct_e2e},
+                        "turbine_s": turbine_e2e, "direct_s": direct_e2e,
+                        "png_encode_median_s": statistics.median(direct_png) if direct_png else None},
                 "stages": stages}
 
     checks.run("timing_turbine_vs_direct_asyncomni", timing)
@@ -489,7 +491,8 @@ def direct_round(direct, path: Path, n: int) -> dict:
 # --------------------------------------------------------------------------- the direct AsyncOmni process
 def direct_main(a) -> int:
     """AsyncOmni in this process, as Turbine's handler calls it (the same prompt fields, sampling params and output
-    modalities; images not encoded): rounds of n requests read from stdin, one JSON line each on stdout."""
+    modalities; the images' PNG encoding timed apart, outside e2e): rounds of n requests read from stdin, one JSON
+    line each appended to --results."""
     import asyncio
 
     async def main():
@@ -497,7 +500,7 @@ def direct_main(a) -> int:
         from vllm.sampling_params import RequestOutputKind
         from vllm_omni.entrypoints.async_omni import AsyncOmni
 
-        from turbine.vllm.omni_worker import output_images, stage_seconds
+        from turbine.vllm.omni_worker import output_images, png_bytes, stage_seconds
 
         omni = AsyncOmni(model=a.model, stage_configs_path=a.config)
         defaults = omni.default_sampling_params_list
@@ -522,7 +525,7 @@ def direct_main(a) -> int:
                 last = out
             if last is None or not output_images(last):
                 raise RuntimeError("no image")
-            return stage_seconds(last)
+            return last
 
         def answer(doc):  # vLLM logs on stdout: the answers go to a file of their own
             with open(a.results, "a") as f:
@@ -536,16 +539,19 @@ def direct_main(a) -> int:
             if not line or line == "quit":
                 break
             n = json.loads(line)["n"]
-            e2e, stages = [], {}
+            e2e, stages, png = [], {}, []
             try:
                 for i in range(n):
                     t0 = time.perf_counter()
-                    got = await one(count, 100 + i)
+                    last = await one(count, 100 + i)
                     e2e.append(time.perf_counter() - t0)
                     count += 1
-                    for s, v in got.items():
+                    for s, v in stage_seconds(last).items():
                         stages.setdefault(s, []).append(v)
-                answer({"e2e_s": e2e, "stages_s": stages})
+                    t0 = time.perf_counter()  # what Turbine adds per image, timed apart (not in e2e_s)
+                    [png_bytes(im) for im in output_images(last)]
+                    png.append(time.perf_counter() - t0)
+                answer({"e2e_s": e2e, "stages_s": stages, "png_s": png})
             except Exception as exc:
                 answer({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         omni.shutdown()
@@ -647,13 +653,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--llm-worker", choices=("ar", "auto"), default="ar",
                    help="the LLM stages' worker: vLLM-Omni's AR worker and scheduler (as its deploy configs give an "
                         "llm_ar stage), or vLLM's own (worker_cls auto), a fallback")
-    p.add_argument("--steps", type=int, default=25, help="the diffusion stage's inference steps")
-    p.add_argument("--image-llm-tokens", type=int, default=48,
+    p.add_argument("--steps", type=int, default=50, help="the diffusion stage's inference steps")
+    p.add_argument("--image-llm-tokens", type=int, default=64,
                    help="tokens the image pipeline's LLM stage writes (ignore_eos) for the diffusion prompt")
     p.add_argument("--default-size", type=int, default=128, help="the diffusion stage's default image side")
     p.add_argument("--image-size", type=int, default=192, help="the side /v1/images/generations asks for")
     p.add_argument("--cancel-size", type=int, default=1024, help="the side of the request cancelled mid-pipeline")
-    p.add_argument("--timing-size", type=int, default=512, help="the side of the timed requests")
+    p.add_argument("--timing-size", type=int, default=256,
+                   help="the side of the timed requests (the PNG Turbine encodes grows with it; the tiny model's "
+                        "steps hardly do)")
     p.add_argument("--rounds", type=int, default=4, help="timing rounds, the first system alternating")
     p.add_argument("--repeats", type=int, default=5, help="timed requests per system per round")
     p.add_argument("--start-timeout", type=float, default=420)
