@@ -369,8 +369,10 @@ def phase_image(a, doc: dict, procs, configs: dict) -> None:
 
     def same_seed():
         first, second, other = generate(seed=11), generate(seed=11), generate(seed=12)
-        return {"ok": first[0][1] == second[0][1], "why": "two requests with seed 11 gave different images",
-                "other_seed_differs": first[0][1] != other[0][1]}
+        a_px, b_px = first[0][1], second[0][1]
+        max_diff = max((abs(x - y) for x, y in zip(a_px, b_px)), default=0) if len(a_px) == len(b_px) else None
+        return {"ok": a_px == b_px, "why": f"two requests with seed 11 gave different images (max pixel difference "
+                f"{max_diff})", "max_pixel_difference": max_diff, "other_seed_differs": a_px != other[0][1]}
 
     checks.run("images_generations_pngs_at_size", images_generations)
     checks.run("chat_image_png_at_default_size", chat_image)
