@@ -6,11 +6,15 @@
 #   bash benchmarks/gpu/gpu_install.sh install         join + check the pieces, unpack the site (vLLM, nixl, ...)
 #                                                  into $SITE, the 8B model folder into $H8/model-llama-3.1-8b,
 #                                                  and convert the embedded SmolLM2 to $H8/smollm2 (bf16)
-# Then: export PYTHONPATH=$SITE:<the checkout>.
+#   bash benchmarks/gpu/gpu_install.sh install-omni    join + check the omni pieces (gpu_omni_bundle.sh), unpack
+#                                                  vLLM-Omni and its packages into $OMNI_SITE
+# Then: export PYTHONPATH=$SITE:<the checkout> ($OMNI_SITE first, only for the processes that run vLLM-Omni:
+# its vLLM plugin patches vLLM's internals in every process that can import it).
 set -euo pipefail
 H8=${H8:-/tmp/h8}
 STAGE=${STAGE:-$H8/stage}
 SITE=${SITE:-$H8/site}
+OMNI_SITE=${OMNI_SITE:-$H8/omni-site}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$STAGE"
 case "${1:-}" in
@@ -39,8 +43,19 @@ _convert_gguf(Path('gguf') / member.parent, member.name, Path('$H8/smollm2'))"
     fi
     echo "installed into $SITE; models in $H8"
     ;;
+  install-omni)
+    cd "$STAGE"
+    if [ ! -e "$OMNI_SITE/.complete" ]; then
+      cat omni.tar.part* > omni.tar
+      sha256sum -c omni.tar.sha256
+      mkdir -p omni-unpacked "$OMNI_SITE" && tar -xf omni.tar -C omni-unpacked && rm -f omni.tar omni.tar.part*
+      xz -T0 -dc omni-unpacked/omni-site.tar.xz | tar -x -C "$OMNI_SITE"
+      touch "$OMNI_SITE/.complete"
+    fi
+    echo "installed vLLM-Omni into $OMNI_SITE"
+    ;;
   *)
-    echo "usage: gpu_install.sh stash DIR... | install" >&2
+    echo "usage: gpu_install.sh stash DIR... | install | install-omni" >&2
     exit 2
     ;;
 esac

@@ -15,6 +15,10 @@
 #                                                 in alternating orders over several calls
 #   bash benchmarks/gpu/gpu_tests.sh offload [ARGS]   benchmarks/gpu/gpu_serving.py: plain Turbine vs --connector kvbm
 #                                                 (every block saved to the host tier) on decode-heavy load
+#   bash benchmarks/gpu/gpu_tests.sh omni [ARGS]      issue #35 §2 (gpu_omni.py; needs `gpu_install.sh install-omni`): the omni
+#                                                 worker's text pipeline against the plain worker, its text→image
+#                                                 pipeline (PNGs, seeds, cancel), Turbine vs AsyncOmni called directly;
+#                                                 --phase text / --phase image split it over two calls
 # Two GPUs (issue #30):
 #   bash benchmarks/gpu/gpu_tests.sh tp [ARGS]        tensor parallelism 2: `vllm serve`, a Turbine worker, and the same
 #                                                 over two processes as nodes (leader + --headless): greedy parity,
@@ -109,8 +113,15 @@ case "$step" in
     python3 -m benchmarks.gpu.gpu_disagg load --model "$LLAMA" --load-format dummy --out "$OUT/gpu_disagg_load.json" \
       "$@" 2>&1 | grep -v '"logs"' | tail -40
     ;;
+  omni)
+    # vLLM-Omni's site first for this script (diffusers builds the tiny model); each process it starts gets its own
+    # PYTHONPATH: vLLM-Omni's site only where vLLM-Omni runs (its vLLM plugin patches vLLM wherever it imports).
+    PYTHONPATH="$H8/omni-site:$PYTHONPATH" python3 -m benchmarks.gpu.gpu_omni --llm "$H8/smollm2" \
+      --site "$H8/site" --omni-site "$H8/omni-site" --out "$OUT/gpu_omni.json" --logs "$OUT/omni-logs" "$@" 2>&1 \
+      | tee "$OUT/gpu_omni.log" | tail -150
+    ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | tp | dp | moe | disagg-load" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | tp | dp | moe | disagg-load | omni [args]" >&2
     exit 2
     ;;
 esac

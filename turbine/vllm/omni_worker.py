@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import io
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -61,18 +62,57 @@ def _message_text(message: dict) -> str:
 
 
 def png_bytes(image) -> bytes:
-    """A PIL image as a PNG file."""
+    """An output image (PIL, or a numpy array: pil_image) as a PNG file."""
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    pil_image(image).save(buf, format="PNG")
     return buf.getvalue()
 
 
+def pil_image(image):
+    """A PIL image of a pipeline's output image: PIL already, or a numpy array (HWC; a leading batch axis taken
+    off; floats in [0, 1], or [-1, 1] when any is negative; integers as 0-255), as some of vLLM-Omni's diffusion
+    pipelines return them."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    arr = image  # a numpy array: its own methods (numpy is theirs to bring, not imported here)
+    while arr.ndim > 3:
+        arr = arr[0]
+    if arr.dtype.kind == "f":
+        if arr.min() < 0:
+            arr = arr.clip(-1.0, 1.0) * 0.5 + 0.5
+        arr = (arr.clip(0.0, 1.0) * 255).round()
+    arr = arr.clip(0, 255).astype("uint8")
+    if arr.ndim == 3 and arr.shape[-1] == 1:
+        arr = arr[..., 0]
+    return Image.fromarray(arr)
+
+
 def output_images(out) -> list:
-    """The PIL images of an output: its own (a diffusion stage's), or those of the stage output it wraps."""
+    """The images of an output: its own (a diffusion stage's), or those of the stage output it wraps; a nested
+    list (a layered model's) flattened one level, as vLLM-Omni's own server does."""
     images = list(getattr(out, "images", None) or [])
     if not images:
         images = list(getattr(getattr(out, "request_output", None), "images", None) or [])
-    return images
+    flat = []
+    for image in images:
+        flat.extend(image if isinstance(image, list) else [image])
+    return flat
+
+
+_STAGE_GEN_MS = re.compile(r"stage_(\d+)_gen_ms")
+
+
+def stage_seconds(out) -> dict[str, float]:
+    """Each stage's generation time of a finished request, by stage id: vLLM-Omni's `stage_durations` of the final
+    output (milliseconds, keyed `stage_<id>_gen_ms`)."""
+    found = {}
+    for key, value in (getattr(out, "stage_durations", None) or {}).items():
+        match = _STAGE_GEN_MS.fullmatch(str(key))
+        if match and isinstance(value, (int, float)):
+            found[match.group(1)] = value / 1000.0
+    return found
 
 
 class OmniHandlers:
@@ -93,10 +133,16 @@ class OmniHandlers:
         if req.images or req.prompt_embeds is not None or req.image_embeddings:
             raise InvalidRequest("an omni pipeline takes text only (no images, prompt embeddings)")
         if req.text is not None:
-            return {"prompt": render_prompt(req.text, self.tokenizer)}
-        if not req.token_ids:
+            prompt = {"prompt": render_prompt(req.text, self.tokenizer)}
+        elif not req.token_ids:
             raise InvalidRequest("the request has neither text nor token ids")
-        return {"prompt_token_ids": list(req.token_ids)}
+        else:
+            prompt = {"prompt_token_ids": list(req.token_ids)}
+        if req.image is not None:
+            # As vLLM-Omni's own image server asks: pipelines that can answer in several modalities (BAGEL,
+            # Cosmos3, ...) pick text-to-image from the prompt's modalities.
+            prompt["modalities"] = ["image"]
+        return prompt
 
     def sampling_params_list(self, req: GenerateRequest) -> list:
         """One sampling-params object per stage: the pipeline's defaults, the request's sampling on its LLM
@@ -166,8 +212,9 @@ class OmniHandlers:
                     raise RequestFailed(f"the pipeline failed: {out.error}", code=codes.ENGINE_FAILURE)
                 kind = getattr(out, "final_output_type", "text")
                 if kind == "image":
-                    pngs = await asyncio.to_thread(lambda imgs=output_images(out): [png_bytes(i) for i in imgs])
-                    if out.finished:
+                    if out.finished:  # the images of the finished request only: nothing to encode before
+                        pngs = await asyncio.to_thread(lambda imgs=output_images(out): [png_bytes(i) for i in imgs])
+                        self._observe_stages(out)
                         yield GenerateOutput(token_ids=[], images=pngs, finish_reason="stop",
                                              usage=Usage(prompt_tokens=prompt_len, completion_tokens=0))
                     finished = out.finished
@@ -187,6 +234,8 @@ class OmniHandlers:
                                             cached_tokens=out.num_cached_tokens or 0)
                     yield chunk
                 finished = out.finished
+                if finished:
+                    self._observe_stages(out)
             self.metrics.request_done("success")
             if self.on_success is not None:
                 self.on_success()
@@ -207,6 +256,10 @@ class OmniHandlers:
                 # The caller cancelled or went away: every stage drops the request now.
                 self.metrics.cancellations.inc()
                 await self.omni.abort(omni_id)
+
+    def _observe_stages(self, out) -> None:
+        for stage, seconds in stage_seconds(out).items():
+            self.metrics.omni_stage(stage, seconds)
 
     async def canary(self, req: GenerateRequest) -> None:
         """The health check's request through the pipeline, not counted as served."""

@@ -5,7 +5,7 @@ in the same registry, so one /metrics page shows both."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 LABELS = ("namespace", "component", "model", "worker_id")
 
@@ -42,6 +42,11 @@ _lora_engine_loads = Counter("turbine_worker_lora_engine_loads",
                             "LoRA adapters handed to the engine to load (a load of a name already loaded is "
                             "answered without the engine)", LABELS)
 _loras_loaded = Gauge("turbine_worker_loras_loaded", "LoRA adapters loaded", LABELS)
+# The omni worker's pipeline stages (vLLM-Omni's own per-stage generation time of each finished request).
+_omni_stage_seconds = Histogram("turbine_worker_omni_stage_seconds",
+                                "seconds each stage of an omni pipeline spent generating a finished request, by "
+                                "stage id (vLLM-Omni's stage generation time)", [*LABELS, "stage"],
+                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60))
 _images = Counter("turbine_worker_images", "images received, by form: file (the worker decodes it) or pixels "
                   "(decoded by the frontend: its --frontend-decoding)", [*LABELS, "form"])
 
@@ -78,6 +83,9 @@ class WorkerMetrics:
 
     def request_done(self, outcome: str) -> None:
         _requests.labels(*self._values, outcome).inc()
+
+    def omni_stage(self, stage: str, seconds: float) -> None:
+        _omni_stage_seconds.labels(*self._values, stage).observe(seconds)
 
     def images(self, form: str, count: int) -> None:
         _images.labels(*self._values, form).inc(count)

@@ -322,3 +322,68 @@ async def test_the_card_says_the_pipelines_output_modalities_and_stop_closes_it(
     assert engine._handlers.tokenizer is not None  # the canary's BOS and the chat template come from it
     await engine.close()
     assert engine.omni.shut
+
+
+async def test_numpy_images_and_nested_lists_come_back_as_pngs():
+    """Some of vLLM-Omni's diffusion pipelines return numpy arrays (floats in [-1, 1] or [0, 1], a batch axis)
+    or a nested list (layered models): each is one PNG of its size."""
+    import torch
+    from PIL import Image
+
+    from turbine.vllm.omni_worker import OmniHandlers
+
+    minus_one_to_one = torch.full((1, 32, 48, 3), -1.0).numpy()  # a batch axis; black
+    zero_to_one = torch.ones((32, 48, 3)).numpy()  # white
+    grey = torch.full((32, 48, 3), 128, dtype=torch.uint8).numpy()
+    out = SimpleNamespace(final_output_type="image", images=[[minus_one_to_one, zero_to_one], grey],
+                          request_output=None, finished=True, error=None)
+    handlers = OmniHandlers(FakeOmni([out], [DiffusionParams()]), metrics(), ["diffusion"], ["image"], None)
+    req = GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput(prompt="a cat"),
+                          sampling=SamplingOptions(n=3), image=ImageOptions(width=48, height=32))
+    (chunk,) = [c async for c in handlers.generate(req, None)]
+    opened = [Image.open(io.BytesIO(png)) for png in chunk.images]
+    assert [im.size for im in opened] == [(48, 32)] * 3
+    assert [im.getpixel((0, 0)) for im in opened] == [(0, 0, 0), (255, 255, 255), (128, 128, 128)]
+
+
+async def test_an_image_request_asks_the_pipeline_for_text_to_image_by_the_prompts_modalities():
+    from vllm import SamplingParams
+
+    from turbine.vllm.omni_worker import OmniHandlers
+
+    image = SimpleNamespace(final_output_type="image", images=[], request_output=None, finished=True, error=None)
+    omni = FakeOmni([image], [SamplingParams(), DiffusionParams()])
+    handlers = OmniHandlers(omni, metrics(), ["llm", "diffusion"], ["text", "image"], Tokenizer())
+    req = GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput(prompt="a cat"),
+                          image=ImageOptions(width=64, height=64))
+    [c async for c in handlers.generate(req, None)]
+    omni.outputs = [text_output("ok", [5], "stop", True)]
+    [c async for c in handlers.generate(chat(), None)]
+    assert omni.calls[0][0] == {"prompt": "a cat", "modalities": ["image"]}
+    assert omni.calls[1][0] == {"prompt": "hi|>"}  # a text request: no modalities, the pipeline's text
+
+
+async def test_each_stages_generation_time_is_recorded_per_stage():
+    """vLLM-Omni's per-stage generation time of a finished request (stage_durations, ms) goes to
+    turbine_worker_omni_stage_seconds{stage}: the per-stage latency the GPU proof compares."""
+    from prometheus_client import REGISTRY
+    from vllm import SamplingParams
+
+    from turbine.vllm.omni_worker import OmniHandlers
+
+    def observed(stage):
+        labels = {"namespace": "ns", "component": "c", "model": "m", "worker_id": "w", "stage": stage}
+        return (REGISTRY.get_sample_value("turbine_worker_omni_stage_seconds_count", labels) or 0,
+                REGISTRY.get_sample_value("turbine_worker_omni_stage_seconds_sum", labels) or 0)
+
+    before = observed("0"), observed("1")
+    out = SimpleNamespace(final_output_type="image", images=[], request_output=None, finished=True, error=None,
+                          stage_durations={"stage_0_gen_ms": 250.0, "stage_1_gen_ms": 1500.0, "ar2diffusion_ms": 3})
+    handlers = OmniHandlers(FakeOmni([out], [SamplingParams(), DiffusionParams()]), metrics(), ["llm", "diffusion"],
+                            ["image"], Tokenizer())
+    req = GenerateRequest(request_id="r", model="m", token_ids=[], text=TextInput(prompt="a cat"),
+                          image=ImageOptions())
+    [c async for c in handlers.generate(req, None)]
+    after = observed("0"), observed("1")
+    assert (after[0][0] - before[0][0], after[1][0] - before[1][0]) == (1, 1)
+    assert (round(after[0][1] - before[0][1], 6), round(after[1][1] - before[1][1], 6)) == (0.25, 1.5)
