@@ -264,8 +264,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
 
     def _offerable(self, hashes: list[int]) -> list[str]:
         """For the longest leading run of `hashes` that can be offered, each block's tier (see _checked_tier).
-        One block after another, in vLLM's scheduler loop: on this 2-core host checking several at a time on
-        threads was slower, not faster (docs/benchmarks/kv_tiers.md, "The check before an offer")."""
+        One block after another, in vLLM's scheduler loop: on the 2-core host it was measured on, checking
+        several at a time on threads was slower, not faster (docs/benchmarks/kv_tiers.md, "The check before an
+        offer")."""
         plans = []
         for h in hashes:
             where = self._where.get(h, ())
@@ -304,6 +305,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             if status == FileCheck.CORRUPT:
                 corrupt.append(tier)
         return None, corrupt
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         lookup = self._lookups.pop(request.request_id, None)
         if num_external_tokens <= 0 or lookup is None:
