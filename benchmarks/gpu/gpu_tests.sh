@@ -8,7 +8,9 @@
 #                                                 there by pytest as in CI: KV tiers (test_kvbm_vllm.py), E/PD and
 #                                                 E/P/D (test_multimodal_disagg.py), speculative decoding
 #                                                 (test_speculative_vllm.py; TURBINE_TEST_SPEC_CONFIG picks the
-#                                                 speculator, default n-gram); ARGS go to pytest (e.g. a -k)
+#                                                 speculator, default n-gram), and the kvbm connector's check of a
+#                                                 file block before it is offered against the host's vLLM
+#                                                 (tests/unit/vllm/test_kvbm_offer_check.py); ARGS go to pytest (e.g. a -k)
 #   bash benchmarks/gpu/gpu_tests.sh kv-tiers [ARGS]  benchmarks/kv_tiers/kv_tiers.py on the Llama-3.1-8B architecture (dummy
 #                                                 weights), a working set several times the GPU cache
 #   bash benchmarks/gpu/gpu_tests.sh serving [ARGS]   the serving matrix of issue #29 §5 (gpu_serving.py): --systems
@@ -19,6 +21,8 @@
 #                                                 worker's text pipeline against the plain worker, its text→image
 #                                                 pipeline (PNGs, seeds, cancel), Turbine vs AsyncOmni called directly;
 #                                                 --phase text / --phase image split it over two calls
+#   bash benchmarks/gpu/gpu_tests.sh offer-check      what the kvbm connector's check of a file block before it is
+#                                                 offered costs on this host (kvbm_offer_check.py: serial vs threaded)
 # Two GPUs (issue #30):
 #   bash benchmarks/gpu/gpu_tests.sh tp [ARGS]        tensor parallelism 2: `vllm serve`, a Turbine worker, and the same
 #                                                 over two processes as nodes (leader + --headless): greedy parity,
@@ -59,7 +63,7 @@ case "$step" in
     export TURBINE_TEST_VLM_TILES=${TURBINE_TEST_VLM_TILES:-1}
     python3 -m pytest -p no:cacheprovider -q -rA --durations=15 --junitxml="$OUT/gpu_tests.xml" \
       tests/integration/test_kvbm_vllm.py tests/integration/test_multimodal_disagg.py \
-      tests/integration/test_speculative_vllm.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+      tests/integration/test_speculative_vllm.py tests/unit/vllm/test_kvbm_offer_check.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     # The engines' own logs (a failed engine's traceback is only there), back with the results.
     find /tmp/pytest-of-*/ -name '*.log' -mmin -120 2>/dev/null | tar -czf "$OUT/gpu_test_logs.tgz" -T - 2>/dev/null || true
     ;;
@@ -95,6 +99,11 @@ case "$step" in
       --model "$LLAMA" --systems turbine --loads 1024x256 --concurrency 512 --frontend-processes 1,2,4 \
       --scaling-concurrency 512 --py-spy "$PYSPY" --out "$OUT/gpu_profile.json" "$@" 2>&1 | grep -E '^\[' | tail -40
     ;;
+  offer-check)
+    # The kvbm connector's check of a file block before it is offered, on this host's disk and cores: serial vs
+    # threaded, page cache warm and cold (benchmarks/kv_tiers/kvbm_offer_check.py; seconds).
+    python3 -m benchmarks.kv_tiers.kvbm_offer_check --cold --dir /tmp --out "$OUT/kvbm_offer_check_gpu.json" "$@"
+    ;;
   offload)
     python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --systems turbine,turbine-kvbm,turbine-kvbm,turbine \
       --loads 128x512 --concurrency 64 --max-num-seqs 64 --out "$OUT/kvbm_offload_gpu.json" "$@" 2>&1 | tail -30
@@ -121,7 +130,7 @@ case "$step" in
       | tee "$OUT/gpu_omni.log" | tail -150
     ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | tp | dp | moe | disagg-load | omni [args]" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | offer-check | tp | dp | moe | disagg-load | omni [args]" >&2
     exit 2
     ;;
 esac

@@ -261,6 +261,50 @@ class SharedStore(_FileStore):
         return self._estimate
 
 
+class FileCheck:
+    """Checks block files for a process that does not own their tier (the vLLM connector's scheduler half,
+    before it offers a block for loading): the file is whole and matches its name and checksum, as a
+    tier's own read would check it; a bad file is unlinked (the caller counts it and tells the owner).
+
+    A file verified once is not read again while it is unchanged: it is remembered by (device, inode,
+    size, mtime), and every write of a block is a rename of a new file (a new inode), an edit in place
+    moves the mtime. What this cannot see (bits that rot without a write) the owner's read still checks."""
+
+    OK, MISSING, CORRUPT = "ok", "missing", "corrupt"
+
+    def __init__(self, remembered: int = 1 << 16):
+        self._known: OrderedDict[str, tuple[int, int, int, int]] = OrderedDict()  # path -> identity, LRU
+        self._remembered = remembered
+        self._lock = threading.Lock()  # callers may check from several threads
+
+    def check(self, path: str, block_hash: int) -> str:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return self.MISSING
+        with f:
+            st = os.fstat(f.fileno())
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            with self._lock:
+                if self._known.get(path) == identity:
+                    self._known.move_to_end(path)
+                    return self.OK
+            raw = f.read()  # the read and the checksum outside the lock
+        try:
+            decode(raw, block_hash)
+        except CorruptBlock as e:
+            log.warning("KV tier: dropping corrupt block file %s (found before it was offered): %s", path, e)
+            _unlink(path)
+            with self._lock:
+                self._known.pop(path, None)
+            return self.CORRUPT
+        with self._lock:
+            self._known[path] = identity
+            if len(self._known) > self._remembered:
+                self._known.popitem(last=False)
+        return self.OK
+
+
 TIER_ID_FILE = "tier-id"
 
 

@@ -18,8 +18,11 @@ SPECS: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
     ("misses", Counter, "turbine_kvbm_misses", "lookups that no tier could serve", ()),
     ("bytes_written", Counter, "turbine_kvbm_bytes_written", "payload bytes written to a tier", ("tier",)),
     ("bytes_read", Counter, "turbine_kvbm_bytes_read", "payload bytes read from a tier", ("tier",)),
-    ("corrupt", Counter, "turbine_kvbm_corrupt_blocks", "block files that failed their check on read and "
-     "were dropped", ("tier",)),
+    ("corrupt", Counter, "turbine_kvbm_corrupt_blocks", "block files that failed their check on read (or, in the "
+     "vLLM connector, before they were offered) and were dropped", ("tier",)),
+    ("load_errors", Counter, "turbine_kvbm_load_errors", "blocks the vLLM connector offered to the engine and then "
+     "could not load (gone, or changed since their check), with the rest of each such prompt's offer: reported to "
+     "vLLM, which recomputes them", ()),
     ("filtered", Counter, "turbine_kvbm_writes_filtered", "blocks a tier's frequency filter kept out (used "
      "fewer times than its minimum, --kv-disk-min-uses)", ("tier",)),
     ("write_errors", Counter, "turbine_kvbm_write_errors", "writes a tier's filesystem refused", ("tier",)),
@@ -41,6 +44,7 @@ class KvbmMetrics:
     bytes_written: Counter
     bytes_read: Counter
     corrupt: Counter
+    load_errors: Counter
     filtered: Counter
     write_errors: Counter
     write_seconds: Counter

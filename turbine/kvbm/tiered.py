@@ -121,6 +121,14 @@ class TieredStore:
             if t.remove(block_hash) or t.name in self._where.get(block_hash, ()):
                 self._tier_dropped(t.name, block_hash)
 
+    def drop_corrupt(self, name: str, block_hash: int) -> None:
+        """A tier's copy that someone else found corrupt (the vLLM connector's scheduler half checks file
+        blocks before offering them, and unlinks a bad file): removed from that tier, counted in
+        `turbine_kvbm_corrupt_blocks_total` and reported, as if this store's own read had found it."""
+        self._tier(name).remove(block_hash)
+        self.metrics.corrupt.labels(name).inc()
+        self._tier_dropped(name, block_hash)
+
     def clear_tier(self, name: str) -> int:
         """Drops from one tier every block this process knows it holds; returns how many."""
         tier = self._tier(name)

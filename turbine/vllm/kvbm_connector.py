@@ -12,10 +12,19 @@ the engine's blocks before the forward pass instead of recomputing them.
 - Saves happen in the step that computes a block (the worker side gathers every layer's slice of it
   after the forward pass), so nothing has to keep a finished request's blocks alive. The engine blocks
   a request holds are followed from the scheduler's outputs (vLLM 0.26 gives connectors no other way).
-- Loads are done (in stream order) when `start_load_kv` returns. A block that cannot be read (evicted meanwhile, a file
-  that fails its checksum) is reported by `get_block_ids_with_load_errors`, and with
-  `kv_load_failure_policy=recompute` the engine computes it instead: a bad block is never used, and
-  blocks computed in a step that had a failed load are not saved.
+- A file block is checked before it is offered: the scheduler half reads each disk- or shared-tier
+  block it would offer and verifies its checksum (turbine.kvbm.FileCheck; a file verified once is not
+  read again while unchanged). A corrupt one is not offered (the match stops before it, or falls to
+  a slower tier's good copy), its file is unlinked, and the worker half counts it
+  (`turbine_kvbm_corrupt_blocks_total`) and drops it from its tier: those tokens are computed fresh.
+  A load that fails is what vLLM 0.26 on a GPU does not survive (Model Runner V2 keeps a token
+  sampled from the bad step, V1's engine died: docs/benchmarks/gpu.md), so the load must not meet a
+  corrupt file; the check costs one more read of each file block offered (docs/benchmarks/kv_tiers.md,
+  "The check before an offer").
+- Loads are done (in stream order) when `start_load_kv` returns. A block that still cannot be read (a host
+  block evicted, a file removed or changed since it was checked) is reported by
+  `get_block_ids_with_load_errors`, and with `kv_load_failure_policy=recompute` the engine computes it
+  instead: a bad block is never used, and blocks computed in a step that had a failed load are not saved.
 - The two halves live in different processes (vLLM's CPU build always runs the model runner in a
   worker process of its own): the worker half owns the TieredStore and does all the I/O; the
   scheduler half decides hits from a mirror of which tier holds which block, fed each step by the
@@ -61,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from turbine.kvbm import Block, DiskStore, HostStore, SharedStore, TieredStore, shared_tier_id
+from turbine.kvbm import Block, DiskStore, FileCheck, HostStore, SharedStore, TieredStore, shared_tier_id
 from turbine.kvbm.block import file_name
 from turbine.router.hashing import block_hashes
 from turbine.vllm.compat import CacheHitSource
@@ -105,6 +114,12 @@ def layout_key(vllm_config) -> str:
     return f"{xxhash.xxh3_64_intdigest(repr(parts).encode()):016x}"
 
 
+def disk_dir(vllm_config) -> str | None:
+    """The disk tier's directory for this model's KV layout (None: no disk tier)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    return os.path.join(extra[DISK_DIR], layout_key(vllm_config)) if extra.get(DISK_BYTES) else None
+
+
 def shared_dir(vllm_config) -> str | None:
     """The shared tier's directory for this model's KV layout (None: no shared tier)."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -132,8 +147,8 @@ def build_store(vllm_config) -> TieredStore:
     tiers = []
     if extra.get(HOST_BYTES):
         tiers.append(HostStore(int(extra[HOST_BYTES])))
-    if extra.get(DISK_BYTES):
-        tiers.append(DiskStore(os.path.join(extra[DISK_DIR], layout_key(vllm_config)), int(extra[DISK_BYTES])))
+    if (disk := disk_dir(vllm_config)) is not None:
+        tiers.append(DiskStore(disk, int(extra[DISK_BYTES])))
     if (shared := shared_dir(vllm_config)) is not None:
         # Not adopted: other workers' blocks there reach the scheduler half by its probe (see the module doc).
         tiers.append(SharedStore(shared, int(extra[SHARED_BYTES])))
@@ -160,6 +175,8 @@ class KvbmMetadata(KVConnectorMetadata):
     loads: list[tuple[str, int, int]] = field(default_factory=list)
     # (request id, engine block id, block hash, parent hash or None) to copy out after the forward pass
     saves: list[tuple[str, int, int, int | None]] = field(default_factory=list)
+    # (tier, block hash): file blocks the scheduler half found corrupt (and unlinked): the tier drops them
+    corrupt: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -197,8 +214,14 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._in_flight: dict[str, dict[int, int]] = {}
         # The consolidated stream for the router, taken by vLLM's take_events: (stored?, tier, hash)
         self._events: list[tuple[bool, str, int]] = []
-        # The shared tier's directory: blocks other workers wrote there are in no event of this worker's.
-        self._shared_dir = shared_dir(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        # The file tiers' directories, whose blocks are checked before they are offered; blocks other workers
+        # wrote to the shared one are in no event of this worker's (probed).
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self._dirs = {tier: d for tier, d in (("disk", disk_dir(vllm_config)), ("shared", shared_dir(vllm_config)))
+                      if scheduler and d is not None}
+        self._shared_dir = self._dirs.get("shared")
+        self._file_check = FileCheck()
+        self._corrupt: list[tuple[str, int]] = []  # found by the check, for the worker half's next step
         # worker side
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
         self._stats = StatsSource(self.store.metrics) if self.store is not None else None
@@ -232,23 +255,56 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         if first >= loadable:
             return 0, False
         hashes = self._hashes(t, loadable)
-        tiers = []
-        for h in hashes[first:]:
-            if (tier := self._locate(h) or self._probe_shared(h)) is None:
-                break
-            tiers.append(tier)
+        tiers = self._offerable(hashes[first:])
         if not tiers:
             self._lookups.pop(request.request_id, None)
             return 0, False
         self._lookups[request.request_id] = (first, hashes, tiers)
         return len(tiers) * self.block_size, False
 
-    def _probe_shared(self, block_hash: int) -> str | None:
-        """Whether the shared tier has the block's file (one stat): another worker may have written it.
-        A file gone or corrupt by the time the worker reads it is a failed load, hence recomputed."""
-        if self._shared_dir is not None and os.path.exists(os.path.join(self._shared_dir, file_name(block_hash))):
-            return "shared"
-        return None
+    def _offerable(self, hashes: list[int]) -> list[str]:
+        """For the longest leading run of `hashes` that can be offered, each block's tier (see _checked_tier).
+        One block after another, in vLLM's scheduler loop: on the 2-core host it was measured on, checking
+        several at a time on threads was slower, not faster (docs/benchmarks/kv_tiers.md, "The check before an
+        offer")."""
+        plans = []
+        for h in hashes:
+            where = self._where.get(h, ())
+            candidates = [t for t in TIER_ORDER if t in where]
+            # The shared tier also as the last resort; where the mirror knows no tier, probed first (one stat,
+            # stopping at the first miss): another worker may have written it.
+            if self._shared_dir is not None and "shared" not in where and (
+                    candidates or os.path.exists(os.path.join(self._shared_dir, file_name(h)))):
+                candidates.append("shared")
+            if not candidates:
+                break
+            plans.append(candidates)
+        tiers: list[str] = []
+        for h, candidates in zip(hashes, plans):
+            tier, corrupt = self._checked_tier(h, candidates)
+            for bad in corrupt:  # unlinked: the mirror and the router forget it, the worker half drops and counts it
+                self._corrupt.append((bad, h))
+                self._mirror(False, bad, h)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
+    def _checked_tier(self, block_hash: int, candidates: list[str]) -> tuple[str | None, list[str]]:
+        """The first of `candidates` (tiers, fastest first) whose copy of the block can be offered, and those whose
+        file was found corrupt (and unlinked) on the way: the host tier's copy as the mirror has it (in the
+        worker's memory, nothing to read here), a file tier's once its file passes FileCheck. A file gone since
+        the mirror's last step is passed over."""
+        corrupt = []
+        for tier in candidates:
+            if tier not in self._dirs:
+                return tier, corrupt
+            status = self._file_check.check(os.path.join(self._dirs[tier], file_name(block_hash)), block_hash)
+            if status == FileCheck.OK:
+                return tier, corrupt
+            if status == FileCheck.CORRUPT:
+                corrupt.append(tier)
+        return None, corrupt
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         lookup = self._lookups.pop(request.request_id, None)
@@ -276,8 +332,8 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         return {CacheHitSource[name]: tokens for name, tokens in counts.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmMetadata:
-        meta = KvbmMetadata(loads=self._loads)
-        self._loads = []
+        meta = KvbmMetadata(loads=self._loads, corrupt=self._corrupt)
+        self._loads, self._corrupt = [], []
         self._in_flight, self._loading = self._loading, {}
         self._follow_block_ids(scheduler_output)
         planned: set[int] = set()  # two requests of one step may share a prefix
@@ -331,17 +387,21 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvbmWorkerMetadata):
             return
         for stored, tier, h in meta.events:
-            where = self._where.get(h) or set()
-            before = _fastest_private(where), "shared" in where
-            if stored:
-                where.add(tier)
-                self._where[h] = where
-            elif tier in where:
-                where.discard(tier)
-                if not where:
-                    del self._where[h]
-            after = _fastest_private(where), "shared" in where
-            self._consolidate(h, before, after)
+            self._mirror(stored, tier, h)
+
+    def _mirror(self, stored: bool, tier: str, h: int) -> None:
+        """One tier gained (or lost) a block: the mirror, and the router's stream."""
+        where = self._where.get(h) or set()
+        before = _fastest_private(where), "shared" in where
+        if stored:
+            where.add(tier)
+            self._where[h] = where
+        elif tier in where:
+            where.discard(tier)
+            if not where:
+                del self._where[h]
+        after = _fastest_private(where), "shared" in where
+        self._consolidate(h, before, after)
 
     def _consolidate(self, h: int, before: tuple[str | None, bool], after: tuple[str | None, bool]) -> None:
         """The router's stream: the worker's own tiers as one (stored when the block first appears in one
@@ -399,17 +459,25 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbmMetadata)
         self._failed_reqs = set()
+        for tier, block_hash in meta.corrupt:
+            self.store.drop_corrupt(tier, block_hash)
         loads = []
+        # The scheduler half checked every file block offered here; this check stays as the second guard: a
+        # file can still change between that check and this read (another worker rewrites a shared block, a
+        # disk fails), and then the block is reported as a load error and vLLM recomputes it (which vLLM
+        # 0.32's V1 runner survives and 0.26's on a GPU does not: the window is one step).
         fetched = self._fetch([block_hash for _, _, block_hash in meta.loads])
         for (req_id, block_id, block_hash), found in zip(meta.loads, fetched):
             if req_id in self._failed_reqs:
                 self._load_errors.add(block_id)  # after a failed block the rest of the prefix is recomputed
+                self.store.metrics.load_errors.inc()
                 continue
             if found is None or found[0].nbytes != self._blocks.block_nbytes:
                 why = "gone or corrupt" if found is None else \
                     f"{found[0].nbytes} bytes, not {self._blocks.block_nbytes}"
                 log.warning("kvbm: block %016x unavailable (%s): recomputed", block_hash, why)
                 self._load_errors.add(block_id)
+                self.store.metrics.load_errors.inc()
                 self._failed_reqs.add(req_id)
                 continue
             loads.append((block_id, found[0].data))
