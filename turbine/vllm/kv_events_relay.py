@@ -30,6 +30,7 @@ from vllm.distributed import kv_events as vllm_events
 from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.router.hashing import media_key
 from turbine.runtime.errors import EventPlaneError
+from turbine.runtime.ports import free_port
 from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
@@ -216,12 +217,16 @@ def _bind_given_run(sock, port: int, count: int, host: str = "127.0.0.1") -> Non
 
 
 def _bind_port_run(sock, count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """Binds `sock` on ports P..P+count-1 of `host` (vLLM offsets each rank's port by its rank)."""
+    """Binds `sock` on ports P..P+count-1 of `host` (vLLM offsets each rank's port by its rank), P below
+    the kernel's ephemeral range (turbine.runtime.ports): a checkpointed worker closes these ports while
+    quiesced and binds them again after the restore, and in that gap a port of the ephemeral range can be
+    taken as the local port of any outgoing connection, the engine publisher's own retries included (a TCP
+    connection to itself). It happened on a GPU host: "cannot bind ... Address already in use"."""
     for _ in range(attempts):
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        bound = [port]
+        port = free_port()
+        bound = []
         try:
-            for p in range(port + 1, port + count):
+            for p in range(port, port + count):
                 sock.bind(f"tcp://{host}:{p}")
                 bound.append(p)
             return port

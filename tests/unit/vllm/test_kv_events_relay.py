@@ -112,6 +112,21 @@ async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher(chosen):
         relay.close()
 
 
+def test_the_relays_own_port_lies_below_the_ephemeral_range():
+    """A checkpointed worker's relay binds its port again after the restore: a port of the ephemeral range
+    could meanwhile be some outgoing connection's local port (seen on a GPU host), one below it cannot."""
+    from turbine.runtime.ports import _ephemeral_range
+    from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+
+    low, high = _ephemeral_range()
+    for ranks in (1, 3):
+        relay = VllmKvEventsRelay(ranks=ranks)
+        try:
+            assert not any(low <= p <= high for p in range(relay.port, relay.port + ranks)), relay.port
+        finally:
+            relay.close()
+
+
 async def test_a_relay_closed_for_a_checkpoint_listens_again_and_the_engine_reconnects():
     """Checkpoint mode: the relay listens before the engine exists and is given its publishers later;
     quiesced, it closes its socket (none of ours in the image); after the restore it binds the same
