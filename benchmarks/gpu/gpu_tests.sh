@@ -49,6 +49,10 @@ ln -sfn "$H8/smollm2" "$TURBINE_CACHE/models/smollm2-135m-instruct"
 touch "$H8/smollm2/.turbine-complete"
 LLAMA="$H8/model-llama-3.1-8b"
 
+# Tensor parallelism on the lent two-GPU host: vLLM 0.26's all-reduce through torch's symmetric memory died in
+# start-up with "CUDA error: an illegal memory access" (CUDASymmetricMemory, 2026-11-29; the host turns NVLink
+# multicast off), so these runs use vLLM's other all-reduce paths.
+export VLLM_ALLREDUCE_USE_SYMM_MEM=${VLLM_ALLREDUCE_USE_SYMM_MEM:-0}
 step=${1:-}
 shift || true
 case "$step" in
