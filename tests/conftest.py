@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd server, the NATS server's address, and Python child processes to kill."""
+"""Shared fixtures: a real etcd server, the NATS server's address, and Python child processes to kill;
+the `engine` marker and the xdist groups that let `make test` run on two workers (docs/operations/tests.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -67,11 +69,16 @@ def nats_url() -> str:
 
 # Where the suite's time goes, per module (setup + call + teardown of its tests; a session-scoped
 # fixture counts in the first module that uses it): printed at the end of every run.
+# Under xdist, also per worker: the busiest one is the run's long pole.
 _MODULE_SECONDS: collections.Counter[str] = collections.Counter()
+_WORKER_SECONDS: collections.Counter[str] = collections.Counter()
 
 
 def pytest_runtest_logreport(report) -> None:
     _MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+    node = getattr(report, "node", None)  # the xdist worker that ran it
+    if node is not None:
+        _WORKER_SECONDS[node.gateway.id] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -80,3 +87,36 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_sep("=", f"slowest modules (of {len(_MODULE_SECONDS)}, {sum(_MODULE_SECONDS.values()):.0f} s)")
     for path, seconds in _MODULE_SECONDS.most_common(25):
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    for worker, seconds in sorted(_WORKER_SECONDS.items()):
+        terminalreporter.write_line(f"{seconds:8.1f}s in the tests of xdist worker {worker}")
+
+
+# Real vLLM engines: a module that starts one itself, or uses the session-wide `cluster` of
+# tests/integration/conftest.py. Each takes a core or two for ~25 s to start, so under xdist
+# (scripts/run_tests.sh: -n 2 --dist loadgroup) they all run on one worker, one module after the
+# other, while the other worker takes the rest; the shared cluster is then started once.
+_ENGINE_STARTS = ("start_worker(", '"turbine.vllm"')
+
+
+@cache
+def _starts_engines(path: Path) -> bool:
+    text = path.read_text()
+    return any(s in text for s in _ENGINE_STARTS)
+
+
+def _uses_shared_cluster(item) -> bool:
+    defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("cluster")
+    return bool(defs) and defs[-1].func.__module__ == "tests.integration.conftest"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module.startswith("tests/integration/") and (_starts_engines(item.path) or _uses_shared_cluster(item)):
+            item.add_marker(pytest.mark.engine)
+            group = "engine"
+        elif "nats_url" in item.fixturenames:
+            group = "nats"  # one NATS server for all: its subjects and buckets, one module at a time
+        else:
+            group = module  # a module's own fixtures (a mocker fleet, say) start once, on one worker
+        item.add_marker(pytest.mark.xdist_group(group))
