@@ -109,14 +109,35 @@ def _uses_shared_cluster(item) -> bool:
     return bool(defs) and defs[-1].func.__module__ == "tests.integration.conftest"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
 def pytest_collection_modifyitems(config, items) -> None:
+    by_module: dict[str, list] = collections.defaultdict(list)
     for item in items:
-        module = item.nodeid.split("::")[0]
-        if module.startswith("tests/integration/") and (_starts_engines(item.path) or _uses_shared_cluster(item)):
-            item.add_marker(pytest.mark.engine)
+        by_module[item.nodeid.split("::")[0]].append(item)
+    for module, its in by_module.items():
+        # A whole module in one group: its own fixtures (a mocker fleet, say) start once, on one worker.
+        if module.startswith("tests/integration/") and (
+                _starts_engines(its[0].path) or any(_uses_shared_cluster(i) for i in its)):
             group = "engine"
-        elif "nats_url" in item.fixturenames:
+        elif any("nats_url" in i.fixturenames for i in its):
             group = "nats"  # one NATS server for all: its subjects and buckets, one module at a time
         else:
-            group = module  # a module's own fixtures (a mocker fleet, say) start once, on one worker
-        item.add_marker(pytest.mark.xdist_group(group))
+            group = module
+        for item in its:
+            if group == "engine":
+                item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the xdist worker sends the node ids to the controller
+def pytest_collection_finish(session) -> None:
+    """On an xdist worker under --dist loadgroup: the group as the node id's "@group" suffix, which
+    is how the controller groups. pytest-xdist 3.8.0 does this itself, but on pytest 9.2's structured
+    node ids its change is lost and every test is scheduled alone (pytest-dev/pytest-xdist#1386)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    from _pytest.nodes import coerce_node_id
+    for item in session.items:
+        group = item.get_closest_marker("xdist_group").args[0]
+        if not item.nodeid.endswith(f"@{group}"):
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")
