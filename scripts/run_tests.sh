@@ -29,6 +29,10 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
 fi
 export TURBINE_TEST_NATS="nats://127.0.0.1:4222"
 
+# Two pytest-xdist workers: the real-engine modules all on one of them, one after the other (the
+# xdist groups of tests/conftest.py), everything else on the other meanwhile. TURBINE_TEST_WORKERS=0
+# runs it all in this one process.
 start=$(date +%s)
-$PY -m pytest "${TURBINE_TESTS:-tests}" -q -p no:cacheprovider --durations=30 "$@"
+$PY -m pytest "${TURBINE_TESTS:-tests}" -q -p no:cacheprovider --durations=30 \
+  -n "${TURBINE_TEST_WORKERS:-2}" --dist loadgroup "$@"
 echo "make test took $(( $(date +%s) - start ))s"

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd server, the NATS server's address, and Python child processes to kill."""
+"""Shared fixtures: a real etcd server, the NATS server's address, and Python child processes to kill;
+the `engine` marker and the xdist groups that let `make test` run on two workers (docs/operations/tests.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -67,11 +69,16 @@ def nats_url() -> str:
 
 # Where the suite's time goes, per module (setup + call + teardown of its tests; a session-scoped
 # fixture counts in the first module that uses it): printed at the end of every run.
+# Under xdist, also per worker: the busiest one is the run's long pole.
 _MODULE_SECONDS: collections.Counter[str] = collections.Counter()
+_WORKER_SECONDS: collections.Counter[str] = collections.Counter()
 
 
 def pytest_runtest_logreport(report) -> None:
     _MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+    node = getattr(report, "node", None)  # the xdist worker that ran it
+    if node is not None:
+        _WORKER_SECONDS[node.gateway.id] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -80,3 +87,57 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_sep("=", f"slowest modules (of {len(_MODULE_SECONDS)}, {sum(_MODULE_SECONDS.values()):.0f} s)")
     for path, seconds in _MODULE_SECONDS.most_common(25):
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    for worker, seconds in sorted(_WORKER_SECONDS.items()):
+        terminalreporter.write_line(f"{seconds:8.1f}s in the tests of xdist worker {worker}")
+
+
+# Real vLLM engines: a module that starts one itself, or uses the session-wide `cluster` of
+# tests/integration/conftest.py. Each takes a core or two for ~25 s to start, so under xdist
+# (scripts/run_tests.sh: -n 2 --dist loadgroup) they all run on one worker, one module after the
+# other, while the other worker takes the rest; the shared cluster is then started once.
+_ENGINE_STARTS = ("start_worker(", '"turbine.vllm"')
+
+
+@cache
+def _starts_engines(path: Path) -> bool:
+    text = path.read_text()
+    return any(s in text for s in _ENGINE_STARTS)
+
+
+def _uses_shared_cluster(item) -> bool:
+    defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("cluster")
+    return bool(defs) and defs[-1].func.__module__ == "tests.integration.conftest"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
+def pytest_collection_modifyitems(config, items) -> None:
+    by_module: dict[str, list] = collections.defaultdict(list)
+    for item in items:
+        by_module[item.nodeid.split("::")[0]].append(item)
+    for module, its in by_module.items():
+        # A whole module in one group: its own fixtures (a mocker fleet, say) start once, on one worker.
+        if module.startswith("tests/integration/") and (
+                _starts_engines(its[0].path) or any(_uses_shared_cluster(i) for i in its)):
+            group = "engine"
+        elif any("nats_url" in i.fixturenames for i in its):
+            group = "nats"  # one NATS server for all: its subjects and buckets, one module at a time
+        else:
+            group = module
+        for item in its:
+            if group == "engine":
+                item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the xdist worker sends the node ids to the controller
+def pytest_collection_finish(session) -> None:
+    """On an xdist worker under --dist loadgroup: the group as the node id's "@group" suffix, which
+    is how the controller groups. pytest-xdist 3.8.0 does this itself, but on pytest 9.2's structured
+    node ids its change is lost and every test is scheduled alone (pytest-dev/pytest-xdist#1386)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    from _pytest.nodes import coerce_node_id
+    for item in session.items:
+        group = item.get_closest_marker("xdist_group").args[0]
+        if not item.nodeid.endswith(f"@{group}"):
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")
