@@ -44,6 +44,9 @@ from benchmarks.lib.paths import REPO_ROOT
 H8 = Path(os.environ.get("H8", "/tmp/h8"))
 PLAIN, OMNI_TEXT, OMNI_IMAGE = "smollm2-plain", "smollm2-omni", "omni-image"
 PROMPTS = ["What is the capital of France?", "Write one sentence about the sea.", "Count from one to five."]
+# Raw completions need text to continue: SmolLM2 ends two of the chat questions above at once (an empty text on
+# both workers, 2026-11-29 on an H200), which proves nothing.
+COMPLETION_PROMPTS = ["The capital of France is", "The sea is", "One, two, three,"]
 IMAGE_PROMPT = "a lighthouse on a cliff at dusk"
 
 
@@ -140,7 +143,7 @@ def llm_stage(a, model: str, final: bool, max_tokens: int, ignore_eos: bool) -> 
     if a.llm_worker == "ar":
         worker = {"worker_type": "ar", "scheduler_cls": "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler",
                   "async_scheduling": False}
-    else:  # the fallback: vLLM's own worker and scheduler for the stage
+    else:  # vLLM's own worker and scheduler for the stage: a plain LLM (see --llm-worker)
         worker = {"worker_cls": "auto"}
     return {
         "stage_id": 0, "stage_type": "llm", "is_comprehension": True,
@@ -280,7 +283,7 @@ def phase_text(a, doc: dict, procs, configs: dict) -> None:
 
     def parity(kind):
         pairs = []
-        for p in PROMPTS:
+        for p in COMPLETION_PROMPTS if kind == "completions" else PROMPTS:
             if kind == "completions":
                 plain, omni = completion(PLAIN, p), completion(OMNI_TEXT, p)
             else:
@@ -652,9 +655,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     p.add_argument("--kv-cache-bytes", type=int, default=2 << 30,
                    help="each LLM engine's KV cache (fixed: engines start side by side on one GPU)")
-    p.add_argument("--llm-worker", choices=("ar", "auto"), default="ar",
-                   help="the LLM stages' worker: vLLM-Omni's AR worker and scheduler (as its deploy configs give an "
-                        "llm_ar stage), or vLLM's own (worker_cls auto), a fallback")
+    p.add_argument("--llm-worker", choices=("ar", "auto"), default="auto",
+                   help="the LLM stages' worker: vLLM's own (worker_cls auto), or vLLM-Omni's AR worker and scheduler "
+                        "(as its deploy configs give an llm_ar stage), which runs only vLLM-Omni's own models: with a "
+                        "plain Llama it failed the first step on an H200 (\"LlamaForCausalLM.forward() got an unexpected "
+                        "keyword argument 'sampling_metadata'\", 2026-11-29)")
     p.add_argument("--steps", type=int, default=50, help="the diffusion stage's inference steps")
     p.add_argument("--image-llm-tokens", type=int, default=64,
                    help="tokens the image pipeline's LLM stage writes (ignore_eos) for the diffusion prompt")
