@@ -318,6 +318,8 @@ def _response_format(text: dict[str, Any]) -> ResponseFormat | None:
         if key != "format":
             raise _fail(f"text.{key}", "is not supported")
     fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):  # was an AttributeError (a 500)
+        raise _fail("text.format", "must be an object: {type: text | json_object | json_schema, ...}")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -152,6 +152,7 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
     ("tool_choice", {"input": "x", "tool_choice": {"type": "allowed_tools", "tools": []}}),
     ("text.format.type", {"input": "x", "text": {"format": {"type": "grammar"}}}),
     ("text.format.schema", {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}),
+    ("text.format", {"input": "x", "text": {"format": "json"}}),
     ("text.format.name", {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}),
     ("text.format.strict", {"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {},
                                                               "strict": "yes"}}}),
