@@ -13,6 +13,12 @@ encode   one ~200-token chat prompt to ids: `encode` on the calling thread, `enc
          the calling thread, and both through the event loop's default executor (what
          `TextTokenizer.encode_off_loop` does).  Measured as the process's CPU time (every thread:
          `encode_batch` may wake the library's own thread pool) and wall time per request.
+api      (`--api responses`, instead of the two above) one API body through the frontend's request
+         stages before dispatch (for `responses`: decode, convert to the chat request, chat template,
+         tokenization -- `turbine.frontend.apis.responses.prepare`), in-process against a model
+         table holding the tokenizer: process CPU and wall time per request.  Bodies: `short` (a
+         string input and instructions) and `agent` (an agent loop's transcript with four tools).
+         With --callgrind: instructions per request instead (N requests minus 0, as for detok).
 
 Every timing is a median over --repeats rounds (implementations alternate inside each round),
 reported per token (detok) or per request (encode).  On a shared, noisy host prefer the
@@ -22,6 +28,8 @@ other load.
 
   .venv/bin/python -m benchmarks.frontend.frontend_cpu_micro --repeats 15
   .venv/bin/python -m benchmarks.frontend.frontend_cpu_micro --callgrind --streams 50   # instructions/token
+  .venv/bin/python -m benchmarks.frontend.frontend_cpu_micro --api responses --repeats 15  # per request
+  .venv/bin/python -m benchmarks.frontend.frontend_cpu_micro --api responses --callgrind --encode-calls 50
 
 The model folder comes from --model, else env TURBINE_BENCH_MODEL, else the repo's own resolution
 (`turbine model prepare`).
@@ -167,6 +175,98 @@ def bench_encode(a, tok) -> dict:
     return res
 
 
+def _tool(name: str) -> dict:
+    return {"type": "function", "name": name, "description": f"Looks up the {name} of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "units": {
+                "type": "string", "enum": ["metric", "imperial"]}}, "required": ["city"]}}
+
+
+# Responses bodies, as a client sends them (store false: no response store in this process).
+RESPONSES_BODIES = {
+    "short": {"model": "m", "instructions": "Answer in one sentence.", "input": ENGLISH[:200],
+              "max_output_tokens": 64, "temperature": 0.7, "store": False},
+    "agent": {"model": "m", "instructions": "Use the tools when they help.", "store": False, "tool_choice": "auto",
+              "tools": [_tool(n) for n in ("weather", "time", "population", "elevation")],
+              "input": [
+                  {"role": "user", "content": [{"type": "input_text", "text": "Weather and time in Paris?"}]},
+                  {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                   "content": [{"type": "reasoning_text", "text": "Two tools answer this."}]},
+                  {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+                  {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather",
+                   "arguments": '{"city": "Paris"}', "status": "completed"},
+                  {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "time",
+                   "arguments": '{"city": "Paris"}', "status": "completed"},
+                  {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+                  {"type": "function_call_output", "call_id": "call_2", "output": "14:05"}]},
+}
+
+
+def api_runner(a, tok):
+    """run(body, n): n requests of one API's body through its request stages before dispatch."""
+    from turbine.frontend.apis import responses  # noqa: PLC0415
+    from turbine.frontend.models.table import ModelTable, ServedModel  # noqa: PLC0415
+    from turbine.router.policy import RoundRobinRouter  # noqa: PLC0415
+    from turbine.protocol.discovery import ModelCard  # noqa: PLC0415
+
+    card = ModelCard(name="m", namespace="ns", component="backend", endpoint="generate", instance_id="x",
+                     tokenizer_path=a.model, context_length=8192, kv_block_size=16, total_kv_blocks=1024,
+                     max_num_seqs=64, max_num_batched_tokens=8192, tool_call_parser="hermes")
+    models = ModelTable(None, None)
+    models.models["m"] = ServedModel("m", card, tok, RoundRobinRouter(), [object()])  # one (unused) instance
+
+    async def requests(body: bytes, n: int) -> None:
+        for _ in range(n):
+            await responses.prepare(body, models)
+
+    return lambda body, n: asyncio.run(requests(body, n))
+
+
+def bench_api(a, tok) -> dict:
+    """Per-request CPU of one API's request stages before dispatch (see the module docstring)."""
+    import msgspec  # noqa: PLC0415
+
+    run = api_runner(a, tok)
+    res = {}
+    n = a.encode_calls
+    for name, body in RESPONSES_BODIES.items():
+        raw = msgspec.json.encode(body)
+        run(raw, 20)  # warm: template compiled, executor threads started
+        cpu, wall = [], []
+        for _ in range(a.repeats):
+            c0, w0 = time.process_time_ns(), time.perf_counter_ns()
+            run(raw, n)
+            cpu.append((time.process_time_ns() - c0) / n / 1000)
+            wall.append((time.perf_counter_ns() - w0) / n / 1000)
+        res[name] = {"body_bytes": len(raw), "cpu_us_median": statistics.median(cpu), "cpu_us_min": min(cpu),
+                     "cpu_us_max": max(cpu), "wall_us_median": statistics.median(wall)}
+        print(f"api {a.api} {name:6s} ({len(raw)} bytes) process CPU {res[name]['cpu_us_median']:7.1f} us/request "
+              f"(min {min(cpu):.1f}, max {max(cpu):.1f}), wall {res[name]['wall_us_median']:7.1f} us", file=sys.stderr)
+    return res
+
+
+def callgrind_api(a) -> dict:
+    """Instructions per request of each body: callgrind totals with N requests minus with 0 (both
+    after the same 20 warm-up requests), divided by N. The child imports this checkout's turbine."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = {}
+    for body in RESPONSES_BODIES:
+        irs = {}
+        for n in (a.encode_calls, 0):
+            with tempfile.TemporaryDirectory() as d:
+                cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={d}/cg.out", sys.executable, __file__,
+                       "--model", a.model, "--api", a.api, "--only-api-body", body, "--encode-calls", str(n)]
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                m = re.search(r"Collected\s*:\s*(\d+)", r.stderr)
+                if not m:
+                    raise SystemExit(f"callgrind failed: {r.stderr[-2000:]}")
+                irs[n] = int(m.group(1))
+        out[body] = {"instructions_per_request": (irs[a.encode_calls] - irs[0]) / a.encode_calls, "ir": irs}
+        print(f"callgrind api {a.api} {body}: {out[body]['instructions_per_request']:.0f} instructions/request "
+              f"({a.encode_calls} requests)", file=sys.stderr)
+    return out
+
+
 def callgrind(a) -> dict:
     """Instructions per token of each detok implementation: callgrind totals with N streams
     minus with 0 streams (startup, imports, tokenizer load), divided by the tokens pushed."""
@@ -199,13 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=200, help="answers per round")
     p.add_argument("--osl", type=int, default=64, help="tokens per answer")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--encode-calls", type=int, default=500)
-    p.add_argument("--callgrind", action="store_true", help="instruction counts of the detok implementations instead")
+    p.add_argument("--encode-calls", type=int, default=500, help="encode calls (with --api: requests) per round")
+    p.add_argument("--callgrind", action="store_true",
+                   help="instruction counts of the detok implementations (with --api: per request) instead")
+    p.add_argument("--api", choices=("responses",),
+                   help="per-request CPU of this API's request stages (instead of detok and encode)")
+    p.add_argument("--only-api-body", choices=tuple(RESPONSES_BODIES), help=argparse.SUPPRESS)
     p.add_argument("--only-detok", choices=("ref", "current"), help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "frontend" / f"frontend_cpu_micro-{today}.json"))
+    p.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/frontend/"
+                   "frontend_cpu_micro[_API]-DATE.json)")
     a = p.parse_args(argv)
+    name = f"frontend_cpu_micro{'_' + a.api if a.api else ''}-{today}.json"
+    a.out = a.out or str(REPO_ROOT / "benchmarks" / "results" / "frontend" / name)
     a.model = a.model or default_model()
     tok = TextTokenizer.from_dir(a.model)
+    if a.only_api_body:  # one plain run, for callgrind
+        run = api_runner(a, tok)
+        body = __import__("msgspec").json.encode(RESPONSES_BODIES[a.only_api_body])
+        run(body, 20)
+        run(body, a.encode_calls)
+        return 0
     if a.only_detok:  # one plain run, for callgrind
         cls = legacy_detok_class(a.compare_ref) if a.only_detok == "ref" else current_detok.IncrementalDetokenizer
         prompt = tok.encode_chat([{"role": "user", "content": ENGLISH}])
@@ -215,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
               "command": [sys.executable, *sys.argv], "model": a.model,
               "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
               "versions": {"tokenizers": __import__("tokenizers").__version__}, "config": vars(a)}
-    if a.callgrind:
+    if a.api:
+        result["api"] = {a.api: callgrind_api(a) if a.callgrind else bench_api(a, tok)}
+    elif a.callgrind:
         result["callgrind"] = callgrind(a)
     else:
         impls = {f"ref {a.compare_ref}": legacy_detok_class(a.compare_ref),

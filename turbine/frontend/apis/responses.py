@@ -1,5 +1,6 @@
-"""`POST /v1/responses` (OpenAI's Responses API): a Responses body becomes a chat completions body
-(messages, tools, tool_choice, response_format, logprobs) and runs the chat path's stages
+"""`POST /v1/responses` (OpenAI's Responses API): a Responses body becomes a chat completions request
+struct (messages, tools, tool_choice, response_format, logprobs; built directly, never re-encoded to
+JSON) and runs the chat path's stages
 (preprocess -> dispatch -> postprocess); the deltas are then written as a response object whose
 `output` holds reasoning, message and function_call items, or as the semantic stream events
 (`response.created` ... `response.completed`) the official client parses.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Any
 
 import msgspec
@@ -28,8 +28,9 @@ from turbine.frontend.errors import RequestError
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess.media import DETAILS, MediaConfig
-from turbine.frontend.preprocess.schemas import ChatCompletionRequest, ResponsesRequest, json_object
-from turbine.frontend.preprocess.stage import Prepared, preprocess
+from turbine.frontend.preprocess.schemas import ChatCompletionRequest, ResponsesRequest, invalid, json_object
+from turbine.frontend.preprocess.stage import Prepared, preprocess_chat
+from turbine.frontend.preprocess.structured import JsonSchemaFormat, ResponseFormat
 
 log = logging.getLogger("turbine.frontend")
 
@@ -57,8 +58,6 @@ INCLUDE_HONOURED = ("message.output_text.logprobs", "reasoning.encrypted_content
 SERVICE_TIERS = ("auto", "default")
 
 _FIELDS = frozenset(ResponsesRequest.__struct_fields__)
-_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
-_PATH = re.compile(r"at `\$\.?([^`\[]*)")
 # A chat-path parameter named in an error -> the Responses field the client sent.
 _PARAM_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                   "response_format": "text.format", "tool_choice": "tool_choice", "top_logprobs": "top_logprobs",
@@ -84,29 +83,18 @@ def decode_responses_request(body: bytes) -> ResponsesRequest:
     try:
         return msgspec.convert(raw, ResponsesRequest)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc))
-        param = match.group(1) if match and match.group(1) else None
-        raise RequestError(f"invalid request: {exc}", param=param) from None
+        raise invalid(exc) from None
 
 
-# -- Responses body -> chat body ---------------------------------------------------------
-def chat_body(req: ResponsesRequest, origins: dict[str, str] | None = None,
-              items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The chat completions body that asks for what `req` asks for (`items`: its whole input, a
-    stored context first; default `req.input`). Raises RequestError naming the Responses field for
-    anything this server cannot honour. `origins` (when given) gets each image's chat location ->
-    its Responses location, for renaming the media stage's errors."""
-    body = converted_body(req, origins, items)
-    for name in body:
-        # The chat request drops fields it does not know: never hand it one it would ignore.
-        if name not in _CHAT_FIELDS:
-            raise _fail(_PARAM_OF_CHAT.get(name, name), "is not supported by this server")
-    return body
-
-
-def converted_body(req: ResponsesRequest, origins: dict[str, str] | None = None,
-                   items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`req` as chat completions fields (unchecked against what the chat path takes)."""
+# -- Responses request -> chat request ---------------------------------------------------
+def chat_request(req: ResponsesRequest, origins: dict[str, str] | None = None,
+                 items: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat request that asks for what `req` asks for (`items`: its whole input, a stored
+    context first; default `req.input`), built as the struct the chat endpoint decodes into: its
+    fields' types are the ones `req` was decoded with, and preprocess_chat checks it as it checks a
+    decoded chat body. Raises RequestError naming the Responses field for anything this server
+    cannot honour. `origins` (when given) gets each image's chat location -> its Responses
+    location, for renaming the media stage's errors."""
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise _fail("reasoning", "reasoning effort and summaries are not configurable here; the model's "
                     "reasoning (when its worker has a reasoning parser) comes back as reasoning items")
@@ -126,27 +114,15 @@ def converted_body(req: ResponsesRequest, origins: dict[str, str] | None = None,
             if value is not False:
                 raise _fail("stream_options.include_obfuscation", "this server adds no obfuscation padding; "
                             "send false")
-    body: dict[str, Any] = {"model": req.model, "stream": req.stream,
-                            "messages": messages_of(req.input if items is None else items, req.instructions,
-                                                    origins)}
-    for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                        ("top_p", req.top_p), ("user", req.user)):
-        if value is not None:
-            body[name] = value
-    if logprobs:
-        body["logprobs"] = True
-        body["top_logprobs"] = req.top_logprobs or 0
-    if req.tools:
-        body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
-    if req.tool_choice is not None:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
-    if req.parallel_tool_calls is not None:
-        body["parallel_tool_calls"] = req.parallel_tool_calls
-    if req.text is not None:
-        response_format = _response_format(req.text)
-        if response_format is not None:
-            body["response_format"] = response_format
-    return body
+    return ChatCompletionRequest(
+        model=req.model, stream=req.stream,
+        messages=messages_of(req.input if items is None else items, req.instructions, origins),
+        max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, user=req.user,
+        logprobs=logprobs, top_logprobs=(req.top_logprobs or 0) if logprobs else None,
+        tools=[_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
+        tool_choice=None if req.tool_choice is None else _chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=None if req.text is None else _response_format(req.text))
 
 
 def _check_include(req: ResponsesRequest) -> bool:
@@ -335,24 +311,30 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
-def _response_format(text: dict[str, Any]) -> dict[str, Any] | None:
+def _response_format(text: dict[str, Any]) -> ResponseFormat | None:
     for key in text:
         if key == "verbosity" and text[key] is None:
             continue
         if key != "format":
             raise _fail(f"text.{key}", "is not supported")
     fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):  # was an AttributeError (a 500)
+        raise _fail("text.format", "must be an object: {type: text | json_object | json_schema, ...}")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
-        return {"type": "json_object"}
+        return ResponseFormat(type="json_object")
     if fmt.get("type") == "json_schema":
         for key in fmt:
             if key not in ("type", "name", "schema", "strict", "description"):
                 raise _fail(f"text.format.{key}", "is not supported")
         if not isinstance(fmt.get("schema"), dict):
             raise _fail("text.format.schema", "is required and must be a JSON schema object")
-        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        try:  # typed as the chat decoder types response_format.json_schema
+            schema = msgspec.convert({k: v for k, v in fmt.items() if k != "type"}, JsonSchemaFormat)
+        except msgspec.ValidationError as exc:
+            raise invalid(exc, "text.format") from None
+        return ResponseFormat(type="json_schema", json_schema=schema)
     raise _fail("text.format.type", "must be text, json_object or json_schema")
 
 
@@ -430,12 +412,14 @@ async def prepare(body: bytes, models, media: MediaConfig = MediaConfig(), recor
         context = (await records.conversation(state.conversation_id, owner, "conversation")).items
     origins: dict[str, str] = {}
     items = context + state.input_items if state.records is not None else None
-    chat = chat_body(req, origins, items)
+    chat = chat_request(req, origins, items)
     try:
-        prepared = await preprocess(_json.encode(chat), "chat", models, media=media)
+        prepared = await preprocess_chat(chat, models, media)
     except RequestError as exc:
-        if exc.param in _PARAM_OF_CHAT:
+        if exc.param in _PARAM_OF_CHAT:  # "max_completion_tokens: ..." -> "max_output_tokens: ..."
+            renamed = {f"{exc.param}:": f"{_PARAM_OF_CHAT[exc.param]}:"}
             exc.param = _PARAM_OF_CHAT[exc.param]
+            _renamed(exc, renamed)
         _renamed(exc, origins)
         raise
     if prepared.constraint_param in _PARAM_OF_CHAT:  # a constraint the engine refuses names text.format

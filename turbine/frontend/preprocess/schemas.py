@@ -120,9 +120,7 @@ def decode_request(body: bytes, kind: type[msgspec.Struct], ignore_unknown_field
                 return _decode_dropping_unknown(body, kind)
             raise RequestError(f"unknown or unsupported field: {name!r} (this server does not implement it)",
                                param=name) from None
-        match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
-        param = match.group(1) if match and match.group(1) else None
-        raise RequestError(f"invalid request: {exc}", param=param) from None
+        raise invalid(exc) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
     except RecursionError:  # JSON nested deeper than the decoder's stack allows (found by fuzzing: was a 500)
@@ -151,9 +149,18 @@ def _decode_dropping_unknown(body: bytes, kind: type[msgspec.Struct]):
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
-        param = match.group(1) if match and match.group(1) else None
-        raise RequestError(f"invalid request: {exc}", param=param) from None
+        raise invalid(exc) from None
+
+
+def invalid(exc: msgspec.ValidationError, prefix: str = "") -> RequestError:
+    """A 400 for msgspec's error, naming the field at its path (under `prefix`: where the client
+    sent the object that was converted)."""
+    match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
+    param = match.group(1) if match and match.group(1) else None
+    if prefix:
+        param = f"{prefix}.{param}" if param else prefix
+        return RequestError(f"{param}: {exc}", param=param)
+    return RequestError(f"invalid request: {exc}", param=param)
 
 
 @functools.cache

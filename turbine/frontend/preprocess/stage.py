@@ -63,17 +63,26 @@ async def preprocess_all(body: bytes, kind: Kind, models: ModelTable, ignore_unk
     """The request's prompts, each prepared (a completions batch has several, chat one).
     Raises RequestError (naming the parameter) for anything the request gets wrong."""
     if kind == "chat":
-        req = decode_request(body, ChatCompletionRequest, ignore_unknown_fields)
-        validate_chat(req)
-    else:
-        req = decode_request(body, CompletionRequest, ignore_unknown_fields)
-        validate_completion(req)
+        return [await preprocess_chat(decode_request(body, ChatCompletionRequest, ignore_unknown_fields), models,
+                                      media)]
+    req = decode_request(body, CompletionRequest, ignore_unknown_fields)
+    validate_completion(req)
     constraint = constraint_of(req)
     model = served_model(models, req.model, kind)
-    if kind == "chat" or req.prompt_embeds is not None:
+    if req.prompt_embeds is not None:
         return [await _prepare(req, kind, model, None, constraint, max_prompt_embeds_bytes, media)]
     return [await _prepare(req, kind, model, prompt, constraint, max_prompt_embeds_bytes, media)
             for prompt in prompts_of(req)]
+
+
+async def preprocess_chat(req: ChatCompletionRequest, models: ModelTable,
+                          media: MediaConfig = MediaConfig()) -> Prepared:
+    """A chat request struct, decoded from a chat body or built by another API (Responses), checked
+    (validate_chat: ranges and limits, as for a decoded body) and prepared."""
+    validate_chat(req)
+    constraint = constraint_of(req)
+    model = served_model(models, req.model, "chat")
+    return await _prepare(req, "chat", model, None, constraint, DEFAULT_MAX_PROMPT_EMBEDS_BYTES, media)
 
 
 async def _prepare(req, kind: Kind, model: ServedModel, prompt: str | list[int] | None, constraint: Constraint | None,

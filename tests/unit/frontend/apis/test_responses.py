@@ -22,7 +22,8 @@ from turbine.frontend.app import Frontend, FrontendConfig
 from turbine.frontend.deltas import Delta, ToolCallDelta, UsageCount
 from turbine.frontend.errors import RequestError, WorkerFailed
 from turbine.frontend.http.api import asgi_app
-from turbine.frontend.preprocess.schemas import ResponsesRequest
+from turbine.frontend.preprocess.schemas import ChatCompletionRequest, ResponsesRequest
+from turbine.frontend.preprocess.structured import JsonSchemaFormat, ResponseFormat
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
 from turbine.runtime.errors import RequestFailed
 from turbine.runtime.request_plane import RequestPlaneServer
@@ -32,13 +33,13 @@ def request(**body) -> ResponsesRequest:
     return decode_responses_request(msgspec.json.encode({"model": "m", **body}))
 
 
-def convert(**body) -> dict:
-    return responses.converted_body(request(**body))
+def convert(**body) -> ChatCompletionRequest:
+    return responses.chat_request(request(**body))
 
 
 def refused(param: str, **body) -> RequestError:
     with pytest.raises(RequestError) as info:
-        responses.chat_body(request(**body))
+        responses.chat_request(request(**body))
     assert info.value.param == param, info.value.message
     assert info.value.status == 400
     return info.value
@@ -48,8 +49,8 @@ def refused(param: str, **body) -> RequestError:
 def test_a_string_input_and_instructions_become_system_and_user_messages():
     chat = convert(input="hi", instructions="be brief", max_output_tokens=7, temperature=0.5, top_p=0.9,
                    user="u1", stream=True)
-    assert chat["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert (chat["max_completion_tokens"], chat["temperature"], chat["top_p"], chat["user"], chat["stream"]) == (
+    assert chat.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert (chat.max_completion_tokens, chat.temperature, chat.top_p, chat.user, chat.stream) == (
         7, 0.5, 0.9, "u1", True)
 
 
@@ -86,7 +87,7 @@ def test_input_image_parts_become_chat_image_url_parts_in_order():
     req = request(instructions="be brief", input=[{"role": "user", "content": [
         {"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:one", "detail": "auto"},
         {"type": "input_image", "image_url": "https://x/two.png"}]}])
-    assert responses.chat_body(req, origins)["messages"] == [
+    assert responses.chat_request(req, origins).messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"},
                                      {"type": "image_url", "image_url": {"url": "data:one"}},
@@ -96,16 +97,8 @@ def test_input_image_parts_become_chat_image_url_parts_in_order():
                        "messages[1].content[2].image_url": "input[0].content[2].image_url"}
     # Without images, text parts stay one string (as before).
     assert convert(input=[{"role": "user", "content": [{"type": "input_text", "text": "a"},
-                                                       {"type": "input_text", "text": "b"}]}])["messages"] == [
+                                                       {"type": "input_text", "text": "b"}]}]).messages == [
         {"role": "user", "content": "ab"}]
-
-
-def test_a_field_the_chat_path_would_drop_is_refused(monkeypatch):
-    monkeypatch.setattr(responses, "_CHAT_FIELDS", responses._CHAT_FIELDS - {"response_format"})
-    with pytest.raises(RequestError) as info:
-        responses.chat_body(request(input="x", text={"format": {"type": "json_object"}}))
-    assert info.value.param == "text.format"
-    assert responses.chat_body(request(input="x"))["messages"] == [{"role": "user", "content": "x"}]
 
 
 def test_tools_tool_choice_and_text_format_become_their_chat_fields():
@@ -114,15 +107,16 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
                                       "parameters": params, "strict": True}],
                    tool_choice={"type": "function", "name": "weather"}, parallel_tool_calls=False,
                    text={"format": {"type": "json_schema", "name": "out", "schema": params, "strict": True}})
-    assert chat["tools"] == [{"type": "function", "function": {"name": "weather", "description": "d",
-                                                               "parameters": params, "strict": True}}]
-    assert chat["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
-    assert chat["parallel_tool_calls"] is False
-    assert chat["response_format"] == {"type": "json_schema",
-                                       "json_schema": {"name": "out", "schema": params, "strict": True}}
-    assert convert(input="x", tool_choice="required")["tool_choice"] == "required"
-    assert convert(input="x", text={"format": {"type": "json_object"}})["response_format"] == {"type": "json_object"}
-    assert "response_format" not in convert(input="x", text={"format": {"type": "text"}})
+    assert chat.tools == [{"type": "function", "function": {"name": "weather", "description": "d",
+                                                            "parameters": params, "strict": True}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "weather"}}
+    assert chat.parallel_tool_calls is False
+    assert chat.response_format == ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name="out", schema=params, strict=True))
+    assert convert(input="x", tool_choice="required").tool_choice == "required"
+    assert convert(input="x", text={"format": {"type": "json_object"}}).response_format == ResponseFormat(
+        type="json_object")
+    assert convert(input="x", text={"format": {"type": "text"}}).response_format is None
 
 
 @pytest.mark.parametrize("param, body", [
@@ -158,6 +152,10 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields():
     ("tool_choice", {"input": "x", "tool_choice": {"type": "allowed_tools", "tools": []}}),
     ("text.format.type", {"input": "x", "text": {"format": {"type": "grammar"}}}),
     ("text.format.schema", {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}),
+    ("text.format", {"input": "x", "text": {"format": "json"}}),
+    ("text.format.name", {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}),
+    ("text.format.strict", {"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {},
+                                                              "strict": "yes"}}}),
     ("text.verbosity", {"input": "x", "text": {"verbosity": "low"}}),
     ("metadata", {"input": "x", "metadata": {str(i): "v" for i in range(17)}}),
     ("temperature", {"input": "x", "temperature": "hot"}),
@@ -171,7 +169,7 @@ def test_every_client_field_not_acted_on_is_refused_by_name_and_null_is_fine(nam
     with pytest.raises(RequestError) as info:
         request(input="x", **{name: {"x": 1}})
     assert info.value.param == name and "not supported" in info.value.message
-    assert convert(input="x", **{name: None})["messages"]  # what a client sends for "not given"
+    assert convert(input="x", **{name: None}).messages  # what a client sends for "not given"
 
 
 def test_every_field_of_the_official_clients_create_params_is_known():
@@ -374,13 +372,24 @@ async def test_a_failure_after_the_first_token_ends_the_stream_with_response_fai
 
 
 async def test_bad_requests_are_400s_naming_the_field(stack):
+    """In OpenAI's error shape, the field named in `param` and in the message: those the Responses
+    decoder checks and those the chat path's checks find in the chat request built from it."""
     _, client = stack
     for kwargs, param in [({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+                          ({"temperature": "hot"}, "temperature"),
+                          ({"temperature": 2.5}, "temperature"),
                           ({"max_output_tokens": 0}, "max_output_tokens"),
-                          ({"max_output_tokens": 10**6}, "max_output_tokens")]:
+                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+                          ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {},
+                                                "strict": "yes"}}}, "text.format.strict")]:
         with pytest.raises(openai.BadRequestError) as info:
             await client.responses.create(model="m", input="hi", **kwargs)
-        assert info.value.body["param"] == param, info.value.body
+        error = info.value.body
+        assert info.value.status_code == 400 and error["type"] == "invalid_request_error", error
+        assert error["param"] == param and param.split("[")[0] in error["message"], error
+    with pytest.raises(openai.BadRequestError) as info:  # over the context: the chat path's length check
+        await client.responses.create(model="m", input="hi", max_output_tokens=10**6)
+    assert info.value.body["param"] == "max_output_tokens", info.value.body
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model="nope", input="hi")
 
