@@ -39,6 +39,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.gpu.gpu_serving import Procs
+from benchmarks.gpu.gpu_serving import machine as gpu_machine
 from benchmarks.lib.paths import REPO_ROOT
 
 H8 = Path(os.environ.get("H8", "/tmp/h8"))
@@ -572,73 +574,8 @@ def free_port_() -> int:
     return free_port()
 
 
-class Procs:
-    """The run's processes, each logging to --logs/NAME.log; stopped by SIGTERM to their group, then SIGKILL."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def spawn(self, name, argv, env, stdin=None):
-        out = open(self.run_dir / f"{name}.log", "w")
-        p = subprocess.Popen(argv, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                             cwd=str(REPO_ROOT), start_new_session=True, text=True)
-        self.procs.append((name, p))
-        log(f"started {name} (pid {p.pid})")
-        return p
-
-    def wait(self, ready, timeout: float, what: str) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            for name, p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({p.returncode}):\n{self.tail(name)}")
-            if ready():
-                return time.monotonic() - t0
-            time.sleep(1)
-        raise TimeoutError(f"{what} not ready after {timeout}s; last lines:\n" +
-                           "\n".join(f"--- {n}\n{self.tail(n)}" for n, _ in self.procs))
-
-    def tail(self, name: str, n: int = 60) -> str:
-        path = self.run_dir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
-
-    def stop(self) -> None:
-        import signal
-
-        for name, p in reversed(self.procs):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                except ProcessLookupError:
-                    pass
-        self.procs = []
-
-
 def machine() -> dict:
-    info = {"python": sys.version.split()[0]}
-    try:
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        info["gpus"] = q.stdout.strip().splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    try:
-        import importlib.metadata as md
-
-        info["packages"] = {}
-        for name in ("vllm", "vllm-omni", "torch", "transformers", "diffusers"):
-            try:
-                info["packages"][name] = md.version(name)
-            except md.PackageNotFoundError:
-                info["packages"][name] = None
-    except Exception:
-        pass
-    return info
+    return gpu_machine(("vllm", "vllm-omni", "torch", "transformers", "diffusers"))
 
 
 def parser() -> argparse.ArgumentParser:

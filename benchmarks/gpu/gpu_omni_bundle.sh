@@ -25,9 +25,7 @@ set -euo pipefail
 DIR=${1:?usage: gpu_omni_bundle.sh DIR}
 PY=${PYTHON:-python3}
 mkdir -p "$DIR/wheels"
-PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any)
-for n in 17 24 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
-PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+source "$(dirname "$0")/bundle_lib.sh"  # PLAT, cut_pieces
 cat > "$DIR/requirements.txt" <<'EOF'
 vllm-omni==0.26.0
 diffusers==0.38.0
@@ -43,16 +41,7 @@ EOF
 "$PY" -m pip download --no-deps "${PLAT[@]}" -d "$DIR/wheels" -r "$DIR/requirements.txt"
 rm -rf "$DIR/site"
 "$PY" -m pip install -q --no-deps --no-compile "${PLAT[@]}" --target "$DIR/site" "$DIR"/wheels/*.whl
-HERE=$(cd "$(dirname "$0")/../.." && pwd)
 STAGE="$DIR/stage"
 rm -rf "$STAGE" "$DIR"/o[0-9]* && mkdir -p "$STAGE"
 tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$STAGE/omni-site.tar.xz"
-TREE_MIB=$(git -C "$HERE" ls-files -z | (cd "$HERE" && xargs -0 du -cb) | tail -1 | awk '{print int($1/1048576)+1}')
-PIECE_MIB=${PIECE_MIB:-$((64 - TREE_MIB - 2))}
-tar -C "$STAGE" -cf "$DIR/omni.tar" .
-(cd "$DIR" && split -b "${PIECE_MIB}M" -d omni.tar omni.tar.part && sha256sum omni.tar > omni.tar.sha256 && rm omni.tar)
-i=0
-for part in "$DIR"/omni.tar.part*; do mkdir -p "$DIR/o$i" && mv "$part" "$DIR/o$i/"; last="$DIR/o$i"; i=$((i+1)); done
-mv "$DIR/omni.tar.sha256" "$last/"
-echo "pieces of ${PIECE_MIB} MiB (tracked tree ${TREE_MIB} MiB): one device call per folder"
-du -sh "$DIR"/o*
+cut_pieces "$DIR" "$STAGE" omni o

