@@ -267,7 +267,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         One block after another, in vLLM's scheduler loop: on the 2-core host it was measured on, checking
         several at a time on threads was slower, not faster (docs/benchmarks/kv_tiers.md, "The check before an
         offer")."""
-        plans = []
+        tiers: list[str] = []
         for h in hashes:
             where = self._where.get(h, ())
             candidates = [t for t in TIER_ORDER if t in where]
@@ -278,9 +278,6 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
                 candidates.append("shared")
             if not candidates:
                 break
-            plans.append(candidates)
-        tiers: list[str] = []
-        for h, candidates in zip(hashes, plans):
             tier, corrupt = self._checked_tier(h, candidates)
             for bad in corrupt:  # unlinked: the mirror and the router forget it, the worker half drops and counts it
                 self._corrupt.append((bad, h))
