@@ -26,8 +26,8 @@ from turbine.frontend.errors import RequestError
 from turbine.frontend.event_stream import EventStreamResponse
 from turbine.frontend.pipeline import Pipeline, Writing
 from turbine.frontend.preprocess.media import MediaConfig
-from turbine.frontend.preprocess.schemas import json_object
-from turbine.frontend.preprocess.stage import Prepared, preprocess
+from turbine.frontend.preprocess.schemas import ChatCompletionRequest, invalid, json_object
+from turbine.frontend.preprocess.stage import Prepared, preprocess_chat
 
 log = logging.getLogger("turbine.frontend")
 _json = msgspec.json.Encoder()
@@ -304,7 +304,12 @@ async def prepare(body: bytes, models, media: MediaConfig = MediaConfig(),
     if req.max_tokens is not None and req.max_tokens < 1:
         raise _fail("max_tokens", "must be >= 1")
     try:
-        prepared = await preprocess(_json.encode(chat), "chat", models, media=media)
+        # The chat dict converted to the typed request in place (no JSON round trip), checked as a decoded body is.
+        try:
+            chat_req = msgspec.convert(chat, ChatCompletionRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid(exc) from None
+        prepared = await preprocess_chat(chat_req, models, media)
     except RequestError as exc:
         if exc.param in _PARAM_OF_CHAT:
             exc.param = _PARAM_OF_CHAT[exc.param]
