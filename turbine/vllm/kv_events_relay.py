@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
 
 import msgspec
 import xxhash
@@ -118,11 +120,15 @@ class VllmKvEventsRelay:
         if publishers is not None:
             self.attach(publishers)
         self.host = host
-        self._sock = self._socket()
+        # The ports are chosen (or the given ones checked) now, for the engine's config, but bound only by
+        # listen(), once the engine is built: on a GPU vLLM forks its engine core, and a forked child keeps
+        # a copy of every listening socket of ours, so a socket closed for a checkpoint could not be bound
+        # again after the restore ("Address already in use", gpu_tests.sh lifecycle on an H200).
+        self._sock = None
         if port is None:
-            port = _bind_port_run(self._sock, self.ranks, host)
+            port = _free_port_run(self.ranks, host)
         else:
-            _bind_given_run(self._sock, port, self.ranks, host)
+            _check_given_run(port, self.ranks, host)
         self.port = port
         self.engine_endpoint = f"tcp://{host}:{port}"  # what vLLM's publisher (rank 0) connects to
 
@@ -137,19 +143,22 @@ class VllmKvEventsRelay:
         assert [p.dp_rank for p in publishers] == list(range(self.ranks))
         self.publishers = publishers
 
-    def unbind(self) -> None:
-        """Close the listening socket (checkpoint mode: no socket of ours in the image); the engine's
-        publisher keeps trying to reconnect, and what it publishes meanwhile is lost (nothing is
-        routed to a quiesced engine)."""
-        self._sock.close()
-        self._sock = None
-
-    async def rebind(self, wait_s: float = 5.0) -> bool:
-        """Listen again on the same ports (after a restore), then wait up to `wait_s` for the engine's
-        publisher to connect, so that the first request's events are not lost: True once it has."""
-        sock = self._socket()
-        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
-        _bind_given_run(sock, self.port, self.ranks, self.host)
+    async def listen(self, wait_s: float = 5.0) -> bool:
+        """Bind the chosen ports (once the engine is built, and again after a restore), then wait up to
+        `wait_s` for the engine's publisher to connect, so that the first request's events are not lost:
+        True once it has. EventPlaneError naming the flag if a port was taken meanwhile."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            sock = self._socket()
+            monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
+            try:
+                _bind_given_run(sock, self.port, self.ranks, self.host)
+                break
+            except EventPlaneError:
+                monitor.close()
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)  # a zmq socket just closed (unbind) is closed by its I/O thread, soon
         self._sock = sock
         try:
             async with asyncio.timeout(wait_s):
@@ -160,6 +169,13 @@ class VllmKvEventsRelay:
         finally:
             sock.disable_monitor()
             monitor.close()
+
+    def unbind(self) -> None:
+        """Close the listening socket (checkpoint mode: no socket of ours in the image); the engine's
+        publisher keeps trying to reconnect, and what it publishes meanwhile is lost (nothing is
+        routed to a quiesced engine)."""
+        self._sock.close()
+        self._sock = None
 
     @property
     def publisher(self) -> KvEventPublisher:
@@ -216,21 +232,32 @@ def _bind_given_run(sock, port: int, count: int, host: str = "127.0.0.1") -> Non
             raise EventPlaneError(f"--kv-events-port {port}: cannot bind {host}:{p} of {ports}: {exc}") from None
 
 
-def _bind_port_run(sock, count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """Binds `sock` on ports P..P+count-1 of `host` (vLLM offsets each rank's port by its rank), P below
-    the kernel's ephemeral range (turbine.runtime.ports): a checkpointed worker closes these ports while
+def _probe_run(port: int, count: int, host: str) -> int | None:
+    """None if ports port..port+count-1 of `host` are free now, else the first taken one (a plain socket
+    bound and closed at once: free again before this returns, unlike a zmq socket, which its I/O thread closes)."""
+    for p in range(port, port + count):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, p))
+            except OSError:
+                return p
+    return None
+
+
+def _check_given_run(port: int, count: int, host: str = "127.0.0.1") -> None:
+    """--kv-events-port's run is free now: refused by the flag's name at start, not once the engine is built."""
+    if (taken := _probe_run(port, count, host)) is not None:
+        ports = f"{port}" if count == 1 else f"{port}-{port + count - 1} (one per data-parallel rank)"
+        raise EventPlaneError(f"--kv-events-port {port}: cannot bind {host}:{taken} of {ports}: Address already in use")
+
+
+def _free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """The first of `count` free ports P..P+count-1 on `host` (vLLM offsets each rank's port by its rank), P
+    below the kernel's ephemeral range (turbine.runtime.ports): a checkpointed worker closes these ports while
     quiesced and binds them again after the restore, and in that gap a port of the ephemeral range can be
-    taken as the local port of any outgoing connection, the engine publisher's own retries included (a TCP
-    connection to itself). It happened on a GPU host: "cannot bind ... Address already in use"."""
+    taken as the local port of any outgoing connection."""
     for _ in range(attempts):
         port = free_port()
-        bound = []
-        try:
-            for p in range(port, port + count):
-                sock.bind(f"tcp://{host}:{p}")
-                bound.append(p)
+        if _probe_run(port, count, host) is None:
             return port
-        except zmq.ZMQError:
-            for p in bound:
-                sock.unbind(f"tcp://{host}:{p}")
     raise RuntimeError(f"no run of {count} free ports on {host} for the KV events relay")

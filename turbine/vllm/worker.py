@@ -53,8 +53,8 @@ REMOTE_RANK_TIMEOUT_S = 20.0
 
 class VllmEngine:
     """vLLM as an engine kind for the worker host: one instance. The engine is built first (build():
-    no socket of Turbine's is opened before it, except the KV-event relay's loopback listener, which
-    checkpoint mode closes while quiesced and binds again after the restore); the instance, its
+    no socket of Turbine's is opened before it; the KV-event relay's ports are chosen before and bound
+    after, closed by checkpoint mode while quiesced and bound again after the restore); the instance, its
     metrics and its event publishers are made by start(), under the identity it serves as."""
 
     def __init__(self, cfg: WorkerConfig):
@@ -81,8 +81,8 @@ class VllmEngine:
         if uses_kvbm(cfg.engine_args.kv_transfer_config):
             keep_model_runner_v1()  # its failed loads are rewound right by V1 only (turbine.vllm.connectors)
         # With prefix caching on, the engine's KV events are relayed for KV routers (decode workers relay none:
-        # routing picks prefill workers by their caches). The relay listens before the engine is built, as the
-        # engine's publisher connects to it; its publishers are attached by start().
+        # routing picks prefill workers by their caches). The relay's ports are chosen before the engine is built,
+        # as its publisher connects to them; its publishers are attached by start().
         if cfg.engine_args.enable_prefix_caching and not cfg.is_decode:
             # Ranks on other nodes publish to the relay over the data-parallel network (the one vLLM's own engine
             # handshake and outputs cross), so it listens there; otherwise on loopback.
@@ -100,6 +100,8 @@ class VllmEngine:
         # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
         self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=[stat_logger_factory(self._stats)])
         self._load_seconds = time.monotonic() - building
+        if self.relay is not None:  # listens only now: an engine core forked before would hold its socket open
+            await self.relay.listen()
 
     def checkpoint_refusal(self) -> str | None:
         cfg = self.cfg
@@ -142,7 +144,7 @@ class VllmEngine:
         elif self._quiesced == "pause":
             await self.engine.resume_generation()
         self._quiesced = None
-        if self.relay is not None and not await self.relay.rebind():
+        if self.relay is not None and not await self.relay.listen():
             log.warning("the engine's KV-event publisher did not reconnect to the relay within 5 s of the restore; "
                         "events it publishes before it does are lost")
 

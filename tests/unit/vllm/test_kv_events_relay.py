@@ -88,6 +88,7 @@ async def test_each_data_parallel_rank_is_relayed_by_its_own_publisher(chosen):
     relay = VllmKvEventsRelay([KvEventPublisher("w", dp_rank=r, events_plane=plane) for r in range(2)], port=port)
     if chosen:
         assert relay.engine_endpoint == f"tcp://127.0.0.1:{port}"
+    await relay.listen(wait_s=0)
     task = asyncio.create_task(relay.run())
     engines = [vllm_events.ZmqEventPublisher(data_parallel_rank=r, endpoint=relay.engine_endpoint) for r in range(2)]
     try:
@@ -128,9 +129,9 @@ def test_the_relays_own_port_lies_below_the_ephemeral_range():
 
 
 async def test_a_relay_closed_for_a_checkpoint_listens_again_and_the_engine_reconnects():
-    """Checkpoint mode: the relay listens before the engine exists and is given its publishers later;
-    quiesced, it closes its socket (none of ours in the image); after the restore it binds the same
-    port again, waits for the engine's publisher to reconnect, and relays what the engine publishes."""
+    """Checkpoint mode: the relay's port is chosen before the engine exists and bound once it is built, its
+    publishers given later; quiesced, it closes its socket (none of ours in the image); after the restore
+    it binds the same port again, waits for the engine's publisher to reconnect, and relays what it publishes."""
     import asyncio
 
     from turbine.worker.kv_publisher import KvEventPublisher
@@ -141,10 +142,11 @@ async def test_a_relay_closed_for_a_checkpoint_listens_again_and_the_engine_reco
     plane = RecordingPlane()
     task = None
     try:
+        assert await relay.listen()  # the engine's publisher connects
         relay.unbind()
         await asyncio.sleep(0.3)  # the engine's publisher lost its peer and retries
         relay.attach([KvEventPublisher("restored", dp_rank=0, events_plane=plane)])
-        assert await relay.rebind()
+        assert await relay.listen()
         task = asyncio.create_task(relay.run())
         for _ in range(50):  # (the subscription reaches the publisher just after the connection)
             engine.publish(vllm_events.KVEventBatch(ts=0.0, events=[vllm_stored([7], None, [1, 2, 3, 4])]))
@@ -156,6 +158,29 @@ async def test_a_relay_closed_for_a_checkpoint_listens_again_and_the_engine_reco
         engine.shutdown()
         if task is not None:
             task.cancel()
+        relay.close()
+
+
+async def test_an_engine_core_forked_while_the_engine_is_built_holds_no_socket_of_the_relay():
+    """On a GPU vLLM forks its engine core while the engine is built; a forked child keeps a copy of every
+    socket its parent has open, so a relay listening before the build could not listen again after a
+    checkpoint's restore while the engine core lives ("Address already in use" on an H200). The relay binds
+    only once the engine is built."""
+    import multiprocessing
+    import time
+
+    from turbine.vllm.kv_events_relay import VllmKvEventsRelay
+
+    relay = VllmKvEventsRelay(ranks=2)
+    engine_core = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+    engine_core.start()  # the engine being built
+    try:
+        await relay.listen(wait_s=0)
+        relay.unbind()  # quiesced for the checkpoint
+        await relay.listen(wait_s=0)  # the restore: binds again while the engine core lives
+    finally:
+        engine_core.kill()
+        engine_core.join()
         relay.close()
 
 
