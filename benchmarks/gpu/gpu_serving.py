@@ -231,7 +231,7 @@ def engine_flags(a) -> list[str]:
     return ["--load-format", "dummy", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--enable-prefix-caching",
-            "--tensor-parallel-size", str(a.tensor_parallel_size)]
+            "--tensor-parallel-size", str(a.tensor_parallel_size), *a.engine_args.split()]
 
 
 def greedy_texts(a, base_url: str) -> list[str]:
@@ -597,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="N greedy completions per server, one at a time, before the load: their texts are "
                         "compared across systems (parity_equal)")
     r.add_argument("--start-timeout", type=float, default=400)
+    r.add_argument("--engine-args", default="", help="more engine flags for every system, space separated")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_serving.json")
     a = p.parse_args(argv)
@@ -641,6 +642,12 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
         except Exception as exc:
             res = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
             log(f"{system} FAILED: {res['error']}")
+            # The servers' whole logs back beside the results (the root cause is often far above the tail).
+            logs = a.out.parent / f"logs-{system}"
+            logs.mkdir(parents=True, exist_ok=True)
+            for f in run_dir.glob("*.log"):
+                shutil.copy(f, logs / f.name)
+            res["logs"] = str(logs)
         res["seconds"] = round(time.monotonic() - t, 1)
         doc["systems"].setdefault(system, []).append(res)
         texts = [r["parity_texts"] for runs in doc["systems"].values() for r in runs if "parity_texts" in r]

@@ -49,10 +49,15 @@ ln -sfn "$H8/smollm2" "$TURBINE_CACHE/models/smollm2-135m-instruct"
 touch "$H8/smollm2/.turbine-complete"
 LLAMA="$H8/model-llama-3.1-8b"
 
-# Tensor parallelism on the lent two-GPU host: vLLM 0.26's all-reduce through torch's symmetric memory died in
-# start-up with "CUDA error: an illegal memory access" (CUDASymmetricMemory, 2026-11-29; the host turns NVLink
-# multicast off), so these runs use vLLM's other all-reduce paths.
+# Tensor parallelism on the lent two-GPU host (a VM; NVLink multicast stays off, its KINDS notes). vLLM 0.26's
+# defaults reach for multicast-backed collectives there, and each killed the engine in start-up with "an illegal
+# memory access" (2026-11-29): the all-reduce through torch's symmetric memory (CUDASymmetricMemory), and, with it
+# off, FlashInfer's fused all-reduce + RMSNorm on its "mnnvl" workspace (then CUBLAS_STATUS_INTERNAL_ERROR in the
+# profile run). So: symmetric-memory all-reduce off, FlashInfer's all-reduce on its "trtllm" (CUDA IPC) workspace,
+# and (tp, disagg-load) -O2's sequence parallelism / async TP, which fuse GEMMs with symmetric-memory collectives, off.
 export VLLM_ALLREDUCE_USE_SYMM_MEM=${VLLM_ALLREDUCE_USE_SYMM_MEM:-0}
+export VLLM_FLASHINFER_ALLREDUCE_BACKEND=${VLLM_FLASHINFER_ALLREDUCE_BACKEND:-trtllm}
+NO_SYMM_PASSES='--compilation-config {"pass_config":{"enable_sp":false,"fuse_gemm_comms":false}}'
 step=${1:-}
 shift || true
 case "$step" in
@@ -114,7 +119,8 @@ case "$step" in
     ;;
   tp)
     python3 -m benchmarks.gpu.gpu_serving run --model "$LLAMA" --tensor-parallel-size 2 --parity 8 \
-      --systems serve,turbine,turbine-2nodes --loads 128x512 --concurrency 256 --out "$OUT/gpu_tp2.json" "$@" 2>&1 | tail -40
+      --systems serve,turbine,turbine-2nodes --loads 128x512 --concurrency 256 --engine-args="$NO_SYMM_PASSES" \
+      --out "$OUT/gpu_tp2.json" "$@" 2>&1 | grep -E '^\[' | tail -40
     ;;
   dp)
     python3 -m benchmarks.gpu.gpu_parallel dp --model "$LLAMA" --out "$OUT/gpu_dp.json" "$@" 2>&1 | tail -60
@@ -123,8 +129,8 @@ case "$step" in
     python3 -m benchmarks.gpu.gpu_parallel moe --tokenizer-from "$LLAMA" --out "$OUT/gpu_moe.json" "$@" 2>&1 | tail -40
     ;;
   disagg-load)
-    python3 -m benchmarks.gpu.gpu_disagg load --model "$LLAMA" --load-format dummy --out "$OUT/gpu_disagg_load.json" \
-      "$@" 2>&1 | grep -v '"logs"' | tail -40
+    python3 -m benchmarks.gpu.gpu_disagg load --model "$LLAMA" --load-format dummy --engine-args="$NO_SYMM_PASSES" \
+      --out "$OUT/gpu_disagg_load.json" "$@" 2>&1 | grep -v '"logs"' | tail -40
     ;;
   omni)
     # vLLM-Omni's site first for this script (diffusers builds the tiny model); each process it starts gets its own
