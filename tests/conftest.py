@@ -94,7 +94,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # Real vLLM engines: a module that starts one itself, or uses the session-wide `cluster` of
 # tests/integration/conftest.py. Each takes a core or two for ~25 s to start, so under xdist
 # (scripts/run_tests.sh: -n 2 --dist loadgroup) they all run on one worker, one module after the
-# other, while the other worker takes the rest; the shared cluster is then started once.
+# other, while the other worker takes the rest; the shared cluster is then started once. (Tried on the
+# 2-core, 23 GiB host, 2026-11-29: each module that starts its own engines as a group of its own, so two
+# engine modules ran at once. 1,115 s against 1,176 s, as the two cores were shared, and the kernel
+# killed an engine for memory while two modules' engines started together. Not kept.)
 _ENGINE_STARTS = ("start_worker(", '"turbine.vllm"')
 
 
