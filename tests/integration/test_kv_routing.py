@@ -8,7 +8,9 @@ from openai import OpenAI
 
 from tests.integration.procs import (
     base_env,
+    http_text,
     instances_of,
+    metric,
     start_frontend,
     start_mocker,
     stop_all,
@@ -41,7 +43,13 @@ def fleet(tmp_path_factory):
         stop_all(procs)
 
 
-def cached_tokens_of_followups(frontend, tag: str) -> list[int]:
+def indexed_blocks(frontend) -> float:
+    return metric(http_text(f"{frontend.url}/metrics"), "turbine_router_indexed_blocks")
+
+
+def cached_tokens_of_followups(frontend, tag: str, wait_for_events: bool = False) -> list[int]:
+    """`wait_for_events`: the follow-ups wait until the router's index holds the first question's blocks
+    (its worker's KV events arrive asynchronously: on a fast, idle host a follow-up could be routed first)."""
     client = OpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0, timeout=60)
 
     def ask(question):
@@ -49,14 +57,17 @@ def cached_tokens_of_followups(frontend, tag: str) -> list[int]:
             {"role": "system", "content": tag + SYSTEM}, {"role": "user", "content": question}])
         return r.usage.prompt_tokens_details.cached_tokens
 
+    before = indexed_blocks(frontend) if wait_for_events else 0
     ask("First question?")
+    if wait_for_events:
+        wait_until(lambda: indexed_blocks(frontend) - before >= 10, 20, "the first question's blocks indexed")
     return [ask(f"Follow-up number {i}?") for i in range(WORKERS)]
 
 
 @pytest.mark.parametrize("mode", ["kv", "approx"])
 def test_kv_router_sends_shared_prefixes_to_the_worker_that_has_them(fleet, mode):
     # kv: the index follows the workers' KV events; approx: the router's own decisions.
-    cached = cached_tokens_of_followups(fleet[mode], f"{mode} ")
+    cached = cached_tokens_of_followups(fleet[mode], f"{mode} ", wait_for_events=mode == "kv")
     assert all(c >= 16 * 10 for c in cached), cached  # the shared system prompt: 10+ full blocks
 
 
