@@ -6,12 +6,19 @@ probe socket and the new process binding it, any outgoing connection (a NATS or 
 process's own dials) can take it as its local port — CI lost a test module to exactly that ("address
 already in use"). So these ports lie below the ephemeral range, where the kernel never picks on its
 own, and one process never hands out the same port twice.
+
+A port that a process binds only tens of seconds after choosing it (the NIXL side channel, the
+KV-event relay: both bound once the engine is built) is claimed instead (claim_port_run): locked
+for the process's lifetime, so that no other Turbine process on the host chooses it meanwhile.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import socket
+import tempfile
 
 _handed_out: set[int] = set()
 
@@ -47,3 +54,49 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free local port in {ports.start}-{ports.stop - 1}")
+
+
+# Lock files, one per claimed port, held open (flock) for the claiming process's lifetime: the lock dies
+# with the process. The range lies below the usual ephemeral range.
+CLAIM_RANGE = (20000, 32000)
+_LOCK_DIR = os.path.join(tempfile.gettempdir(), "turbine-ports")
+_held_locks: list = []
+
+
+def claim_port_run(host: str, count: int, purpose: str) -> int:
+    """A port P such that P..P+count-1 on `host` are free now and locked for this process, for a port that
+    is bound long after it is chosen. RuntimeError naming `purpose` if there is no such run."""
+    os.makedirs(_LOCK_DIR, exist_ok=True)
+    low, high = CLAIM_RANGE
+    start = random.randrange(low, high)
+    for i in range(high - low):
+        port = low + (start - low + i) % (high - low)
+        if port + count - 1 >= high:
+            continue
+        locks = [_try_lock(p) for p in range(port, port + count)]
+        if all(locks) and all(_is_free(host, p) for p in range(port, port + count)):
+            _held_locks.extend(locks)
+            return port
+        for lock in locks:
+            if lock:
+                lock.close()
+    raise RuntimeError(f"no run of {count} free ports in {low}-{high} on {host} for {purpose}")
+
+
+def _try_lock(port: int):
+    f = open(os.path.join(_LOCK_DIR, f"{port}.lock"), "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

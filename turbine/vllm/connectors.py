@@ -16,14 +16,11 @@ never serve a request (NIXL claims every remote-prefilled prompt) and only copy 
 
 from __future__ import annotations
 
-import fcntl
 import os
-import random
-import socket
-import tempfile
 from dataclasses import dataclass
 
 from turbine.flag_sources import env_int
+from turbine.runtime.ports import claim_port_run
 
 CONNECTORS = ("nixl", "lmcache", "kvbm", "offload", "none")
 
@@ -234,53 +231,12 @@ def claim_nixl_side_channel(host: str, data_parallel_size: int = 1) -> int:
     os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
     if (given := env_int("VLLM_NIXL_SIDE_CHANNEL_PORT", None)) is not None:
         return given
-    port = _claim_port_run(host, data_parallel_size)
+    # The engine binds it tens of seconds from now: claimed (locked for this process), not just found free.
+    try:
+        port = claim_port_run(host, data_parallel_size, "the NIXL side channel")
+    except RuntimeError as exc:
+        raise ConnectorError(str(exc)) from None
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     return port
 
 
-# The engine binds the port tens of seconds after we choose it. An OS-assigned (ephemeral)
-# port may be handed to some outgoing connection meanwhile, so we choose below the usual
-# ephemeral range, and hold a lock file per port for our lifetime so that two workers
-# starting together on one host never choose the same one (the lock dies with the process).
-PORT_RANGE = (20000, 32000)
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "turbine-ports")
-_held_locks: list = []
-
-
-def _claim_port_run(host: str, count: int) -> int:
-    """A port P such that P..P+count-1 are free now and locked for this process."""
-    os.makedirs(_LOCK_DIR, exist_ok=True)
-    low, high = PORT_RANGE
-    start = random.randrange(low, high)
-    for i in range(high - low):
-        port = low + (start - low + i) % (high - low)
-        if port + count - 1 >= high:
-            continue
-        locks = [_try_lock(p) for p in range(port, port + count)]
-        if all(locks) and all(_is_free(host, p) for p in range(port, port + count)):
-            _held_locks.extend(locks)
-            return port
-        for lock in locks:
-            if lock:
-                lock.close()
-    raise ConnectorError(f"no run of {count} free ports in {low}-{high} on {host} for the NIXL side channel")
-
-
-def _try_lock(port: int):
-    f = open(os.path.join(_LOCK_DIR, f"{port}.lock"), "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
-
-
-def _is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True

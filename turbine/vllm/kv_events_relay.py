@@ -32,7 +32,7 @@ from vllm.distributed import kv_events as vllm_events
 from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.router.hashing import media_key
 from turbine.runtime.errors import EventPlaneError
-from turbine.runtime.ports import free_port
+from turbine.runtime.ports import claim_port_run
 from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
@@ -125,8 +125,8 @@ class VllmKvEventsRelay:
         # a copy of every listening socket of ours, so a socket closed for a checkpoint could not be bound
         # again after the restore ("Address already in use", gpu_tests.sh lifecycle on an H200).
         self._sock = None
-        if port is None:
-            port = _free_port_run(self.ranks, host)
+        if port is None:  # claimed (locked for this process) until it is bound: no other worker here takes it
+            port = claim_port_run(host, self.ranks, "the KV events relay")
         else:
             _check_given_run(port, self.ranks, host)
         self.port = port
@@ -249,15 +249,3 @@ def _check_given_run(port: int, count: int, host: str = "127.0.0.1") -> None:
     if (taken := _probe_run(port, count, host)) is not None:
         ports = f"{port}" if count == 1 else f"{port}-{port + count - 1} (one per data-parallel rank)"
         raise EventPlaneError(f"--kv-events-port {port}: cannot bind {host}:{taken} of {ports}: Address already in use")
-
-
-def _free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """The first of `count` free ports P..P+count-1 on `host` (vLLM offsets each rank's port by its rank), P
-    below the kernel's ephemeral range (turbine.runtime.ports): a checkpointed worker closes these ports while
-    quiesced and binds them again after the restore, and in that gap a port of the ephemeral range can be
-    taken as the local port of any outgoing connection."""
-    for _ in range(attempts):
-        port = free_port()
-        if _probe_run(port, count, host) is None:
-            return port
-    raise RuntimeError(f"no run of {count} free ports on {host} for the KV events relay")

@@ -229,10 +229,14 @@ def test_nixl_side_channel_ports_are_unique_per_worker_on_a_host(monkeypatch):
     from turbine.vllm import connectors
 
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
-    first = connectors._claim_port_run("127.0.0.1", 2)
-    second = connectors._claim_port_run("127.0.0.1", 2)
+    from turbine.runtime.ports import CLAIM_RANGE
+
+    first = connectors.claim_nixl_side_channel("127.0.0.1", 2)
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    second = connectors.claim_nixl_side_channel("127.0.0.1", 2)
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT")
     assert {first, first + 1}.isdisjoint({second, second + 1})
-    assert connectors.PORT_RANGE[0] <= first < connectors.PORT_RANGE[1]
+    assert CLAIM_RANGE[0] <= first < CLAIM_RANGE[1]
 
 
 def test_cpu_without_native_bfloat16_computes_in_float32():
