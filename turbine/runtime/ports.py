@@ -21,6 +21,8 @@ import socket
 import tempfile
 
 _handed_out: set[int] = set()
+# Where claim_port_run chooses: below the usual ephemeral range, and above where free_port chooses.
+CLAIM_RANGE = (20000, 32000)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -35,7 +37,8 @@ def _ephemeral_range() -> tuple[int, int]:
 def _candidates() -> range:
     low, high = _ephemeral_range()
     if low > 12000:
-        return range(10000, low)
+        # Below the claimed ports too (claim_port_run): a port claimed now is bound only later.
+        return range(10000, min(low, CLAIM_RANGE[0]))
     return range(high + 1, 65535)  # an unusual range: use what lies above it
 
 
@@ -57,8 +60,7 @@ def free_port() -> int:
 
 
 # Lock files, one per claimed port, held open (flock) for the claiming process's lifetime: the lock dies
-# with the process. The range lies below the usual ephemeral range.
-CLAIM_RANGE = (20000, 32000)
+# with the process.
 _LOCK_DIR = os.path.join(tempfile.gettempdir(), "turbine-ports")
 _held_locks: list = []
 

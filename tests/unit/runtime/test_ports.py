@@ -6,13 +6,15 @@ import socket
 
 import pytest
 
-from turbine.runtime.ports import _ephemeral_range, free_port
+from turbine.runtime.ports import CLAIM_RANGE, _ephemeral_range, free_port
 
 
 def test_ports_lie_outside_the_ephemeral_range_and_are_not_repeated():
     low, high = _ephemeral_range()
     ports = [free_port() for _ in range(50)]
     assert all(not low <= p <= high for p in ports)
+    # nor where claimed ports lie (bound only long after they are claimed, by another process)
+    assert all(not CLAIM_RANGE[0] <= p < CLAIM_RANGE[1] for p in ports)
     assert len(set(ports)) == len(ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))  # free when handed out
