@@ -76,7 +76,7 @@ def claim_port_run(host: str, count: int, purpose: str) -> int:
         if port + count - 1 >= high:
             continue
         locks = [_try_lock(p) for p in range(port, port + count)]
-        if all(locks) and all(_is_free(host, p) for p in range(port, port + count)):
+        if all(locks) and all(is_free(host, p) for p in range(port, port + count)):
             _held_locks.extend(locks)
             return port
         for lock in locks:
@@ -95,7 +95,8 @@ def _try_lock(port: int):
     return f
 
 
-def _is_free(host: str, port: int) -> bool:
+def is_free(host: str, port: int) -> bool:
+    """Nothing is bound to `port` on `host` now (a plain socket bound and closed at once)."""
     with socket.socket() as s:
         try:
             s.bind((host, port))

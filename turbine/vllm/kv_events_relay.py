@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import msgspec
@@ -32,7 +31,7 @@ from vllm.distributed import kv_events as vllm_events
 from turbine.protocol.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, pack_token_ids
 from turbine.router.hashing import media_key
 from turbine.runtime.errors import EventPlaneError
-from turbine.runtime.ports import claim_port_run
+from turbine.runtime.ports import claim_port_run, is_free
 from turbine.worker.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("turbine.vllm")
@@ -232,20 +231,8 @@ def _bind_given_run(sock, port: int, count: int, host: str = "127.0.0.1") -> Non
             raise EventPlaneError(f"--kv-events-port {port}: cannot bind {host}:{p} of {ports}: {exc}") from None
 
 
-def _probe_run(port: int, count: int, host: str) -> int | None:
-    """None if ports port..port+count-1 of `host` are free now, else the first taken one (a plain socket
-    bound and closed at once: free again before this returns, unlike a zmq socket, which its I/O thread closes)."""
-    for p in range(port, port + count):
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, p))
-            except OSError:
-                return p
-    return None
-
-
 def _check_given_run(port: int, count: int, host: str = "127.0.0.1") -> None:
     """--kv-events-port's run is free now: refused by the flag's name at start, not once the engine is built."""
-    if (taken := _probe_run(port, count, host)) is not None:
+    if (taken := next((p for p in range(port, port + count) if not is_free(host, p)), None)) is not None:
         ports = f"{port}" if count == 1 else f"{port}-{port + count - 1} (one per data-parallel rank)"
         raise EventPlaneError(f"--kv-events-port {port}: cannot bind {host}:{taken} of {ports}: Address already in use")
