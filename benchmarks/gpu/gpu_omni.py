@@ -28,6 +28,7 @@ import io
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -624,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         d.add_argument("--results", required=True)
         return direct_main(d.parse_args(argv[1:]))
     a = parser().parse_args(argv)
+    # A `timeout` (gpu_tests.sh's STEP_TIMEOUT) must still write the checks so far and stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = Path(a.logs) if a.logs else out.parent / "omni-logs"

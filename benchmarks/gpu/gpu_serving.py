@@ -495,6 +495,10 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
     worker = [sys.executable, "-m", "turbine.vllm", "--model", str(a.model), "--served-model-name", SERVED,
               *engine_flags(a), *worker_flags]
     if nodes > 1:
+        # A cache of vLLM's torch.compile of its own: the cache's folder is named by the rank only, and the
+        # one-process TP run's rank 1 compiled for cuda:1, which a node that sees one GPU does not have ("invalid
+        # device ordinal" in the node's profile run, 2026-11-29; the leader then waited for it for good).
+        env["VLLM_CACHE_ROOT"] = str(Path.home() / ".cache" / "vllm-turbine-nodes")
         master = ["--nnodes", str(nodes), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         for rank in range(1, nodes):
             procs.spawn(f"turbine_node{rank}", [*worker, *master, "--node-rank", str(rank), "--headless",

@@ -59,6 +59,7 @@ import platform
 import random
 import shutil
 import statistics
+import signal
 import sys
 import tempfile
 import time
@@ -376,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lock-scope", choices=("repeat", "all"), default="repeat",
                    help="hold --lock for each repeat or for the whole benchmark")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still stops the servers
     a.model = a.model or default_model(a.python)
     a.dtype = a.dtype or ("float32" if a.device == "cpu" else "auto")
     modes = [m for m in a.modes.split(",") if m]
