@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,7 +61,7 @@ from pathlib import Path
 from benchmarks.lib.load import read_stream
 from benchmarks.lib.metrics import scrape
 from benchmarks.lib.paths import REPO_ROOT, default_model, versions
-from benchmarks.lib.proc import http_get_json, log, proc_cpu_s, tail
+from benchmarks.lib.proc import exit_on_sigterm, http_get_json, log, proc_cpu_s, tail
 from benchmarks.lib.quiet import is_pytest, wait_quiet
 from benchmarks.lib.results import dump_json
 from benchmarks.lib.stack import Stack, start_nats, turbine_env
@@ -694,8 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                      "loadavg_end": os.getloadavg(), "waited_for_pytest_s": waited},
             "config": cfg, "work_dir": str(run_dir), **result, "markdown": table}) + "\n")
 
-    # A SIGTERM (someone's cleanup) stops our stacks through the finally blocks instead of orphaning them.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     if a.part == "crossover":
         result, table, failures = part_crossover(a, run_dir)
     else:

@@ -30,7 +30,6 @@ import datetime as _dt
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.gpu.gpu_serving import Procs, _ms, free_port, log, machine, pct, stream_completion
+from benchmarks.lib.proc import exit_on_sigterm
 
 
 SERVED = "model"
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ld.add_argument("--long-in", type=int, default=3072)
     ld.add_argument("--long-out", type=int, default=64)
     a = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on a `timeout`
+    exit_on_sigterm()
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_disagg_"))
     doc = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "setups": {}}

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from benchmarks.gpu.gpu_disagg import SERVED, Stack, get_json, metric_sum, post_json, scrape
 from benchmarks.gpu.gpu_serving import free_port, log, machine, stream_completion
+from benchmarks.lib.proc import exit_on_sigterm
 
 
 # A small MoE in Mixtral's published architecture (8 experts, 2 per token), sized to start in seconds.
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_parallel.json")
     a = p.parse_args(argv)
     a.load_format = "dummy" if a.cmd == "dp" else None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_parallel_{a.cmd}_"))
     doc = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "setups": {}}

@@ -46,6 +46,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import exit_on_sigterm
 from turbine.runtime.ports import free_port  # below the ephemeral range: no bind race
 
 SERVED = "llama-3.1-8b-dummy"
@@ -606,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_serving.json")
     a = p.parse_args(argv)
     # A `timeout` around this must not leave the servers (own sessions) holding the GPU: exit through finally.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     if a.cmd == "prepare":
         prepare(a.tokenizer_from.expanduser(), a.out)
         return 0

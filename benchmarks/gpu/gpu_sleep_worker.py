@@ -28,7 +28,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from benchmarks.gpu.gpu_serving import Procs, free_port, log, machine
 from benchmarks.gpu.sleep_wake_gpu import GpuMemory
+from benchmarks.lib.proc import exit_on_sigterm
 
 
 SERVED = "model"
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="then a worker in checkpoint mode: quiesce (level-1 sleep) and restore-complete (issue #34)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_sleep_worker.json")
     a = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_sleep_worker_"))
     gpu = GpuMemory()  # GPU 0 (NVML's index 0: run with CUDA_VISIBLE_DEVICES unset or 0)
     doc = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),

@@ -59,7 +59,6 @@ import platform
 import random
 import shutil
 import statistics
-import signal
 import sys
 import tempfile
 import time
@@ -68,7 +67,7 @@ from pathlib import Path
 from benchmarks.lib.load import stream_request
 from benchmarks.lib.metrics import scrape
 from benchmarks.lib.paths import REPO_ROOT, default_model
-from benchmarks.lib.proc import http_get_json, log
+from benchmarks.lib.proc import exit_on_sigterm, http_get_json, log
 from benchmarks.lib.quiet import wait_quiet
 from benchmarks.lib.stack import Stack, turbine_env
 from benchmarks.lib.stats import fmt, median, pct, ratio
@@ -377,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lock-scope", choices=("repeat", "all"), default="repeat",
                    help="hold --lock for each repeat or for the whole benchmark")
     a = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still stops the servers
+    exit_on_sigterm()
     a.model = a.model or default_model(a.python)
     a.dtype = a.dtype or ("float32" if a.device == "cpu" else "auto")
     modes = [m for m in a.modes.split(",") if m]

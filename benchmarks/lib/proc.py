@@ -17,6 +17,12 @@ from pathlib import Path
 from benchmarks.lib.paths import REPO_ROOT
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM (a `timeout`, someone's cleanup) unwinds like Ctrl-C, so `finally` blocks stop the servers a
+    benchmark started instead of leaving them on the machine."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -58,7 +58,7 @@ from pathlib import Path
 
 from benchmarks.lib.load import sse_chunks
 from benchmarks.lib.paths import default_model
-from benchmarks.lib.proc import Proc, http_get_json, log, tail
+from benchmarks.lib.proc import exit_on_sigterm, http_get_json, log, Proc, tail
 from benchmarks.lib.stack import turbine_origin
 from turbine.runtime.ports import free_port
 
@@ -401,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="logs (default: a temp folder)")
     p.add_argument("--out", default=None, help="JSON results file")
     a = p.parse_args(argv)
-    # SIGTERM (e.g. `kill`) unwinds like Ctrl-C, so the fleet's process groups are stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     a.keep_token_times = False
     a.workers = a.workers or (8 if a.engine == "mocker" else 2)
     a.max_num_seqs = a.max_num_seqs or (16 if a.engine == "mocker" else 8)

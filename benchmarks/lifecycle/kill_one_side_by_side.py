@@ -42,7 +42,7 @@ from pathlib import Path
 
 from benchmarks.lib.load import sse_chunks
 from benchmarks.lib.paths import default_dynamo_python, default_model, shared_path
-from benchmarks.lib.proc import Proc, http_get_json, log, tail
+from benchmarks.lib.proc import exit_on_sigterm, http_get_json, log, Proc, tail
 from benchmarks.lib.stack import turbine_origin
 from turbine.runtime.ports import free_port
 
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="logs of every run (default: a temp folder)")
     p.add_argument("--out", default=None, help="JSON results file")
     a = p.parse_args(argv)
-    # SIGTERM (e.g. `kill`) unwinds like Ctrl-C, so the fleet's process groups are stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     systems = [s for s in a.systems.split(",") if s]
     limits = [x for x in a.limits.split(",") if x]
     for s in systems:
