@@ -28,7 +28,6 @@ import io
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import yaml
 from benchmarks.gpu.gpu_serving import Procs
 from benchmarks.gpu.gpu_serving import machine as gpu_machine
 from benchmarks.lib.paths import REPO_ROOT
+from benchmarks.lib.proc import exit_on_sigterm
 
 H8 = Path(os.environ.get("H8", "/tmp/h8"))
 PLAIN, OMNI_TEXT, OMNI_IMAGE = "smollm2-plain", "smollm2-omni", "omni-image"
@@ -377,8 +377,7 @@ def phase_image(a, doc: dict, procs, configs: dict) -> None:
         first, second, other = generate(seed=11), generate(seed=11), generate(seed=12)
         a_px, b_px = first[0][1], second[0][1]
         max_diff = max((abs(x - y) for x, y in zip(a_px, b_px)), default=0) if len(a_px) == len(b_px) else None
-        return {"ok": a_px == b_px, "why": f"two requests with seed 11 gave different images (max pixel difference "
-                f"{max_diff})", "max_pixel_difference": max_diff, "other_seed_differs": a_px != other[0][1]}
+        return {"ok": a_px == b_px, "why": f"two requests with seed 11: max pixel difference {max_diff}", "max_pixel_difference": max_diff, "other_seed_differs": a_px != other[0][1]}
 
     checks.run("images_generations_pngs_at_size", images_generations)
     checks.run("chat_image_png_at_default_size", chat_image)
@@ -626,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         return direct_main(d.parse_args(argv[1:]))
     a = parser().parse_args(argv)
     # A `timeout` (gpu_tests.sh's STEP_TIMEOUT) must still write the checks so far and stop the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = Path(a.logs) if a.logs else out.parent / "omni-logs"
