@@ -24,6 +24,7 @@ from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health
 from turbine.tracing import setup_tracing
 from turbine.worker.worker_metrics import WorkerMetrics
+from turbine.vllm import amx
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import generate_canary, pooling_canary
 from turbine.vllm.compat import ping_engine_rank, unfinished_requests, unknown_release_warning
@@ -40,7 +41,7 @@ from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal, sleep_engine, 
 from turbine.worker.config import EMBEDDINGS
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
-from turbine.worker.snapshot import RestoredIdentity
+from turbine.worker.snapshot import SNAPSHOT_CONTROL_DIR_ENV, RestoredIdentity
 
 log = logging.getLogger("turbine.vllm")
 
@@ -67,6 +68,7 @@ class VllmEngine:
         self._stats = StatTargets()  # where the engine's stat loggers report, set by start()
         self._load_seconds = 0.0
         self._quiesced: str | None = None  # how quiesce() stilled the engine: "sleep" or "pause"
+        self._amx_after_restore = False  # build(): a restore must give the engine's processes AMX again (amx.py)
         self._relay_task: asyncio.Task | None = None
         self._server: RequestPlaneServer | None = None
         self.pooling = False
@@ -96,6 +98,9 @@ class VllmEngine:
             from turbine.vllm.ec_connector import engine_config
 
             cfg.engine_args.ec_transfer_config = ECTransferConfig(**engine_config())
+        if os.environ.get(SNAPSHOT_CONTROL_DIR_ENV) and platform_sleep_refusal() is not None and amx.has_amx():
+            cfg.engine_args.worker_extension_cls = amx.EXTENSION  # checkpoint_refusal(): not the user's own
+            self._amx_after_restore = True
         building = time.monotonic()
         # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
         self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=[stat_logger_factory(self._stats)])
@@ -113,6 +118,10 @@ class VllmEngine:
             reason = "a KV connector (--connector / --kv-transfer-config) holds transfer state and sockets of its own"
         elif cfg.take_image_embeddings:
             reason = "--take-image-embeddings: its encoder-cache connector reads a shared store not checkpointed"
+        elif (platform_sleep_refusal() is not None and amx.has_amx()
+              and cfg.engine_args.worker_extension_cls not in ("", amx.EXTENSION)):
+            reason = ("on a CPU with AMX a restored engine must ask for AMX's tile state again, through Turbine's own "
+                      "vLLM worker extension: --worker-extension-cls is taken")
         elif platform_sleep_refusal() is None and not cfg.engine_args.enable_sleep_mode:
             # On a GPU the engine is quiesced by a level-1 sleep (its KV cache freed before the dump).
             reason = "on a GPU it is quiesced by a level-1 sleep: start it with --enable-sleep-mode"
@@ -142,6 +151,10 @@ class VllmEngine:
         if self._quiesced == "sleep":
             await wake_engine(self.engine)
         elif self._quiesced == "pause":
+            if self._amx_after_restore:  # before any step: a tile instruction without it is a SIGILL (amx.py)
+                granted = [amx.request_tiles(), *await self.engine.collective_rpc(amx.RPC)]
+                log.info("restored on a CPU with AMX: tile state granted again in %d of %d processes",
+                         sum(granted), len(granted))
             await self.engine.resume_generation()
         self._quiesced = None
         if self.relay is not None and not await self.relay.listen():
