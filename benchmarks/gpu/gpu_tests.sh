@@ -32,6 +32,11 @@
 #                                                 prefix landing, migration off a killed rank (gpu_parallel.py)
 #   bash benchmarks/gpu/gpu_tests.sh moe [ARGS]       a small Mixtral MoE with expert parallelism (TP=2+EP, DP=2+EP)
 #   bash benchmarks/gpu/gpu_tests.sh disagg-load [ARGS]  gpu_disagg.py load, strict KV: 1P1D vs 2 aggregated vs TP=2
+#   bash benchmarks/gpu/gpu_tests.sh planner [ARGS]   issue #30 §3 (gpu_planner.py): the planner's disaggregated mode with
+#                                                 the local connector (prefill on GPU 0, 1-2 decode workers on GPU 1,
+#                                                 a sleeping pool of one) under a low-high-low-high-low ramp of
+#                                                 streamed requests: none lost, a decode worker added and taken out
+#                                                 (about 6 minutes: STEP_TIMEOUT=540)
 #
 # The tests share one GPU between their engines (several per module): TURBINE_TEST_VLLM_ARGS gives each a small
 # memory budget. The embedded SmolLM2 comes from the bundle (converted by gpu_install.sh), found where
@@ -140,6 +145,11 @@ case "$step" in
     "${PY[@]}" -m benchmarks.gpu.gpu_disagg load --model "$LLAMA" --load-format dummy --engine-args="$NO_SYMM_PASSES" \
       --out "$OUT/gpu_disagg_load.json" "$@" 2>&1 | grep -v '"logs"' | tail -40
     ;;
+  planner)
+    # The run's folder (planner, frontend and worker logs, the planner's config and profile) comes back under $OUT.
+    "${PY[@]}" -m benchmarks.gpu.gpu_planner --model "$LLAMA" --load-format dummy --run-dir "$OUT/gpu_planner_run" \
+      --out "$OUT/gpu_planner.json" "$@" 2>&1 | tee "$OUT/gpu_planner.log" | tail -80
+    ;;
   omni)
     # vLLM-Omni's site first for this script (diffusers builds the tiny model); each process it starts gets its own
     # PYTHONPATH: vLLM-Omni's site only where vLLM-Omni runs (its vLLM plugin patches vLLM wherever it imports).
@@ -148,7 +158,7 @@ case "$step" in
       | tee "$OUT/gpu_omni.log" | tail -150
     ;;
   *)
-    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | offer-check | tp | dp | moe | disagg-load | omni [args]" >&2
+    echo "usage: gpu_tests.sh sweep | tests [pytest args] | kv-tiers [args] | serving [args] | profile [args] | lifecycle [args] | offload [args] | offer-check | tp | dp | moe | disagg-load | planner [args] | omni [args]" >&2
     exit 2
     ;;
 esac
