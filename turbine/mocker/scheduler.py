@@ -113,6 +113,12 @@ class Scheduler:
         return bool(self.waiting or self.running or self.pulling)
 
     @property
+    def num_queued(self) -> int:
+        """Sequences queued for admission: the waiting ones less those whose pulled KV has landed (they hold
+        their blocks), as the vLLM worker's load report counts (turbine/vllm/load_metrics.py)."""
+        return sum(1 for seq in self.waiting if not seq.blocks)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.pulling)
 

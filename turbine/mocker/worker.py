@@ -168,10 +168,9 @@ class SimulatedWorker:
         return lambda scheduler: self._publish_load(rank, scheduler)
 
     def _publish_load(self, rank: int, sched: Scheduler) -> None:
-        # Requests pulling their KV count as waiting, as in vLLM (they sit in its waiting queue).
         slots = sched.lora_slots
         self.events.load.update(rank, kv_active_blocks=sched.pool.num_in_use, kv_total_blocks=sched.pool.num_blocks,
-                                num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.pulling),
+                                num_running=len(sched.running), num_waiting=sched.num_queued,
                                 max_loras=slots.capacity if slots else 0, active_loras=slots.resident if slots else ())
 
     def refresh_gauges(self) -> None:

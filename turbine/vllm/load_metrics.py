@@ -25,6 +25,7 @@ class StatTargets:
 
     publisher: LoadMetricsPublisher | None = None
     rank_gauges: list | None = None
+    pulls_kv: bool = False  # a decode worker's engine: its prompts' KV arrives from prefill workers
 
 
 class LoadMetricsStatLogger(StatLoggerBase):
@@ -67,13 +68,33 @@ class LoadMetricsStatLogger(StatLoggerBase):
             kv_active_blocks=active,
             kv_total_blocks=total,
             num_running=scheduler_stats.num_running_reqs,
-            num_waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+            num_waiting=queued_for_admission(scheduler_stats, self.targets.pulls_kv),
             max_loras=slots.capacity if slots is not None else 0,
             active_loras=slots.resident if slots is not None else (),
         )
 
     def log_engine_initialized(self) -> None:
         pass
+
+
+# vLLM's stages of a request whose KV arrives from elsewhere (vllm.v1.metrics.stats.KV_FETCH_STAGES, from
+# 0.32). In these two the request holds its blocks and is not queued for admission: its KV is in transit
+# or has landed. In the third, waiting to start, it has no blocks yet and queues like any other.
+KV_FETCH_HOLDING_STAGES = ("in_progress", "completed_waiting")
+
+
+def queued_for_admission(stats, pulls_kv: bool) -> int:
+    """vLLM's waiting requests less those holding blocks while their KV arrives. A decode worker of a
+    disaggregated pair pulls every prompt's KV, so counting those would read as a queue of decode work
+    (the planner scales decode up on any waiting request) while decode has room."""
+    fetching = getattr(stats, "num_kv_fetch_reqs_by_stage", None)
+    if fetching is None:
+        # Releases before the stages (the GPU's 0.26) park a request whose KV is in transit in their
+        # skipped-waiting queue, with those waiting for a LoRA slot or a grammar; a decode worker's are
+        # nearly all KV pulls.
+        return stats.num_waiting_reqs + (0 if pulls_kv else stats.num_skipped_waiting_reqs)
+    holding = sum(fetching.get(stage, 0) for stage in KV_FETCH_HOLDING_STAGES)
+    return max(0, stats.num_waiting_reqs + stats.num_skipped_waiting_reqs - holding)
 
 
 def stat_logger_factory(targets: StatTargets):

@@ -65,7 +65,7 @@ class VllmEngine:
         self.engine: AsyncLLM | None = None
         self.events: InstanceEvents | None = None
         self.relay: VllmKvEventsRelay | None = None
-        self._stats = StatTargets()  # where the engine's stat loggers report, set by start()
+        self._stats = StatTargets(pulls_kv=cfg.is_decode)  # where the engine's stat loggers report, set by start()
         self._load_seconds = 0.0
         self._quiesced: str | None = None  # how quiesce() stilled the engine: "sleep" or "pause"
         self._amx_after_restore = False  # build(): a restore must give the engine's processes AMX again (amx.py)

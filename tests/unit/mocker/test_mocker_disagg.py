@@ -155,6 +155,7 @@ async def test_the_pull_takes_the_simulated_transfer_time_scaled_by_the_speedup_
         [seq] = sched.pulling
         assert seq.status == PULLING and seq.num_pull_tokens == 40 and not task.done()
         assert sched.pool.num_in_use == 3 and not sched.running
+        assert sched.num_queued == 0  # the load report's waiting count: it holds its blocks, it queues for nothing
         out = await task
         elapsed = time.monotonic() - started
         assert elapsed >= 0.395  # a lower bound: a busy machine can only make it longer
@@ -222,6 +223,7 @@ def check_consistent(sched: Scheduler, mirror: CacheMirror) -> None:
     assert landed == sorted(landed, reverse=True), "a landed sequence waits behind another"
     for seq in sched.waiting:  # only a sequence whose pulled KV landed waits holding blocks
         assert not seq.blocks or (seq.num_computed == len(seq.tokens) - 1 and not seq.kv_to_pull)
+    assert sched.num_queued == landed.count(False)
     holders = Counter(b for s in (*sched.running, *sched.pulling, *sched.waiting) for b in s.blocks)
     assert pool.ref_counts == [holders[b] for b in range(pool.num_blocks)]
     in_use = {b for b, r in enumerate(pool.ref_counts) if r > 0}
