@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="gpu_planner_"))
     run_dir.mkdir(parents=True, exist_ok=True)
     doc: dict = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-                 "commit": git_commit() or os.environ.get("TURBINE_COMMIT"), "run_dir": str(run_dir),
+                 "commit": git_commit(), "run_dir": str(run_dir),
                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "phase_list"},
                  "phases_planned": [vars(p) for p in a.phase_list]}
     a.out.parent.mkdir(parents=True, exist_ok=True)

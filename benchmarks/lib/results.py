@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 
@@ -16,6 +17,10 @@ def dump_json(obj) -> str:
 
 
 def git_commit() -> str | None:
+    """The commit a result came from: $TURBINE_COMMIT where set (a device machine's copy of the working tree
+    carries git metadata that can be older than the files it ran), else the checkout's HEAD."""
+    if os.environ.get("TURBINE_COMMIT"):
+        return os.environ["TURBINE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip() or None
