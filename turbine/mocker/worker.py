@@ -238,7 +238,7 @@ class SimulatedEngines:
         self._tasks: list[asyncio.Task] = []
         self._gc_pacing: asyncio.Task | None = None
 
-    async def build(self) -> None:
+    async def build(self, *, checkpoint: bool) -> None:
         cfg, info = self.cfg, self.cfg.model_info
         building = time.monotonic()
         if cfg.startup_time > 0:

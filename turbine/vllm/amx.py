@@ -15,6 +15,8 @@ import platform
 from functools import cache
 from pathlib import Path
 
+from turbine.vllm.sleep import platform_sleep_refusal
+
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -33,6 +35,11 @@ def has_amx() -> bool:
     except OSError:
         return False
     return any(line.startswith("flags") and "amx_tile" in line.split() for line in lines)
+
+
+def needed_after_restore() -> bool:
+    """Whether a restored engine must ask for the tile state again: vLLM on this CPU (no GPU platform) with AMX."""
+    return platform_sleep_refusal() is not None and has_amx()
 
 
 def request_tiles() -> bool:

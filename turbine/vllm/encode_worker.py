@@ -83,7 +83,7 @@ class EncodeEngine:
         self._pending_reads = 0
         self._dead: str | None = None
 
-    async def build(self) -> None:
+    async def build(self, *, checkpoint: bool) -> None:
         """Nothing: start() loads the encoder."""
 
     def checkpoint_refusal(self) -> str | None:

@@ -298,7 +298,7 @@ class OmniEngine:
         self._handlers: OmniHandlers | None = None
         self._server = None
 
-    async def build(self) -> None:
+    async def build(self, *, checkpoint: bool) -> None:
         """Nothing: start() builds the pipeline."""
 
     def checkpoint_refusal(self) -> str | None:

@@ -41,7 +41,7 @@ from turbine.vllm.sleep import VllmSleep, platform_sleep_refusal, sleep_engine, 
 from turbine.worker.config import EMBEDDINGS
 from turbine.worker.events import InstanceEvents
 from turbine.worker.host import Instance, WorkerHost, run_host
-from turbine.worker.snapshot import SNAPSHOT_CONTROL_DIR_ENV, RestoredIdentity
+from turbine.worker.snapshot import RestoredIdentity
 
 log = logging.getLogger("turbine.vllm")
 
@@ -74,7 +74,7 @@ class VllmEngine:
         self.pooling = False
         self._handlers = None  # the role's generate handlers, or the pooling worker's embed handlers (the canary)
 
-    async def build(self) -> None:
+    async def build(self, *, checkpoint: bool) -> None:
         cfg = self.cfg
         ranks = cfg.data_parallel_size
         if uses_nixl(cfg.engine_args.kv_transfer_config):  # exported for the engine, read when it is built
@@ -98,7 +98,7 @@ class VllmEngine:
             from turbine.vllm.ec_connector import engine_config
 
             cfg.engine_args.ec_transfer_config = ECTransferConfig(**engine_config())
-        if os.environ.get(SNAPSHOT_CONTROL_DIR_ENV) and platform_sleep_refusal() is not None and amx.has_amx():
+        if checkpoint and amx.needed_after_restore():
             cfg.engine_args.worker_extension_cls = amx.EXTENSION  # checkpoint_refusal(): not the user's own
             self._amx_after_restore = True
         building = time.monotonic()
@@ -118,8 +118,7 @@ class VllmEngine:
             reason = "a KV connector (--connector / --kv-transfer-config) holds transfer state and sockets of its own"
         elif cfg.take_image_embeddings:
             reason = "--take-image-embeddings: its encoder-cache connector reads a shared store not checkpointed"
-        elif (platform_sleep_refusal() is not None and amx.has_amx()
-              and cfg.engine_args.worker_extension_cls not in ("", amx.EXTENSION)):
+        elif amx.needed_after_restore() and cfg.engine_args.worker_extension_cls not in ("", amx.EXTENSION):
             reason = ("on a CPU with AMX a restored engine must ask for AMX's tile state again, through Turbine's own "
                       "vLLM worker extension: --worker-extension-cls is taken")
         elif platform_sleep_refusal() is None and not cfg.engine_args.enable_sleep_mode:

@@ -63,8 +63,9 @@ class Instance:
 class EngineKind(Protocol):
     """What an engine kind (vLLM, the mocker) gives the host."""
 
-    async def build(self) -> None:
-        """Build what needs no socket (checkpoint mode: before any is opened); may do nothing."""
+    async def build(self, *, checkpoint: bool) -> None:
+        """Build what needs no socket (checkpoint mode: before any is opened); may do nothing. `checkpoint`: in
+        checkpoint mode (the engine is built to be dumped and restored)."""
 
     def checkpoint_refusal(self) -> str | None:
         """Why this engine kind cannot run in checkpoint mode, or None if it can."""
@@ -130,7 +131,7 @@ class WorkerHost:
             # socket may be open before the checkpoint.
             if snapshot is None:
                 status_server = await self._serve_status(controls)
-            await self.engine.build()
+            await self.engine.build(checkpoint=snapshot is not None)
             if snapshot is not None:
                 if not await self._checkpoint(snapshot):
                     return self.exit_code
