@@ -103,7 +103,8 @@ case "$step" in
     # --systems in alternating orders (e.g. serve,turbine then offline,turbine then offline,serve).
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} taskset -c 0-15 "${PY[@]}" -m benchmarks.gpu.gpu_serving run \
       --model "$LLAMA" --loads 128x512,1024x256 --concurrency 1,64,256,512 --frontend-processes 1,2,4 \
-      --scaling-concurrency 512 --out "$OUT/gpu_serving.json" "$@" 2>&1 | grep -E '^\[' | tail -40
+      --scaling-concurrency 512 --out "$OUT/gpu_serving.json" "$@" 2>&1 | tee "$OUT/gpu_serving.log" | grep -E '^\[' \
+      | tail -40  # the whole log (the engines' own errors) comes back in gpu_serving.log
     ;;
   lifecycle)
     # Sleep / wake at levels 1 and 2, then checkpoint mode (quiesce by a level-1 sleep, restore-complete) on the
