@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from dataclasses import replace
-
-import uvloop
 
 from turbine.logging_setup import setup_logging
 from turbine.mocker.args import MockerConfig, parse_mocker_args
@@ -42,7 +39,7 @@ from turbine.runtime.errors import InvalidRequest
 from turbine.worker import health_check
 from turbine.worker.health_check import PayloadError
 from turbine.worker.host import Instance, WorkerHost, run_host
-from turbine.worker.snapshot import SNAPSHOT_CONTROL_DIR_ENV, RestoredIdentity
+from turbine.worker.snapshot import RestoredIdentity
 
 log = logging.getLogger("turbine.mocker")
 
@@ -317,12 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(argv, "python -m turbine.mocker")
     cfg = parse_mocker_args(argv)
     setup_tracing(argv, "turbine-mocker")
-    host = WorkerHost(cfg, SimulatedEngines(cfg))
-    # uvloop: the event loop is most of the work of 100+ simulated workers. Not in checkpoint
-    # mode: uvloop's libuv (1.52) maps io_uring rings whatever UV_USE_IO_URING says, and CRIU
-    # cannot dump io_uring ("Unknown shit 600 (anon_inode:[io_uring])").
-    runner = asyncio.run if os.environ.get(SNAPSHOT_CONTROL_DIR_ENV) else uvloop.run
-    return run_host(host.run, runner=runner)
+    return run_host(WorkerHost(cfg, SimulatedEngines(cfg)).run)
 
 
 def reply_token_ids(cfg: MockerConfig) -> list[int]:

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import uvloop
 
 from turbine.config import make_registry
 from turbine.protocol.discovery import ModelCard
@@ -265,11 +268,19 @@ class WorkerHost:
         self.stopping.set()
 
 
-def run_host(main: Callable[[], Awaitable[int]], runner: Callable[[Awaitable[int]], int] = asyncio.run) -> int:
-    """Run a worker process's `main` coroutine; its exit status (a config the event plane cannot
-    use exits like a bad flag)."""
+def event_loop_runner() -> Callable[[Awaitable[int]], int]:
+    """uvloop, as `vllm serve`'s uvicorn runs it: a worker's loop carries every request in and every token
+    out (the simulated fleet's loop is most of its work). asyncio in checkpoint mode: uvloop's libuv (1.52)
+    maps io_uring rings whatever UV_USE_IO_URING says, and CRIU cannot dump io_uring ("Unknown shit 600
+    (anon_inode:[io_uring])")."""
+    return asyncio.run if os.environ.get(SNAPSHOT_CONTROL_DIR_ENV) else uvloop.run
+
+
+def run_host(main: Callable[[], Awaitable[int]], runner: Callable[[Awaitable[int]], int] | None = None) -> int:
+    """Run a worker process's `main` coroutine on `runner` (default `event_loop_runner()`); its exit status
+    (a config the event plane cannot use exits like a bad flag)."""
     try:
-        return runner(main())
+        return (runner or event_loop_runner())(main())
     except EventPlaneError as exc:
         log.error("%s", exc)
         return EXIT_BAD_CONFIG
