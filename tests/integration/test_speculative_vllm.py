@@ -1,18 +1,20 @@
-"""Speculative decoding through Turbine's vLLM worker (issue #29, section 4): vLLM's n-gram speculator
-(`--speculative-config '{"method": "ngram", ...}'`, which vLLM's CPU build runs). Three workers of this
-module's own behind one KV-routing frontend with migration on: two speculate and serve the model, one with the
-same flags but no speculator serves it under another name (the reference; same engine flags, since another
-block size or input path can flip a near-tie between two tokens in a long greedy run):
+"""Speculative decoding through Turbine's vLLM worker (issue #29, section 4), both kinds of speculator vLLM's
+CPU build runs: the n-gram one (`--speculative-config '{"method": "ngram", ...}'`) and a draft model
+(`{"method": "draft_model", "model": ...}`; the served model drafts for itself, the one real model at hand, so
+its drafts are mostly accepted). Three workers of this module's own behind one KV-routing frontend with
+migration on: two speculate (one each way) and serve the model, one with the same flags but no speculator
+serves it under another name (the reference; same engine flags, since another block size or input path can
+flip a near-tie between two tokens in a long greedy run):
 
 - greedy answers (chat and completions, streamed and not) and their usage equal the plain engine's;
-- vLLM's `vllm:spec_decode_*` counters reach the worker's /metrics, and drafts were accepted;
+- vLLM's `vllm:spec_decode_*` counters reach each worker's /metrics, and both speculators' drafts were accepted;
 - the KV events the worker relays name only verified blocks: a request leaves exactly the full blocks of
   its final sequence in the router's index (a block announced for rejected draft tokens would be one more,
   or another), and a request that continues a conversation is routed to the worker holding it;
 - a speculative stream whose worker is SIGKILLed goes on on the other worker, unbroken (last: it ends one).
 
-On a GPU (benchmarks/gpu/gpu_tests.sh) the same module runs with TURBINE_TEST_SPEC_CONFIG naming another
-speculator (a draft model), where one can be built there."""
+TURBINE_TEST_SPEC_CONFIG gives both speculating workers one config instead (e.g. another speculator on a GPU,
+benchmarks/gpu/gpu_tests.sh)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
@@ -37,8 +40,7 @@ from tests.integration.procs import (
     worker_ready,
 )
 
-SPEC = os.environ.get("TURBINE_TEST_SPEC_CONFIG") or json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 BLOCK = 32
 # Repetitive answers: the n-gram speculator finds its drafts in the context, so many are accepted.
 PROMPTS = [
@@ -57,7 +59,12 @@ def spec(tmp_path_factory, model_dir):
     # float32, as the session cluster on this host: a migrated continuation is prefilled where the unbroken
     # run decoded, and the parity below compares with engines that did not speculate.
     flags = ("--dtype", "float32", "--block-size", str(BLOCK))
-    workers = [start_worker(f"spec-worker{i}", env, root, *flags, "--speculative-config", SPEC) for i in (1, 2)]
+    specs = [os.environ.get("TURBINE_TEST_SPEC_CONFIG")] * 2
+    if specs[0] is None:
+        specs = [json.dumps(NGRAM),
+                 json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})]
+    workers = [start_worker(f"spec-worker{i}", env, root, *flags, "--speculative-config", spec)
+               for i, spec in enumerate(specs, 1)]
     plain = start_worker("plain-worker", env, root, *flags, "--served-model-name", PLAIN)
     frontend = start_frontend("spec-frontend", env, root, "--router-mode", "kv", "--migration-limit", "2")
     procs = [*workers, plain, frontend]
@@ -90,13 +97,23 @@ def test_greedy_answers_and_usage_equal_the_plain_engines(spec):
     assert _answers(spec["client"], MODEL) == _answers(spec["client"], PLAIN)
 
 
-def test_spec_decode_counters_reach_the_workers_metrics(spec):
-    accepted = drafts = 0.0
+def _drafts(worker) -> tuple[float, float]:
+    text = http_text(f"{worker.url}/metrics")
+    return (metric(text, "vllm:spec_decode_num_draft_tokens_total"),
+            metric(text, "vllm:spec_decode_num_accepted_tokens_total"))
+
+
+def test_spec_decode_counters_reach_each_workers_metrics(spec):
+    # Requests in pairs until both workers speculated: the router sends the second of two concurrent requests
+    # to the worker the first did not load (equal load alone is a coin toss).
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            if all(_drafts(w)[0] > 0 for w in spec["workers"]):
+                break
+            list(pool.map(lambda p: spec["client"].completions.create(model=MODEL, prompt=p, **GREEDY), PROMPTS[:2]))
     for w in spec["workers"]:
-        text = http_text(f"{w.url}/metrics")
-        drafts += metric(text, "vllm:spec_decode_num_draft_tokens_total")
-        accepted += metric(text, "vllm:spec_decode_num_accepted_tokens_total")
-    assert drafts > 0 and 0 < accepted <= drafts, (drafts, accepted)
+        drafts, accepted = _drafts(w)
+        assert drafts > 0 and 0 < accepted <= drafts, (w.name, drafts, accepted)
 
 
 def _indexed(frontend) -> float:
