@@ -373,9 +373,10 @@ def run_offline_limits(a, points) -> dict:
     ctx = mp.get_context("spawn")
     out = {"engine_start_s": [], "points": []}
     for conc in sorted({c for _, _, c in points}):
-        # At least 2: vLLM 0.26 on an H200 failed at start with max_num_seqs 1 ("an illegal memory access",
-        # 2026-11-29); C=1 is then one request at a time (run_offline), which is that limit.
-        mine = argparse.Namespace(**dict(vars(a), max_num_seqs=max(2, min(conc, a.max_num_seqs))))
+        # At least 16: vLLM 0.26 on an H200 failed at start with max_num_seqs 1 ("an illegal memory access",
+        # 2026-11-29) and 2 (2026-11-30); C=1 is then one request at a time (run_offline), which is that limit
+        # whatever the engine could batch.
+        mine = argparse.Namespace(**dict(vars(a), max_num_seqs=max(16, min(conc, a.max_num_seqs))))
         q = ctx.Queue()
         child = ctx.Process(target=_offline_child, args=(mine, [p for p in points if p[2] == conc], q))
         child.start()
