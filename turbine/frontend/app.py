@@ -22,6 +22,7 @@ from turbine.frontend.models.table import ModelTable
 from turbine.frontend.preprocess.media import MediaConfig
 from turbine.frontend.preprocess.prompt_embeds import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, MAX_PROMPT_EMBEDS_BYTES
 from turbine.router.policy import RouterConfig, make_router
+from turbine.runtime.gc_pacing import freeze_start_up_heap
 from turbine.runtime import cluster_auth, prometheus_multiprocess
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class Frontend:
             await asyncio.wait_for(self.models.first_snapshot.wait(), FIRST_SNAPSHOT_WAIT_S)
         except TimeoutError:
             log.warning("no discovery snapshot within %.0f s: serving without one", FIRST_SNAPSHOT_WAIT_S)
+        freeze_start_up_heap()  # what start-up built lives as long as the process: out of later collector passes
         exporter = (asyncio.create_task(self._export_router_metrics()) if prometheus_multiprocess.enabled()
                     else None)
         try:

@@ -27,7 +27,7 @@ from turbine.mocker.scheduler import Scheduler
 from turbine.mocker.tokens import TokenSampler
 from turbine.protocol.generate import ClearKvBlocksRequest, GenerateRequest
 from turbine.runtime.event_plane import WorkerEventPlane
-from turbine.runtime.gc_pacing import freeze_start_up_heap, pace_garbage_collection
+from turbine.runtime.gc_pacing import pace_garbage_collection
 from turbine.worker.kv_publisher import KvEventPublisher
 from turbine.worker.lora_slots import LoraSlots
 from turbine.runtime.registration import CLEAR_KV_BLOCKS
@@ -295,11 +295,10 @@ class SimulatedEngines:
     def serving(self) -> None:
         log.info("%d simulated worker(s) serving %r", len(self.workers), self.cfg.served_model_name)
         # The collector's automatic passes would stall every simulated worker's step at
-        # once, several times a second, and find nothing (gc_pacing.py).
+        # once, several times a second, and find nothing (gc_pacing.py). (The host froze the
+        # start-up heap already.)
         if self.cfg.gc_interval > 0:
             self._gc_pacing = pace_garbage_collection(self.cfg.gc_interval)
-        else:
-            freeze_start_up_heap()
 
     async def close(self) -> None:
         if self._gc_pacing is not None:

@@ -30,6 +30,7 @@ from turbine.protocol.discovery import ModelCard
 from turbine.runtime import cluster_auth
 from turbine.runtime.errors import EventPlaneError
 from turbine.runtime.event_plane import WorkerEventPlane
+from turbine.runtime.gc_pacing import freeze_start_up_heap
 from turbine.runtime.lifecycle import UNREGISTER_SETTLE_S, drain_and_stop, stop_on_signals
 from turbine.runtime.request_plane import RequestPlaneServer
 from turbine.runtime.status_server import Health, make_app, serve_status
@@ -196,6 +197,10 @@ class WorkerHost:
 
                 nats_link = await NatsLink.acquire(cfg.nats_server)
             instances = await engine.start(plane, health)
+            # The engine's start-up heap (torch, vLLM, the model's objects) lives as long as the process: out of
+            # every later collector pass, whose full scans of it stalled every stream at once (as `vllm serve`
+            # freezes its own).
+            freeze_start_up_heap()
             registry = make_registry(cfg.discovery)
             await registry.backend.start()
             on_change = lambda: setattr(health, "sleeping", controls.all_asleep)  # noqa: E731

@@ -6,6 +6,7 @@ started), auth and body limits hold, and a good request streams and completes.""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import httpx
 import openai
@@ -158,7 +159,11 @@ async def test_the_frontend_serves_nothing_before_its_first_discovery_snapshot(t
             tokenizer_path=str(model_dir), context_length=2048, kv_block_size=16, total_kv_blocks=10,
             max_num_seqs=4, max_num_batched_tokens=2048))
         frontend = Frontend(FrontendConfig(discovery=DiscoveryConfig(backend="file", file_dir=str(tmp_path))))
+        gc.unfreeze()
         async with frontend.lifespan(None):
             assert {name: len(m.instances) for name, m in frontend.models.models.items()} == {"m": 1}
+            # and froze what start-up built (out of later collector passes, as `vllm serve` does)
+            assert gc.get_freeze_count() > 0
     finally:
+        gc.unfreeze()
         await worker.close()
