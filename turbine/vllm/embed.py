@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 from vllm import PoolingParams
@@ -37,10 +37,19 @@ class EmbedHandlers:
             if min(ids) < 0 or max(ids) >= self.vocab_size:
                 raise InvalidRequest(f"input: token id outside the vocabulary (size {self.vocab_size})")
 
-    async def _vectors(self, req: EmbedRequest) -> list[bytes]:
+    async def _vectors(self, req: EmbedRequest, on_cancel: Callable[[], None] | None = None) -> list[bytes]:
+        """Every input's vector. Cancelled: `on_cancel()` first, then each input aborted (_one), as a generate
+        request counts its cancellation before its abort (a scrape that sees the engine idle sees the count)."""
+        inputs = asyncio.gather(*(self._one(ids, f"{req.request_id}-{i}-{uuid.uuid4().hex[:8]}")
+                                  for i, ids in enumerate(req.inputs)))
         try:
-            return await asyncio.gather(*(self._one(ids, f"{req.request_id}-{i}-{uuid.uuid4().hex[:8]}")
-                                          for i, ids in enumerate(req.inputs)))
+            return await asyncio.shield(inputs)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                on_cancel()
+            inputs.cancel()
+            await asyncio.gather(inputs, return_exceptions=True)
+            raise
         except ValueError as exc:  # vLLM's input validation
             raise InvalidRequest(str(exc)) from exc
 
@@ -52,12 +61,10 @@ class EmbedHandlers:
             raise
         self.metrics.inflight.inc()
         try:
-            vectors = await self._vectors(req)
+            # The caller cancelled or went away: counted, then each input aborted.
+            vectors = await self._vectors(req, on_cancel=self.metrics.cancellations.inc)
         except InvalidRequest:
             self.metrics.error("invalid_request")
-            raise
-        except asyncio.CancelledError:  # the caller cancelled or went away: each input was aborted (_one)
-            self.metrics.cancellations.inc()
             raise
         finally:
             self.metrics.inflight.dec()
