@@ -281,11 +281,11 @@ def event_loop_runner() -> Callable[[Awaitable[int]], int]:
     return asyncio.run if os.environ.get(SNAPSHOT_CONTROL_DIR_ENV) else uvloop.run
 
 
-def run_host(main: Callable[[], Awaitable[int]], runner: Callable[[Awaitable[int]], int] | None = None) -> int:
-    """Run a worker process's `main` coroutine on `runner` (default `event_loop_runner()`); its exit status
-    (a config the event plane cannot use exits like a bad flag)."""
+def run_host(main: Callable[[], Awaitable[int]]) -> int:
+    """Run a worker process's `main` coroutine on `event_loop_runner()`; its exit status (a config the event
+    plane cannot use exits like a bad flag)."""
     try:
-        return (runner or event_loop_runner())(main())
+        return event_loop_runner()(main())
     except EventPlaneError as exc:
         log.error("%s", exc)
         return EXIT_BAD_CONFIG
