@@ -85,7 +85,7 @@ case "$step" in
     export TURBINE_TEST_VLM_TILES=${TURBINE_TEST_VLM_TILES:-1}
     "${PY[@]}" -m pytest -p no:cacheprovider -q -rA --durations=15 --junitxml="$OUT/gpu_tests.xml" \
       tests/integration/test_kvbm_vllm.py tests/integration/test_multimodal_disagg.py \
-      tests/integration/test_speculative_vllm.py tests/unit/vllm/test_kvbm_offer_check.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+      tests/integration/test_speculative_vllm.py tests/unit/vllm/test_kvbm_offer_check.py tests/unit/vllm/test_kvbm_copy.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     # The engines' own logs (a failed engine's traceback is only there), back with the results.
     find /tmp/pytest-of-*/ -name '*.log' -mmin -120 2>/dev/null | tar -czf "$OUT/gpu_test_logs.tgz" -T - 2>/dev/null || true
     ;;

@@ -84,13 +84,19 @@ def hash_of_name(name: str) -> int | None:
         return None
 
 
-def encode(block: Block) -> bytes:
+def header(block: Block) -> bytes:
+    """The file's first HEADER_SIZE bytes (the payload, block.data, follows them)."""
     flags = _HAS_PARENT if block.parent_hash is not None else 0
     fields = _FIELDS.pack(MAGIC, VERSION, flags, block.block_hash, block.parent_hash or 0,
                           block.num_tokens, len(block.data))
     h = xxhash.xxh3_64(fields)
     h.update(block.data)
-    return b"".join((fields, _CHECKSUM.pack(h.intdigest()), block.data))  # join takes memoryviews too
+    return fields + _CHECKSUM.pack(h.intdigest())
+
+
+def encode(block: Block) -> bytes:
+    """The whole file as one buffer (a copy of the payload: the file tiers write header and payload apart)."""
+    return b"".join((header(block), block.data))  # join takes memoryviews too
 
 
 def decode(raw: bytes, expected_hash: int) -> Block:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 
-from turbine.kvbm.block import SUFFIX, Block, CorruptBlock, decode, encode, file_name, hash_of_name
+from turbine.kvbm.block import HEADER_SIZE, SUFFIX, Block, CorruptBlock, decode, file_name, hash_of_name, header
 from turbine.kvbm.metrics import KvbmMetrics
 from turbine.kvbm.store import BlockStore
 
@@ -46,11 +46,14 @@ class _FileStore(BlockStore):
     def _path(self, block_hash: int) -> str:
         return os.path.join(self.directory, file_name(block_hash))
 
-    def _write_atomic(self, block_hash: int, raw: bytes) -> bool:
+    def _write_atomic(self, block: Block, head: bytes) -> bool:
+        """The block's file: its header, then the payload straight from the block's buffer (no copy of it)."""
+        block_hash = block.block_hash
         tmp = os.path.join(self.directory, f".{block_hash:016x}.{os.getpid()}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             with open(tmp, "wb") as f:
-                f.write(raw)
+                f.write(head)
+                f.write(block.data)
             os.replace(tmp, self._path(block_hash))
             return True
         except OSError as e:
@@ -112,8 +115,8 @@ class DiskStore(_FileStore):
         self._dropped(self._evict_to(0))
 
     def put(self, block: Block) -> bool:
-        raw = encode(block)
-        if len(raw) > self.capacity_bytes or not self._writable:
+        size = HEADER_SIZE + block.nbytes
+        if size > self.capacity_bytes or not self._writable:
             return False
         with self._lock:
             if block.block_hash in self._index or block.block_hash in self._writing:
@@ -121,16 +124,16 @@ class DiskStore(_FileStore):
                     self._index.move_to_end(block.block_hash)
                 return True
             # The room is taken now; the write runs outside the lock (reads of other blocks go on meanwhile).
-            evicted = self._evict_to(len(raw))
-            self._used += len(raw)
+            evicted = self._evict_to(size)
+            self._used += size
             self._writing.add(block.block_hash)
-        ok = self._write_atomic(block.block_hash, raw)
+        ok = self._write_atomic(block, header(block))
         with self._lock:
             self._writing.discard(block.block_hash)
             if ok:
-                self._index[block.block_hash] = len(raw)
+                self._index[block.block_hash] = size
             else:
-                self._used -= len(raw)
+                self._used -= size
         self._dropped(evicted)
         return ok
 
@@ -197,19 +200,20 @@ class SharedStore(_FileStore):
         self._dropped(self._scan_and_evict(0))
 
     def put(self, block: Block) -> bool:
-        raw = encode(block)
-        if len(raw) > self.capacity_bytes or not self._writable:
+        size = HEADER_SIZE + block.nbytes
+        if size > self.capacity_bytes or not self._writable:
             return False
         path = self._path(block.block_hash)
         if _touch(path):
             return True  # another worker (or we) stored it already: same hash, same KV
+        head = header(block)  # the checksum outside the lock
         evicted: list[int] = []
         with self._lock:
-            if self._estimate + len(raw) > self.capacity_bytes:
-                evicted = self._scan_and_evict(len(raw))
-            ok = self._write_atomic(block.block_hash, raw)
+            if self._estimate + size > self.capacity_bytes:
+                evicted = self._scan_and_evict(size)
+            ok = self._write_atomic(block, head)
             if ok:
-                self._estimate += len(raw)
+                self._estimate += size
         self._dropped(evicted)
         return ok
 
@@ -268,7 +272,11 @@ class FileCheck:
 
     A file verified once is not read again while it is unchanged: it is remembered by (device, inode,
     size, mtime), and every write of a block is a rename of a new file (a new inode), an edit in place
-    moves the mtime. What this cannot see (bits that rot without a write) the owner's read still checks."""
+    moves the mtime. What this cannot see (bits that rot without a write) the owner's read still checks.
+
+    A file the owner wrote itself is known good without a read (`remember`, with its `file_identity`)
+    once its mtime is older than the filesystem clock's tick: an edit after that moves the mtime, while an edit in
+    the tick of the write could keep it (git's "racily clean" files), so a file that recent is not remembered."""
 
     OK, MISSING, CORRUPT = "ok", "missing", "corrupt"
 
@@ -298,11 +306,34 @@ class FileCheck:
             with self._lock:
                 self._known.pop(path, None)
             return self.CORRUPT
+        self.remember(path, identity)
+        return self.OK
+
+    def remember(self, path: str, identity: tuple[int, int, int, int]) -> None:
+        """`path` with this identity is good: not read again while it keeps it."""
         with self._lock:
             self._known[path] = identity
+            self._known.move_to_end(path)
             if len(self._known) > self._remembered:
                 self._known.popitem(last=False)
-        return self.OK
+
+
+# Older than this, a file's mtime is past the filesystem clock's tick (1-10 ms on Linux): a later edit changes it.
+SETTLED_NS = 50_000_000
+
+
+def file_identity(path: str) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, mtime in ns) of the file, as FileCheck remembers it; None when it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def settled(identity: tuple[int, int, int, int]) -> bool:
+    """Whether an edit of the file from now on would change this identity (see FileCheck)."""
+    return time.time_ns() - identity[3] >= SETTLED_NS
 
 
 TIER_ID_FILE = "tier-id"

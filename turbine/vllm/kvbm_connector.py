@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from turbine.kvbm import Block, DiskStore, FileCheck, HostStore, SharedStore, TieredStore, shared_tier_id
 from turbine.kvbm.block import file_name
+from turbine.kvbm.files import file_identity, settled
 from turbine.router.hashing import block_hashes
 from turbine.vllm.compat import CacheHitSource
 # kv_connector_extra_config's keys and the connector names: set by connectors.py from the --kv-* flags
@@ -100,6 +101,8 @@ _SOURCES = {"host": "HOST", "disk": "DISK", "shared": "EXTERNAL_UNSPECIFIED"} if
 
 TIER_ORDER = ("host", "disk", "shared")  # fastest first
 FILE_READERS = min(8, os.cpu_count() or 1)  # threads reading one step's blocks from the file tiers
+FILE_WRITERS = min(8, os.cpu_count() or 1)  # threads writing one step's blocks to the file tiers
+UNSETTLED_MAX = 1 << 16  # written files whose identity is not yet sent to the scheduler half (oldest dropped)
 PRIVATE_TIERS = ("host", "disk")  # this worker's own; the shared tier is everyone's who sees its directory
 # vLLM's KV events name where a block lives by `medium` ("GPU" for the engine's cache): ours are
 # "turbine.kvbm/<tier>", which turbine.vllm.kv_events_relay turns into the event's `tier`.
@@ -161,12 +164,14 @@ def build_store(vllm_config) -> TieredStore:
 
 @dataclass
 class KvbmWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler each step: what the tiers gained and lost, (stored?, tier, block hash)."""
+    """Worker → scheduler each step: what the tiers gained and lost, (stored?, tier, block hash), and the
+    identities of block files the worker wrote, (tier, block hash, file identity): known good without a check."""
     events: list[tuple[bool, str, int]] = field(default_factory=list)
+    written: list[tuple[str, int, tuple[int, int, int, int]]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvbmWorkerMetadata)
-        return KvbmWorkerMetadata(self.events + other.events)
+        return KvbmWorkerMetadata(self.events + other.events, self.written + other.written)
 
 
 @dataclass
@@ -214,11 +219,11 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._in_flight: dict[str, dict[int, int]] = {}
         # The consolidated stream for the router, taken by vLLM's take_events: (stored?, tier, hash)
         self._events: list[tuple[bool, str, int]] = []
-        # The file tiers' directories, whose blocks are checked before they are offered; blocks other workers
-        # wrote to the shared one are in no event of this worker's (probed).
-        scheduler = role == KVConnectorRole.SCHEDULER
+        # The file tiers' directories, whose blocks are checked before they are offered (but for those the worker
+        # half wrote: it sends their identities); blocks other workers wrote to the shared one are in no event of
+        # this worker's (probed).
         self._dirs = {tier: d for tier, d in (("disk", disk_dir(vllm_config)), ("shared", shared_dir(vllm_config)))
-                      if scheduler and d is not None}
+                      if d is not None}
         self._shared_dir = self._dirs.get("shared")
         self._file_check = FileCheck()
         self._corrupt: list[tuple[str, int]] = []  # found by the check, for the worker half's next step
@@ -227,6 +232,8 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._stats = StatsSource(self.store.metrics) if self.store is not None else None
         self._blocks: KvCacheBlocks | None = None
         self._readers: ThreadPoolExecutor | None = None  # file-tier reads of one step, in parallel
+        self._writers: ThreadPoolExecutor | None = None  # file-tier writes of one step, in parallel
+        self._unsettled: dict[tuple[str, int], None] = {}  # (tier, hash) of files written, identity not yet sent
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
 
@@ -385,6 +392,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             return
         for stored, tier, h in meta.events:
             self._mirror(stored, tier, h)
+        for tier, h, identity in meta.written:
+            if tier in self._dirs:  # the worker wrote it from the engine's KV: no need to read it before offering
+                self._file_check.remember(os.path.join(self._dirs[tier], file_name(h)), tuple(identity))
 
     def _mirror(self, stored: bool, tier: str, h: int) -> None:
         """One tier gained (or lost) a block: the mirror, and the router's stream."""
@@ -448,9 +458,17 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
 
     def _store_blocks(self, blocks: list[tuple[int, int | None, memoryview]]) -> None:
         """Payloads (on a GPU: pinned host slots) into the tiers: the host tier keeps the payload itself, file
-        tiers write it."""
-        for block_hash, parent, data in blocks:
-            self.store.put(Block(block_hash, parent, self.block_size, data))
+        tiers write it, several blocks at a time (the writes and their checksums run outside the GIL): one
+        writer alone fell behind a GPU's prefill (docs/benchmarks/gpu.md)."""
+        puts = [Block(block_hash, parent, self.block_size, data) for block_hash, parent, data in blocks]
+        if len(puts) < 2 or not self._dirs:
+            for block in puts:
+                self.store.put(block)
+            return
+        if self._writers is None:
+            self._writers = ThreadPoolExecutor(FILE_WRITERS, thread_name_prefix="kvbm-write")
+        for _ in self._writers.map(self.store.put, puts):
+            pass
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -508,15 +526,36 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             self._blocks.close()
         if self._readers is not None:
             self._readers.shutdown(wait=False)
+        if self._writers is not None:
+            self._writers.shutdown(wait=False)
 
     def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
         events = self.store.take_tier_events()
         # The scheduler half builds the router's stream (take_events) from its mirror of these tier
         # events, so the store's own consolidated stream is only kept from growing here.
         self.store.take_events()
-        if not events:
+        written = self._settled_files(events)
+        if not events and not written:
             return None
-        return KvbmWorkerMetadata([(e.kind == "stored", e.tier, e.block_hash) for e in events])
+        return KvbmWorkerMetadata([(e.kind == "stored", e.tier, e.block_hash) for e in events], written)
+
+    def _settled_files(self, events) -> list[tuple[str, int, tuple[int, int, int, int]]]:
+        """The identities of the files this worker wrote, each once it has settled (FileCheck: its mtime past the
+        clock's tick), so that the scheduler half offers them without reading them first."""
+        for e in events:
+            if e.kind == "stored" and e.tier in self._dirs:
+                self._unsettled[(e.tier, e.block_hash)] = None
+        while len(self._unsettled) > UNSETTLED_MAX:
+            del self._unsettled[next(iter(self._unsettled))]
+        out = []
+        for key in list(self._unsettled):
+            tier, h = key
+            identity = file_identity(os.path.join(self._dirs[tier], file_name(h)))
+            if identity is None or settled(identity):
+                del self._unsettled[key]
+                if identity is not None:
+                    out.append((tier, h, identity))
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

@@ -19,8 +19,9 @@ another logical shape is refused at start, naming the layer.
   neither the D2H copy nor any file I/O is on the model runner's path. A slot is free again once nothing
   holds its payload (the host tier evicted it and no load reads it). With no free slot a save is dropped
   (counted, and the block is simply recomputed when needed), so a slow disk cannot grow memory without
-  bound. A load copies each block host → GPU (from a slot: DMA) and scatters it into every layer, in
-  stream order before the forward pass.
+  bound. A load copies each block host → GPU and scatters it into every layer, in stream order before the
+  forward pass: from a slot by DMA; a payload in pageable memory (read from a file) is first copied into a
+  pinned staging buffer kept between steps, as one pageable copy per block went at a fraction of DMA speed.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ class KvCacheBlocks:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], *, num_blocks: int, num_kv_heads: int,
                  block_size: int, head_size: int, store_blocks: StoreBlocks, host_tier_bytes: int = 0,
-                 background: bool | None = None, pending_bytes: int | None = None):
+                 background: bool | None = None, pending_bytes: int | None = None, stage_loads: bool | None = None):
         """`store_blocks` puts payloads into the tiers. `background` (default: on a GPU) stores them on the
-        writer thread, from slots sized for a host tier of `host_tier_bytes` plus `pending_bytes` in flight."""
+        writer thread, from slots sized for a host tier of `host_tier_bytes` plus `pending_bytes` in flight.
+        `stage_loads` (default: on a GPU) copies a load's payloads that are not in a slot through the staging."""
         expected = (num_blocks, num_kv_heads, block_size, 2 * head_size)
         for name, t in kv_caches.items():
             if tuple(t.shape) != expected:
@@ -99,6 +101,9 @@ class KvCacheBlocks:
         self._on_gpu = self.device.type == "cuda"
         self._held: list[object] = []  # what this step's loads read from, kept until the step is done
         self._stream = torch.cuda.Stream(device=self.device) if self._on_gpu else None
+        self._stage_loads = self._on_gpu if stage_loads is None else stage_loads
+        self._load_pinned: torch.Tensor | None = None  # staging for pageable payloads (GPU), grown as needed
+        self._load_done: torch.cuda.Event | None = None  # the last DMA out of _load_pinned
         self.background = self._on_gpu if background is None else background
         self.dropped_saves = 0
         if self.background:
@@ -195,6 +200,21 @@ class KvCacheBlocks:
             self._writer.join(timeout=60)
 
     # ---- loads (before the forward pass)
+    def _in_slot(self, data) -> bool:
+        """Whether the payload is a view of a pinned slot (a save's, kept by the host tier)."""
+        return self.background and isinstance(data, memoryview) and getattr(data.obj, "base", None) is self.slots._rows
+
+    def _pinned_rows(self, k: int) -> torch.Tensor | None:
+        """k rows of the pinned staging buffer, free once the previous load's DMA out of them is done."""
+        if k == 0:
+            return None
+        if self._load_done is not None:
+            self._load_done.synchronize()
+        if self._load_pinned is None or self._load_pinned.shape[0] < k:
+            self._load_pinned = torch.empty((max(k, 64), self.block_nbytes), dtype=torch.uint8,
+                                            pin_memory=self._on_gpu)
+        return self._load_pinned[:k]
+
     def load(self, blocks: list[tuple[int, bytes | memoryview]]) -> None:
         """blocks: (engine block id, payload); copied in stream order before the step's forward pass."""
         self._held = []  # the previous step is done (the runner read its outputs): its sources may go
@@ -202,13 +222,26 @@ class KvCacheBlocks:
             return
         k = len(blocks)
         staging = torch.empty((k, self.block_nbytes), dtype=torch.uint8, device=self.device)
+        # block index -> its row of the pinned staging
+        pageable = {i: j for j, i in enumerate(i for i, (_, data) in enumerate(blocks)
+                                               if self._stage_loads and not self._in_slot(data))}
+        pinned = self._pinned_rows(len(pageable))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")  # only read from
             for i, (_, data) in enumerate(blocks):
-                # From a pinned slot this is an asynchronous DMA: the payload must outlive it, hence held (which
-                # also keeps its slot from being reused) until the next step.
-                staging[i].copy_(torch.frombuffer(data, dtype=torch.uint8), non_blocking=self._on_gpu)
-                self._held.append(data)
+                src = torch.frombuffer(data, dtype=torch.uint8)
+                if pinned is not None and i in pageable:
+                    row = pinned[pageable[i]]
+                    row.copy_(src)  # host memcpy; the DMA below then runs at pinned speed
+                    src = row
+                else:
+                    # From a pinned slot this is an asynchronous DMA: the payload must outlive it, hence held
+                    # (which also keeps its slot from being reused) until the next step.
+                    self._held.append(data)
+                staging[i].copy_(src, non_blocking=self._on_gpu)
+        if pinned is not None and self._on_gpu:
+            self._load_done = torch.cuda.Event()
+            self._load_done.record(torch.cuda.current_stream(self.device))
         idx = torch.tensor([b[0] for b in blocks], dtype=torch.long).to(self.device, non_blocking=True)
         offset = 0
         for layer in self.layers:

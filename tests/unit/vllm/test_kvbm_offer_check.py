@@ -4,6 +4,7 @@ Both halves are real; their tiers are real directories; the engine's cache is a 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 from turbine.kvbm import Block  # noqa: E402
 from turbine.kvbm.block import HEADER_SIZE  # noqa: E402
+from turbine.kvbm.files import SETTLED_NS  # noqa: E402
 from turbine.router.hashing import block_hashes  # noqa: E402
 from turbine.vllm.connectors import KvbmTiers, kvbm_config  # noqa: E402
 from turbine.vllm.kvbm_connector import KvbmMetadata, TurbineKvbmConnector  # noqa: E402
@@ -130,6 +132,23 @@ def test_a_verified_file_is_not_read_again_until_it_changes(tmp_path, monkeypatc
     damage(disk, HASHES[2])  # a write moves the file's mtime: read again, found bad
     # The disk copy read and found bad, then the shared copy (never checked before) read and found good.
     assert offer(scheduler, "c") == 3 * BS and reads == [HASHES[2], HASHES[2]]
+
+
+def test_files_the_worker_half_wrote_are_offered_without_a_read_once_settled(tmp_path, monkeypatch):
+    """The worker half sends the identity of each file it wrote once the file's mtime is past the clock's tick
+    (a later edit moves it): the scheduler half then offers the block without reading the file first."""
+    scheduler, worker = halves(tmp_path)
+    disk, _ = worker.store.tiers
+    time.sleep(SETTLED_NS / 1e9 + 0.02)
+    sync(scheduler, worker)
+    reads = []
+    import turbine.kvbm.files as files
+    real_decode = files.decode
+    monkeypatch.setattr(files, "decode", lambda raw, h: reads.append(h) or real_decode(raw, h))
+    assert offer(scheduler, "a") == 3 * BS and reads == []
+    assert worker._unsettled == {}
+    damage(disk, HASHES[2])  # edited after it settled: the identity moved, so it is read (bad), then the shared copy
+    assert offer(scheduler, "b") == 3 * BS and reads == [HASHES[2]]
 
 
 def test_a_file_damaged_after_its_check_is_the_worker_halfs_load_error(tmp_path):
