@@ -439,7 +439,19 @@ def _py_spy(a, roots: dict[str, int], tag: str, isl: int, osl: int) -> list[subp
     return out
 
 
-def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int] | None = None) -> list[dict]:
+def preemptions(metrics_url: str | None) -> float | None:
+    """The engine's `vllm:num_preemptions_total` (summed over its labels), None without a metrics URL."""
+    if metrics_url is None:
+        return None
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith("vllm:num_preemptions_total"))
+
+
+def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int] | None = None,
+                   metrics_url: str | None = None) -> list[dict]:
+    """`metrics_url`: the engine's /metrics, for its preemptions during each point (a request preempted waits
+    and recomputes: where a TTFT p99 comes from)."""
     res = []
     cpu = ServerCpu(cpu_roots or {})
     for isl, osl, conc in points:
@@ -447,9 +459,11 @@ def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int]
         # warm-up: short answers, enough to reach every server part once
         load_point(base_url, SERVED, isl, min(osl, 32), min(conc, 32), min(conc, 32), a.client_processes, a.seed + 1)
         spies = _py_spy(a, cpu.roots, tag, isl, osl) if conc == (a.scaling_concurrency or conc) else []
-        before, t = cpu.snapshot(), time.perf_counter()
+        before, t, preempted = cpu.snapshot(), time.perf_counter(), preemptions(metrics_url)
         r = load_point(base_url, SERVED, isl, osl, conc, n, a.client_processes, a.seed)
         r["server_cores"] = ServerCpu.cores(before, cpu.snapshot(), time.perf_counter() - t)
+        if preempted is not None:
+            r["preemptions"] = preemptions(metrics_url) - preempted
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
             try:
@@ -457,7 +471,7 @@ def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int]
             except subprocess.TimeoutExpired:
                 spy.kill()
         log(f"{tag} {isl}/{osl} C={conc}: {r['output_tok_s']} out tok/s, TTFT p50 {r['ttft_p50_ms']} ms, "
-            f"ITL p50 {r['itl_p50_ms']} ms, client cpu max {r['client_cpu_max']}, errors {r['errors']}, "
+            f"ITL p50 {r['itl_p50_ms']} ms, preemptions {r.get('preemptions')}, client cpu max {r['client_cpu_max']}, errors {r['errors']}, "
             f"server cores {dict(list(r['server_cores'].items())[:6])}")
         res.append(r)
         MEASURED.append(dict(r, system=tag))
@@ -478,7 +492,7 @@ def run_serve(a, points, run_dir: Path) -> dict:
         out = {"engine_start_s": round(start, 1), "cache_config": cache_config(f"{base}/metrics")}
         if a.parity:
             out["parity_texts"] = greedy_texts(a, base)
-        out["points"] = measure_server(a, base, points, "serve", {"serve": serve.pid})
+        out["points"] = measure_server(a, base, points, "serve", {"serve": serve.pid}, f"{base}/metrics")
         return out
     except Exception:
         log(procs.tail("vllm_serve"))
@@ -530,7 +544,7 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
                 mine = [p for p in points if p[2] == a.scaling_concurrency]
             out["by_frontend_processes"][str(n)] = measure_server(
                 a, f"http://127.0.0.1:{port}", mine, f"turbine x{n}",
-                {"worker": worker_proc.pid, "frontend": frontend.pid})
+                {"worker": worker_proc.pid, "frontend": frontend.pid}, f"http://127.0.0.1:{system_port}/metrics")
             procs.stop("turbine_frontend")
         return out
     except Exception:
