@@ -101,7 +101,9 @@ _SOURCES = {"host": "HOST", "disk": "DISK", "shared": "EXTERNAL_UNSPECIFIED"} if
 
 TIER_ORDER = ("host", "disk", "shared")  # fastest first
 FILE_READERS = min(8, os.cpu_count() or 1)  # threads reading one step's blocks from the file tiers
-FILE_WRITERS = min(8, os.cpu_count() or 1)  # threads writing one step's blocks to the file tiers
+# Threads writing one step's blocks to the file tiers: one fell behind a GPU's prefill; 8 kept up but slowed the
+# engine's own thread by a quarter (docs/benchmarks/gpu.md, ninth session).
+FILE_WRITERS = min(4, os.cpu_count() or 1)
 UNSETTLED_MAX = 1 << 16  # written files whose identity is not yet sent to the scheduler half (oldest dropped)
 PRIVATE_TIERS = ("host", "disk")  # this worker's own; the shared tier is everyone's who sees its directory
 # vLLM's KV events name where a block lives by `medium` ("GPU" for the engine's cache): ours are

@@ -20,8 +20,9 @@ another logical shape is refused at start, naming the layer.
   holds its payload (the host tier evicted it and no load reads it). With no free slot a save is dropped
   (counted, and the block is simply recomputed when needed), so a slow disk cannot grow memory without
   bound. A load copies each block host → GPU and scatters it into every layer, in stream order before the
-  forward pass: from a slot by DMA; a payload in pageable memory (read from a file) is first copied into a
-  pinned staging buffer kept between steps, as one pageable copy per block went at a fraction of DMA speed.
+  forward pass: from a slot by DMA; payloads in pageable memory (read from files) go through two pinned staging
+  buffers of STAGE_ROWS blocks made at start, in turns (one filled while the other's DMA runs), as one pageable
+  copy per block went at a fraction of DMA speed and pinning a buffer the size of a long prompt's load took seconds.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ log = logging.getLogger("turbine.vllm.kvbm")
 
 # Slots beyond what the host tier holds: saves in flight between the D2H copy and the tiers.
 PENDING_SAVE_BYTES = 1 << 30
+
+# Blocks per pinned staging buffer of a load (two of them): 128 MiB each for the 2 MiB blocks of an 8B model.
+STAGE_ROWS = 64
 
 # (hash, parent hash, payload) → into the tiers
 StoreBlocks = Callable[[list[tuple[int, int | None, memoryview]]], None]
@@ -84,7 +88,8 @@ class KvCacheBlocks:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], *, num_blocks: int, num_kv_heads: int,
                  block_size: int, head_size: int, store_blocks: StoreBlocks, host_tier_bytes: int = 0,
-                 background: bool | None = None, pending_bytes: int | None = None, stage_loads: bool | None = None):
+                 background: bool | None = None, pending_bytes: int | None = None, stage_loads: bool | None = None,
+                 stage_rows: int = STAGE_ROWS):
         """`store_blocks` puts payloads into the tiers. `background` (default: on a GPU) stores them on the
         writer thread, from slots sized for a host tier of `host_tier_bytes` plus `pending_bytes` in flight.
         `stage_loads` (default: on a GPU) copies a load's payloads that are not in a slot through the staging."""
@@ -101,9 +106,12 @@ class KvCacheBlocks:
         self._on_gpu = self.device.type == "cuda"
         self._held: list[object] = []  # what this step's loads read from, kept until the step is done
         self._stream = torch.cuda.Stream(device=self.device) if self._on_gpu else None
-        self._stage_loads = self._on_gpu if stage_loads is None else stage_loads
-        self._load_pinned: torch.Tensor | None = None  # staging for pageable payloads (GPU), grown as needed
-        self._load_done: torch.cuda.Event | None = None  # the last DMA out of _load_pinned
+        # Two staging buffers for a load's pageable payloads, each free again once its last DMA is done.
+        stage = self._on_gpu if stage_loads is None else stage_loads
+        self._stage = [torch.empty((stage_rows, self.block_nbytes), dtype=torch.uint8, pin_memory=self._on_gpu)
+                       for _ in range(2)] if stage else []
+        self._stage_done: list[torch.cuda.Event | None] = [None, None]
+        self.staged_loads = 0  # blocks loaded through the staging
         self.background = self._on_gpu if background is None else background
         self.dropped_saves = 0
         if self.background:
@@ -204,17 +212,6 @@ class KvCacheBlocks:
         """Whether the payload is a view of a pinned slot (a save's, kept by the host tier)."""
         return self.background and isinstance(data, memoryview) and getattr(data.obj, "base", None) is self.slots._rows
 
-    def _pinned_rows(self, k: int) -> torch.Tensor | None:
-        """k rows of the pinned staging buffer, free once the previous load's DMA out of them is done."""
-        if k == 0:
-            return None
-        if self._load_done is not None:
-            self._load_done.synchronize()
-        if self._load_pinned is None or self._load_pinned.shape[0] < k:
-            self._load_pinned = torch.empty((max(k, 64), self.block_nbytes), dtype=torch.uint8,
-                                            pin_memory=self._on_gpu)
-        return self._load_pinned[:k]
-
     def load(self, blocks: list[tuple[int, bytes | memoryview]]) -> None:
         """blocks: (engine block id, payload); copied in stream order before the step's forward pass."""
         self._held = []  # the previous step is done (the runner read its outputs): its sources may go
@@ -222,26 +219,29 @@ class KvCacheBlocks:
             return
         k = len(blocks)
         staging = torch.empty((k, self.block_nbytes), dtype=torch.uint8, device=self.device)
-        # block index -> its row of the pinned staging
-        pageable = {i: j for j, i in enumerate(i for i, (_, data) in enumerate(blocks)
-                                               if self._stage_loads and not self._in_slot(data))}
-        pinned = self._pinned_rows(len(pageable))
+        pageable = []
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")  # only read from
             for i, (_, data) in enumerate(blocks):
-                src = torch.frombuffer(data, dtype=torch.uint8)
-                if pinned is not None and i in pageable:
-                    row = pinned[pageable[i]]
-                    row.copy_(src)  # host memcpy; the DMA below then runs at pinned speed
-                    src = row
-                else:
-                    # From a pinned slot this is an asynchronous DMA: the payload must outlive it, hence held
-                    # (which also keeps its slot from being reused) until the next step.
-                    self._held.append(data)
-                staging[i].copy_(src, non_blocking=self._on_gpu)
-        if pinned is not None and self._on_gpu:
-            self._load_done = torch.cuda.Event()
-            self._load_done.record(torch.cuda.current_stream(self.device))
+                if self._stage and not self._in_slot(data):
+                    pageable.append(i)
+                    continue
+                # From a pinned slot this is an asynchronous DMA: the payload must outlive it, hence held (which
+                # also keeps its slot from being reused) until the next step.
+                staging[i].copy_(torch.frombuffer(data, dtype=torch.uint8), non_blocking=self._on_gpu)
+                self._held.append(data)
+            rows = self._stage[0].shape[0] if self._stage else 1
+            for turn, start in enumerate(range(0, len(pageable), rows)):
+                buf, done = self._stage[turn % 2], self._stage_done[turn % 2]
+                if done is not None:
+                    done.synchronize()  # its previous DMA (this load's, or the last step's) has read it
+                for j, i in enumerate(pageable[start:start + rows]):
+                    buf[j].copy_(torch.frombuffer(blocks[i][1], dtype=torch.uint8))  # a host memcpy
+                    staging[i].copy_(buf[j], non_blocking=self._on_gpu)
+                if self._on_gpu:
+                    self._stage_done[turn % 2] = torch.cuda.Event()
+                    self._stage_done[turn % 2].record(torch.cuda.current_stream(self.device))
+            self.staged_loads += len(pageable)
         idx = torch.tensor([b[0] for b in blocks], dtype=torch.long).to(self.device, non_blocking=True)
         offset = 0
         for layer in self.layers:

@@ -125,30 +125,32 @@ def test_a_slot_is_free_again_once_nothing_holds_its_payload_and_saves_beyond_th
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 def test_loads_from_pageable_memory_go_through_the_staging_and_slot_payloads_do_not(device):
-    """A GPU's load: payloads read from files (pageable bytes) are copied into the pinned staging kept between
-    steps, then DMA'd; a slot's payload (a host-tier hit) is DMA'd as it is and held until the next step. On CPU
-    the same path runs unpinned (stage_loads=True); on a GPU host (benchmarks/gpu/gpu_tests.sh tests) pinned."""
+    """A GPU's load: payloads read from files (pageable bytes) are copied into the two staging buffers in turns,
+    each DMA'd while the other fills; a slot's payload (a host-tier hit) is DMA'd as it is and held until the next
+    step. On CPU the same path runs unpinned (stage_loads=True); on a GPU host (gpu_tests.sh tests) pinned."""
     source = _caches(True, seed=6)
     saved = []
-    _blocks(source, saved).save([(i, 0x20 + i, None) for i in range(4)])
+    _blocks(source, saved).save([(i, 0x20 + i, None) for i in range(5)])
     caches = {k: v.to(device) for k, v in _caches(True, seed=7).items()}
     kept = []
     copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
-                           store_blocks=lambda blocks: kept.extend(blocks), background=True, stage_loads=True)
+                           store_blocks=lambda blocks: kept.extend(blocks), background=True, stage_loads=True,
+                           stage_rows=1)
     copier.save([(7, 0x99, None)])  # a slot payload, as the host tier holds it
     copier.flush()
     slot_payload = kept[0][2]
     expected_7 = {k: v[7].clone() for k, v in caches.items()}
-    copier.load([(0, saved[0][2]), (7, slot_payload), (5, bytearray(saved[2][2]))])
-    assert copier._load_pinned.shape[0] >= 2 and len(copier._held) == 1  # the slot payload alone is held
-    staging = copier._load_pinned
-    copier.load([(1, saved[1][2]), (6, saved[3][2])])  # the next step: the staging reused
-    assert copier._load_pinned is staging and copier._held == []
+    # Three pageable payloads over two one-row buffers: the first is used again once its DMA is done.
+    copier.load([(0, saved[0][2]), (7, slot_payload), (5, bytearray(saved[2][2])), (2, saved[4][2])])
+    assert copier.staged_loads == 3 and len(copier._held) == 1  # the slot payload alone is held
+    copier.load([(1, saved[1][2]), (6, saved[3][2])])  # the next step: the same buffers
+    assert copier.staged_loads == 5 and copier._held == []
     if device == "cuda":
         torch.cuda.synchronize()
     for name in caches:
         got = caches[name].cpu()
         assert torch.equal(got[0], source[name][0]) and torch.equal(got[5], source[name][2])
+        assert torch.equal(got[2], source[name][4])
         assert torch.equal(got[1], source[name][1]) and torch.equal(got[6], source[name][3])
         assert torch.equal(got[7], expected_7[name].cpu())
     copier.close()
