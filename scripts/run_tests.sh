@@ -29,6 +29,12 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
 fi
 export TURBINE_TEST_NATS="nats://127.0.0.1:4222"
 
+# Turbine's own bytecode, written once: the suite starts about 300 Python processes (frontends, mockers,
+# routers, planners, vLLM workers and their engine processes), each importing turbine/. Where
+# PYTHONDONTWRITEBYTECODE is set (it is on the 2-core host of docs/operations/tests.md) each of them
+# compiled it from source again: 0.3-0.4 s of CPU more per frontend or mocker start.
+$PY -m compileall -q turbine tests >/dev/null
+
 # Two pytest-xdist workers: the real-engine modules all on one of them, one after the other (the
 # xdist groups of tests/conftest.py), everything else on the other meanwhile. TURBINE_TEST_WORKERS=0
 # runs it all in this one process.
