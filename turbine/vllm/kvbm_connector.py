@@ -231,6 +231,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._corrupt: list[tuple[str, int]] = []  # found by the check, for the worker half's next step
         # worker side
         self.store = build_store(vllm_config) if role == KVConnectorRole.WORKER else None
+        # What the disk tier held at start (an earlier run's files): reported with the first step's events, but
+        # never remembered as written here (a crash may have left one short): the check reads them first.
+        self._found_at_start = self.store.take_tier_events() if self.store is not None else []
         self._stats = StatsSource(self.store.metrics) if self.store is not None else None
         self._blocks: KvCacheBlocks | None = None
         self._readers: ThreadPoolExecutor | None = None  # file-tier reads of one step, in parallel
@@ -533,10 +536,12 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
         events = self.store.take_tier_events()
+        found, self._found_at_start = self._found_at_start, []
         # The scheduler half builds the router's stream (take_events) from its mirror of these tier
         # events, so the store's own consolidated stream is only kept from growing here.
         self.store.take_events()
         written = self._settled_files(events)
+        events = found + events
         if not events and not written:
             return None
         return KvbmWorkerMetadata([(e.kind == "stored", e.tier, e.block_hash) for e in events], written)

@@ -26,7 +26,7 @@ TOKENS = list(range(100, 100 + 3 * BS + 1))  # 3 full blocks and the token the e
 HASHES = block_hashes(TOKENS[:3 * BS], BS)
 
 
-def halves(tmp_path) -> tuple[TurbineKvbmConnector, TurbineKvbmConnector]:
+def halves(tmp_path, put: bool = True) -> tuple[TurbineKvbmConnector, TurbineKvbmConnector]:
     extra = kvbm_config(KvbmTiers(disk_gb=0.01, disk_dir=str(tmp_path / "disk"), shared_gb=0.01,
                                   shared_dir=str(tmp_path / "shared")))["kv_connector_extra_config"]
     mc = SimpleNamespace(model="m", dtype="float32", get_num_layers=lambda pc: 2, get_num_kv_heads=lambda pc: 1,
@@ -40,7 +40,7 @@ def halves(tmp_path) -> tuple[TurbineKvbmConnector, TurbineKvbmConnector]:
     worker._blocks = SimpleNamespace(block_nbytes=PAYLOAD, loaded=[])
     worker._blocks.load = worker._blocks.loaded.extend
     # The prompt's blocks were computed earlier: in both file tiers, and the scheduler half's mirror knows.
-    for i, h in enumerate(HASHES):
+    for i, h in enumerate(HASHES if put else []):
         worker.store.put(Block(h, HASHES[i - 1] if i else None, BS, bytes([i]) * PAYLOAD))
     sync(scheduler, worker)
     return scheduler, worker
@@ -149,6 +149,20 @@ def test_files_the_worker_half_wrote_are_offered_without_a_read_once_settled(tmp
     assert worker._unsettled == {}
     damage(disk, HASHES[2])  # edited after it settled: the identity moved, so it is read (bad), then the shared copy
     assert offer(scheduler, "b") == 3 * BS and reads == [HASHES[2]]
+
+
+def test_files_an_earlier_run_left_are_read_before_they_are_offered(tmp_path, monkeypatch):
+    """A restarted worker finds the disk tier's files (a crash may have left one short): they reach the mirror,
+    but not as written by this process, so the scheduler half reads each before offering it."""
+    halves(tmp_path)
+    time.sleep(SETTLED_NS / 1e9 + 0.02)
+    scheduler, worker = halves(tmp_path, put=False)  # the same directories, a new process
+    assert worker.store.tiers_of(HASHES[0]) == {"disk"}
+    reads = []
+    import turbine.kvbm.files as files
+    real_decode = files.decode
+    monkeypatch.setattr(files, "decode", lambda raw, h: reads.append(h) or real_decode(raw, h))
+    assert offer(scheduler) == 3 * BS and reads == HASHES
 
 
 def test_a_file_damaged_after_its_check_is_the_worker_halfs_load_error(tmp_path):
