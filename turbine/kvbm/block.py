@@ -24,8 +24,11 @@ checksum disagree is corrupt: `decode` raises `CorruptBlock` and the caller drop
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import xxhash
 
@@ -37,6 +40,10 @@ HEADER_SIZE = _FIELDS.size + _CHECKSUM.size  # 44
 _HAS_PARENT = 1
 _U64 = (1 << 64) - 1
 SUFFIX = ".kvb"
+
+
+# Where a payload read from a file goes: a writable byte view of the given length, or None for bytes of its own.
+ReadBuffer = Callable[[int], "memoryview | None"]
 
 
 class CorruptBlock(ValueError):
@@ -101,8 +108,38 @@ def encode(block: Block) -> bytes:
 
 def decode(raw: bytes, expected_hash: int) -> Block:
     """The block in `raw` (its data a view of `raw`), or CorruptBlock naming what is wrong."""
-    if len(raw) < HEADER_SIZE:
-        raise CorruptBlock(f"{len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    parent, num_tokens, _, checksum = _parsed_header(raw, expected_hash, len(raw))
+    payload = memoryview(raw)[HEADER_SIZE:]  # a view, not a copy: a block is megabytes
+    _verify(raw, payload, checksum)
+    return _block(expected_hash, parent, num_tokens, payload)
+
+
+def read_file(f: BinaryIO, expected_hash: int, buffer: ReadBuffer | None = None) -> Block:
+    """The block in the open file `f` (unbuffered, at its start), checked as `decode` checks it. Its payload is
+    read straight into `buffer(payload length)` where that gives a writable view of exactly that many bytes
+    (the vLLM connector's pinned host slots on a GPU: no copy between the file and the DMA), else into bytes of
+    its own."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(HEADER_SIZE) if size >= HEADER_SIZE else b""
+    parent, num_tokens, length, checksum = _parsed_header(head, expected_hash, size)
+    dest = buffer(length) if buffer is not None else None
+    if dest is None:
+        f.seek(0)
+        return decode(f.read(), expected_hash)
+    got = 0
+    while got < length:
+        n = f.readinto(dest[got:])
+        if not n:
+            raise CorruptBlock(f"{HEADER_SIZE + got} bytes, the header says {HEADER_SIZE + length} (shrank while read)")
+        got += n
+    _verify(head, dest, checksum)
+    return _block(expected_hash, parent, num_tokens, dest)
+
+
+def _parsed_header(raw: bytes, expected_hash: int, size: int) -> tuple[int | None, int, int, int]:
+    """(parent, token count, payload length, checksum) from a file of `size` bytes that starts with `raw`."""
+    if size < HEADER_SIZE:
+        raise CorruptBlock(f"{size} bytes, shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, block_hash, parent, num_tokens, length = _FIELDS.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")
@@ -110,15 +147,21 @@ def decode(raw: bytes, expected_hash: int) -> Block:
         raise CorruptBlock(f"unknown version {version}")
     if block_hash != expected_hash:
         raise CorruptBlock(f"holds block {block_hash:016x}, not {expected_hash:016x}")
-    if len(raw) != HEADER_SIZE + length:
-        raise CorruptBlock(f"{len(raw)} bytes, the header says {HEADER_SIZE + length} (truncated or grown)")
+    if size != HEADER_SIZE + length:
+        raise CorruptBlock(f"{size} bytes, the header says {HEADER_SIZE + length} (truncated or grown)")
     (checksum,) = _CHECKSUM.unpack_from(raw, _FIELDS.size)
-    h = xxhash.xxh3_64(raw[:_FIELDS.size])
-    payload = memoryview(raw)[HEADER_SIZE:]  # a view, not a copy: a block is megabytes
+    return (parent if flags & _HAS_PARENT else None), num_tokens, length, checksum
+
+
+def _verify(head: bytes, payload, checksum: int) -> None:
+    h = xxhash.xxh3_64(head[:_FIELDS.size])
     h.update(payload)
     if h.intdigest() != checksum:
         raise CorruptBlock("checksum mismatch")
+
+
+def _block(block_hash: int, parent: int | None, num_tokens: int, payload) -> Block:
     try:
-        return Block(block_hash, parent if flags & _HAS_PARENT else None, num_tokens, payload)
+        return Block(block_hash, parent, num_tokens, payload)
     except ValueError as e:
         raise CorruptBlock(str(e)) from None

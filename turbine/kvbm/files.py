@@ -19,7 +19,8 @@ import time
 import uuid
 from collections import OrderedDict
 
-from turbine.kvbm.block import HEADER_SIZE, SUFFIX, Block, CorruptBlock, decode, file_name, hash_of_name, header
+from turbine.kvbm.block import (HEADER_SIZE, SUFFIX, Block, CorruptBlock, ReadBuffer, decode, file_name, hash_of_name,
+                                header, read_file)
 from turbine.kvbm.metrics import KvbmMetrics
 from turbine.kvbm.store import BlockStore
 
@@ -38,6 +39,8 @@ class _FileStore(BlockStore):
         self.metrics = metrics
         self._writable = True
         self._lock = threading.Lock()
+        # Where a payload read from a file goes (the vLLM connector's pinned host slots on a GPU); None: bytes.
+        self.read_buffer: ReadBuffer | None = None
 
     @property
     def writable(self) -> bool:
@@ -75,12 +78,12 @@ class _FileStore(BlockStore):
         """The verified block; None when absent; a corrupt file is unlinked and counted, then None."""
         path = self._path(block_hash)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
             return None
         try:
-            return decode(raw, block_hash)
+            with f:
+                return read_file(f, block_hash, self.read_buffer)
         except CorruptBlock as e:
             log.warning("KV %s tier: dropping corrupt block file %s: %s", self.name, path, e)
             _unlink(path)

@@ -104,6 +104,9 @@ FILE_READERS = min(8, os.cpu_count() or 1)  # threads reading one step's blocks 
 # Threads writing one step's blocks to the file tiers: one fell behind a GPU's prefill; 8 kept up but slowed the
 # engine's own thread by a quarter (docs/benchmarks/gpu.md, ninth session).
 FILE_WRITERS = min(4, os.cpu_count() or 1)
+# Blocks a step loads per part: each part is read (into host slots) while the previous part's DMA runs, and its
+# promotions into the host tier free older slots for the next part.
+LOAD_PART = 64
 UNSETTLED_MAX = 1 << 16  # written files whose identity is not yet sent to the scheduler half (oldest dropped)
 PRIVATE_TIERS = ("host", "disk")  # this worker's own; the shared tier is everyone's who sees its directory
 # vLLM's KV events name where a block lives by `medium` ("GPU" for the engine's cache): ours are
@@ -460,6 +463,9 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
                                      num_kv_heads=self._kv_heads, block_size=self.block_size,
                                      head_size=self._head_size, store_blocks=self._store_blocks,
                                      host_tier_bytes=int(extra.get(HOST_BYTES) or 0))
+        for tier in self.store.tiers:
+            if hasattr(tier, "read_buffer"):  # the file tiers read payloads straight into host slots (on a GPU)
+                tier.read_buffer = self._blocks.read_buffer
 
     def _store_blocks(self, blocks: list[tuple[int, int | None, memoryview]]) -> None:
         """Payloads (on a GPU: pinned host slots) into the tiers: the host tier keeps the payload itself, file
@@ -472,8 +478,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             return
         if self._writers is None:
             self._writers = ThreadPoolExecutor(FILE_WRITERS, thread_name_prefix="kvbm-write")
-        for _ in self._writers.map(self.store.put, puts):
-            pass
+        list(self._writers.map(self.store.put, puts))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -481,13 +486,19 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._failed_reqs = set()
         for tier, block_hash in meta.corrupt:
             self.store.drop_corrupt(tier, block_hash)
+        self._blocks.begin_loads()
+        # In parts: one part's copies to the GPU run (asynchronously, from host slots) while the next is read.
+        for start in range(0, len(meta.loads), LOAD_PART):
+            self._load_part(meta.loads[start:start + LOAD_PART])
+
+    def _load_part(self, part: list[tuple[str, int, int]]) -> None:
         loads = []
         # The scheduler half checked every file block offered here; this check stays as the second guard: a
         # file can still change between that check and this read (another worker rewrites a shared block, a
         # disk fails), and then the block is reported as a load error and vLLM recomputes it (which vLLM
         # 0.32's V1 runner survives and 0.26's on a GPU does not: the window is one step).
-        fetched = self._fetch([block_hash for _, _, block_hash in meta.loads])
-        for (req_id, block_id, block_hash), found in zip(meta.loads, fetched):
+        fetched = self._fetch([block_hash for _, _, block_hash in part])
+        for (req_id, block_id, block_hash), found in zip(part, fetched):
             if req_id in self._failed_reqs:
                 self._load_errors.add(block_id)  # after a failed block the rest of the prefix is recomputed
                 self.store.metrics.load_errors.inc()

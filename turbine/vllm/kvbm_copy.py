@@ -20,7 +20,9 @@ another logical shape is refused at start, naming the layer.
   holds its payload (the host tier evicted it and no load reads it). With no free slot a save is dropped
   (counted, and the block is simply recomputed when needed), so a slow disk cannot grow memory without
   bound. A load copies each block host → GPU and scatters it into every layer, in stream order before the
-  forward pass: from a slot by DMA; payloads in pageable memory (read from files) go through two pinned staging
+  forward pass: from a slot by DMA. The file tiers read payloads straight into free slots (`read_buffer`: no copy
+  between the file and the DMA, and the host tier keeps that slot when it promotes the block), leaving the saves a
+  reserve; a payload in pageable memory (a read that found only the reserve free) goes through two pinned staging
   buffers of STAGE_ROWS blocks made at start, in turns (one filled while the other's DMA runs), as one pageable
   copy per block went at a fraction of DMA speed and pinning a buffer the size of a long prompt's load took seconds.
 """
@@ -60,9 +62,10 @@ class PinnedSlots:
         self._free = collections.deque(range(count))
         self._lock = threading.Lock()
 
-    def take(self, k: int) -> list[int] | None:
+    def take(self, k: int, keep: int = 0) -> list[int] | None:
+        """k free slots, or None when fewer than k + `keep` are free."""
         with self._lock:
-            if len(self._free) < k:
+            if len(self._free) < k + keep:
                 return None
             return sorted(self._free.popleft() for _ in range(k))
 
@@ -70,6 +73,10 @@ class PinnedSlots:
         row = self._rows[slot]  # a view of its own, whose end returns the slot
         weakref.finalize(row, self._free.append, slot)
         return memoryview(row)
+
+    def holds(self, data) -> bool:
+        """Whether `data` is a payload view of one of these slots."""
+        return isinstance(data, memoryview) and getattr(data.obj, "base", None) is self._rows
 
     @property
     def free(self) -> int:
@@ -118,6 +125,8 @@ class KvCacheBlocks:
             pending = PENDING_SAVE_BYTES if pending_bytes is None else pending_bytes
             count = max(1, host_tier_bytes // self.block_nbytes + pending // self.block_nbytes)
             self.slots = PinnedSlots(self.block_nbytes, count, pinned=self._on_gpu)
+            # Reads from files take slots too (read_buffer) but leave this many to the saves in flight.
+            self._save_reserve = pending // self.block_nbytes // 2
             log.info("kvbm: %d host slots of %d bytes (%.1f GiB%s)", count, self.block_nbytes,
                      count * self.block_nbytes / 2**30, ", pinned" if self._on_gpu else "")
             self._queue: queue.Queue[_PendingSave | threading.Event | None] = queue.Queue()
@@ -209,12 +218,26 @@ class KvCacheBlocks:
 
     # ---- loads (before the forward pass)
     def _in_slot(self, data) -> bool:
-        """Whether the payload is a view of a pinned slot (a save's, kept by the host tier)."""
-        return self.background and isinstance(data, memoryview) and getattr(data.obj, "base", None) is self.slots._rows
+        """Whether the payload is a view of a pinned slot (a save's kept by the host tier, or a file read's)."""
+        return self.background and self.slots.holds(data)
+
+    def read_buffer(self, nbytes: int) -> memoryview | None:
+        """A free slot for a payload read from a file (the file tiers' reader threads call this): its load is then
+        a DMA straight from there, and the host tier keeps the slot itself when the block is promoted. None where
+        there are no slots (CPU), the size is not a block's, or only the saves' reserve is left (then the read
+        goes to pageable bytes and its load through the staging)."""
+        if not self.background or nbytes != self.block_nbytes:
+            return None
+        slots = self.slots.take(1, keep=self._save_reserve)
+        return None if slots is None else self.slots.payload(slots[0])
+
+    def begin_loads(self) -> None:
+        """A new step's loads follow: the previous step is done (the runner read its outputs), its sources may go."""
+        self._held = []
 
     def load(self, blocks: list[tuple[int, bytes | memoryview]]) -> None:
-        """blocks: (engine block id, payload); copied in stream order before the step's forward pass."""
-        self._held = []  # the previous step is done (the runner read its outputs): its sources may go
+        """blocks: (engine block id, payload); copied in stream order before the step's forward pass. A step may
+        load in several parts (each part's DMA runs while the next part is read), after one `begin_loads`."""
         if not blocks:
             return
         k = len(blocks)

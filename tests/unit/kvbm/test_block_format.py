@@ -2,7 +2,7 @@
 
 import pytest
 
-from turbine.kvbm.block import HEADER_SIZE, Block, CorruptBlock, decode, encode, file_name, hash_of_name
+from turbine.kvbm.block import HEADER_SIZE, Block, CorruptBlock, decode, encode, file_name, hash_of_name, read_file
 
 
 def test_round_trip_keeps_every_field():
@@ -15,7 +15,7 @@ def test_round_trip_keeps_every_field():
 
 @pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "truncate_header", "grow",
                                     "magic", "wrong_hash"])
-def test_damage_is_detected(damage):
+def test_damage_is_detected(damage, tmp_path):
     b = Block(42, 41, 16, b"\x01" * 1000)
     raw = bytearray(encode(b))
     expected = 42
@@ -35,6 +35,26 @@ def test_damage_is_detected(damage):
         expected = 43  # a file renamed onto another block's name
     with pytest.raises(CorruptBlock):
         decode(bytes(raw), expected)
+    for buffer in (None, lambda n: memoryview(bytearray(n))):  # the file readers find the same damage
+        with pytest.raises(CorruptBlock):
+            _read(tmp_path, raw, expected, buffer)
+
+
+def _read(tmp_path, raw, expected_hash, buffer=None) -> Block:
+    path = tmp_path / "block.kvb"
+    path.write_bytes(bytes(raw))
+    with open(path, "rb", buffering=0) as f:
+        return read_file(f, expected_hash, buffer)
+
+
+def test_a_file_is_read_straight_into_the_buffer_given_or_into_bytes(tmp_path):
+    b = Block(0x77, 0x76, 16, bytes(range(256)) * 40)
+    into = memoryview(bytearray(len(b.data)))
+    asked = []
+    got = _read(tmp_path, encode(b), 0x77, lambda n: asked.append(n) or into)
+    assert got == b and got.data is into and asked == [len(b.data)]
+    assert _read(tmp_path, encode(b), 0x77, lambda n: None) == b  # no buffer: bytes of its own
+    assert _read(tmp_path, encode(b), 0x77) == b
 
 
 def test_names():

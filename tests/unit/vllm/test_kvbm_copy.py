@@ -143,6 +143,7 @@ def test_loads_from_pageable_memory_go_through_the_staging_and_slot_payloads_do_
     # Three pageable payloads over two one-row buffers: the first is used again once its DMA is done.
     copier.load([(0, saved[0][2]), (7, slot_payload), (5, bytearray(saved[2][2])), (2, saved[4][2])])
     assert copier.staged_loads == 3 and len(copier._held) == 1  # the slot payload alone is held
+    copier.begin_loads()
     copier.load([(1, saved[1][2]), (6, saved[3][2])])  # the next step: the same buffers
     assert copier.staged_loads == 5 and copier._held == []
     if device == "cuda":
@@ -153,4 +154,49 @@ def test_loads_from_pageable_memory_go_through_the_staging_and_slot_payloads_do_
         assert torch.equal(got[2], source[name][4])
         assert torch.equal(got[1], source[name][1]) and torch.equal(got[6], source[name][3])
         assert torch.equal(got[7], expected_7[name].cpu())
+    copier.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_file_reads_go_straight_into_host_slots_and_the_host_tier_keeps_them(tmp_path, device):
+    """A GPU's disk hit: the disk tier reads the payload into a free host slot (read_buffer), the load DMAs it
+    from there without the staging, and its promotion into the host tier keeps that slot (no copy); once only
+    the saves' reserve is free, a read goes to bytes of its own and its load through the staging."""
+    from turbine.kvbm import Block, DiskStore, HostStore, TieredStore
+
+    source = _caches(True, seed=8)
+    saved = []
+    _blocks(source, saved).save([(i, 0x30 + i, None) for i in range(4)])
+    block_bytes = len(saved[0][2])
+    caches = {k: v.to(device) for k, v in _caches(True, seed=9).items()}
+    copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
+                           store_blocks=lambda blocks: None, background=True, stage_loads=True, stage_rows=2,
+                           host_tier_bytes=2 * block_bytes, pending_bytes=2 * block_bytes)
+    assert copier.slots.free == 4 and copier._save_reserve == 1  # three slots for reads
+    disk = DiskStore(str(tmp_path / "disk"), 1 << 20)
+    for h, _, payload in saved:
+        disk.put(Block(h, None, N, payload))
+    disk.read_buffer = copier.read_buffer
+    store = TieredStore([HostStore(2 * block_bytes), disk])
+    got = [store.get(0x30 + i) for i in range(4)]
+    assert [tier for _, tier in got] == ["disk"] * 4
+    in_slot = [copier.slots.holds(b.data) for b, _ in got]
+    assert in_slot == [True, True, True, False]  # the fourth found only the reserve free
+    copier.begin_loads()
+    copier.load([(i, b.data) for i, (b, _) in enumerate(got)])
+    assert copier.staged_loads == 1
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for name in caches:
+        got_cache = caches[name].cpu()
+        for i in range(4):
+            assert torch.equal(got_cache[i], source[name][i])
+    # The host tier (two blocks) kept the last two promoted: 0x32's slot stays its own; 0x30's and 0x31's are
+    # free again once nothing reads them (the next step's loads begin).
+    host = store.tiers[0]
+    assert host.contains(0x32) and host.contains(0x33) and not host.contains(0x30) and not host.contains(0x31)
+    del got
+    copier.begin_loads()
+    gc.collect()
+    assert copier.slots.free == 3 and copier.slots.holds(host.get(0x32).data)
     copier.close()

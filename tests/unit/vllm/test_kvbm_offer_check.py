@@ -18,6 +18,7 @@ from turbine.kvbm.block import HEADER_SIZE  # noqa: E402
 from turbine.kvbm.files import SETTLED_NS  # noqa: E402
 from turbine.router.hashing import block_hashes  # noqa: E402
 from turbine.vllm.connectors import KvbmTiers, kvbm_config  # noqa: E402
+from turbine.vllm import kvbm_connector  # noqa: E402
 from turbine.vllm.kvbm_connector import KvbmMetadata, TurbineKvbmConnector  # noqa: E402
 
 BS = 4
@@ -37,7 +38,7 @@ def halves(tmp_path, put: bool = True) -> tuple[TurbineKvbmConnector, TurbineKvb
     kv_cache_config = SimpleNamespace(kv_cache_groups=[object()], num_blocks=8)
     scheduler = TurbineKvbmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = TurbineKvbmConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-    worker._blocks = SimpleNamespace(block_nbytes=PAYLOAD, loaded=[])
+    worker._blocks = SimpleNamespace(block_nbytes=PAYLOAD, loaded=[], begin_loads=lambda: None)
     worker._blocks.load = worker._blocks.loaded.extend
     # The prompt's blocks were computed earlier: in both file tiers, and the scheduler half's mirror knows.
     for i, h in enumerate(HASHES if put else []):
@@ -165,9 +166,12 @@ def test_files_an_earlier_run_left_are_read_before_they_are_offered(tmp_path, mo
     assert offer(scheduler) == 3 * BS and reads == HASHES
 
 
-def test_a_file_damaged_after_its_check_is_the_worker_halfs_load_error(tmp_path):
+@pytest.mark.parametrize("part", [64, 1], ids=["one part", "a part per block"])
+def test_a_file_damaged_after_its_check_is_the_worker_halfs_load_error(tmp_path, monkeypatch, part):
     """The second guard: a file that changes between the check and the load (one step) fails the worker half's
-    own check; the block and the rest of the prompt's offer are reported to vLLM (recomputed) and counted."""
+    own check; the block and the rest of the prompt's offer are reported to vLLM (recomputed) and counted, also
+    when the rest is read in later parts of the step's load."""
+    monkeypatch.setattr(kvbm_connector, "LOAD_PART", part)
     scheduler, worker = halves(tmp_path)
     disk, shared = worker.store.tiers
     assert offer(scheduler) == 3 * BS
