@@ -138,8 +138,8 @@ def read_file(f: BinaryIO, expected_hash: int, buffer: ReadBuffer | None = None)
 
 def _parsed_header(raw: bytes, expected_hash: int, size: int) -> tuple[int | None, int, int, int]:
     """(parent, token count, payload length, checksum) from a file of `size` bytes that starts with `raw`."""
-    if size < HEADER_SIZE:
-        raise CorruptBlock(f"{size} bytes, shorter than the {HEADER_SIZE}-byte header")
+    if size < HEADER_SIZE or len(raw) < HEADER_SIZE:  # (a file cut short between its stat and its read)
+        raise CorruptBlock(f"{min(size, len(raw))} bytes, shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, block_hash, parent, num_tokens, length = _FIELDS.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")

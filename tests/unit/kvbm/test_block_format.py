@@ -85,3 +85,15 @@ def test_a_memoryview_payload_is_written_as_its_bytes():
         Block(0x5, None, 16, memoryview(raw).cast("H"))
     with pytest.raises(TypeError, match="bytes or a memoryview"):
         Block(0x5, None, 16, bytearray(raw))
+
+
+def test_a_file_cut_short_after_its_size_was_taken_is_corrupt(tmp_path, monkeypatch):
+    """The reader takes the file's size, then reads: a file truncated in between is refused, not a crash."""
+    import os
+
+    b = Block(0x78, None, 16, b"\x02" * 100)
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((0,) * 6 + (HEADER_SIZE + 100,) + (0,) * 3))
+    with pytest.raises(CorruptBlock, match="shorter than"):
+        _read(tmp_path, encode(b)[:HEADER_SIZE - 4], 0x78, lambda n: memoryview(bytearray(n)))
+    with pytest.raises(CorruptBlock, match="shrank while read"):
+        _read(tmp_path, encode(b)[:HEADER_SIZE + 50], 0x78, lambda n: memoryview(bytearray(n)))
