@@ -50,18 +50,23 @@ def test_damaged_file_is_dropped_not_served(kind, damage, tmp_path):
 PAYLOAD = 256 * 1024  # large enough that a non-atomic write is seen half done
 
 
-def _writer(directory: str, me: int, rounds: int) -> None:
+def _writer(directory: str, me: int, rounds: int, stop) -> None:
+    """Rewrites the block at least `rounds` times, and on until `stop` is set (the readers are done)."""
     store = SharedStore(directory, 1 << 30)
     block = Block(H, None, 16, bytes([me]) * PAYLOAD)  # each writer its own bytes under one hash
-    for _ in range(rounds):
+    done = 0
+    while done < rounds or not stop.is_set():
         store.remove(H)
         store.put(block)
+        done += 1
 
 
-def _reader(directory: str, until: float, out) -> None:
+def _reader(directory: str, seconds: float, out) -> None:
+    """Reads for `seconds` from its own start (a loaded host may start it late), while the writers go on."""
     m = KvbmMetrics()
     store = SharedStore(directory, 1 << 30, metrics=m)
     seen = torn = 0
+    until = time.monotonic() + seconds
     while time.monotonic() < until:
         b = store.get(H)
         if b is not None:
@@ -75,20 +80,22 @@ def _reader(directory: str, until: float, out) -> None:
 def test_concurrent_writers_never_tear_a_block(how, tmp_path):
     directory = str(tmp_path / "shared")
     SharedStore(directory, 1 << 30)
-    until = time.monotonic() + 1.5
     if how == "threads":
         import queue
-        out = queue.Queue()
-        workers = [threading.Thread(target=_writer, args=(directory, i + 1, 150)) for i in range(3)]
-        workers += [threading.Thread(target=_reader, args=(directory, until, out)) for _ in range(2)]
+        out, stop = queue.Queue(), threading.Event()
+        workers = [threading.Thread(target=_writer, args=(directory, i + 1, 150, stop)) for i in range(3)]
+        workers += [threading.Thread(target=_reader, args=(directory, 1.5, out)) for _ in range(2)]
     else:
         ctx = multiprocessing.get_context("fork")
-        out = ctx.Queue()
-        workers = [ctx.Process(target=_writer, args=(directory, i + 1, 150)) for i in range(3)]
-        workers += [ctx.Process(target=_reader, args=(directory, until, out)) for _ in range(2)]
+        out, stop = ctx.Queue(), ctx.Event()
+        workers = [ctx.Process(target=_writer, args=(directory, i + 1, 150, stop)) for i in range(3)]
+        workers += [ctx.Process(target=_reader, args=(directory, 1.5, out)) for _ in range(2)]
     for w in workers:
         w.start()
-    results = [out.get(timeout=60) for _ in range(2)]
+    try:
+        results = [out.get(timeout=60) for _ in range(2)]
+    finally:
+        stop.set()  # the writers wrote all the while the readers read
     for w in workers:
         w.join(timeout=60)
     if how == "processes":
