@@ -58,7 +58,9 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -217,10 +219,25 @@ def engine_lock(path: str):
         yield
 
 
+def py_spy(a, st: Stack, run_dir: Path, tag: str) -> list[subprocess.Popen]:
+    """--py-spy: two recordings of the worker and its engine process while the workload runs (raw collapsed
+    stacks, one line per thread): every thread's samples, idle ones included (where the engine's thread waits),
+    and only the GIL holder's (--gil: which thread holds the GIL, for how much of the run)."""
+    if not a.py_spy:
+        return []
+    pid = st.procs[0].popen.pid
+    out = []
+    for kind, extra in (("all", ["--idle"]), ("gil", ["--gil"])):
+        out.append(subprocess.Popen([a.py_spy, "record", "--nonblocking", "--subprocesses", "--threads", *extra,
+                                     "-r", "100", "-f", "raw", "-o", str(run_dir / f"pyspy-{tag}-{kind}.txt"),
+                                     "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return out
+
+
 def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
     tag = f"r{rep}_{mode}"
     wait_quiet()
-    disk_dir, shared_dir = run_dir / f"disk-{tag}", run_dir / f"shared-{tag}"
+    disk_dir, shared_dir = Path(a.disk_root or run_dir) / f"disk-{tag}", run_dir / f"shared-{tag}"
     st = Stack(mode, run_dir, tag)
     disc = tempfile.mkdtemp(prefix="discovery_", dir=run_dir)
     n = mode_workers(mode)
@@ -251,9 +268,14 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
         st.wait_ready(ready, a.startup_timeout)
         st.sanity_check(a.served_model_name)
         before = counters()
+        spies = py_spy(a, st, run_dir, tag) if mode != "none" else []
         t0 = time.monotonic()
         records = asyncio.run(drive(a, st.base_url))
         wall = time.monotonic() - t0
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(60)
         time.sleep(1.5)  # the connector's stats reach /metrics with the engine's next stats interval
         after = counters()
         died = [p.name for p in st.procs if not p.alive()]
@@ -370,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                    "('auto': vLLM's choice, which differs with and without a connector)")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--run-dir", default=None, help="logs and disk tiers (default: a temp folder)")
+    p.add_argument("--disk-root", default=None, help="where the disk tiers' folders go (default: --run-dir), e.g. "
+                   "/dev/shm to tell the disk's own cost from the writes' cost in the worker")
+    p.add_argument("--py-spy", default=None, help="a py-spy binary: record the worker of every tiered mode while "
+                   "the workload runs (RUN/pyspy-TAG-{all,gil}.txt)")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--lock", default=os.environ.get("TURBINE_ENGINE_LOCK"),
                    help="flock this file around the engine runs (e.g. /tmp/turbine-engine.lock on a shared host)")
