@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 
 from turbine.kvbm.block import (HEADER_SIZE, SUFFIX, Block, CorruptBlock, ReadBuffer, decode, file_name, hash_of_name,
                                 header, read_file)
@@ -31,6 +32,37 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a shared tier's temp file this old is a crashed writer's: removed on a scan
 
 
+def write_block_file(directory: str, block: Block, head: bytes | None = None) -> None:
+    """The block's file in `directory`: its header (`head`, or computed here: the checksum runs outside the GIL),
+    then the payload straight from the block's buffer, under a unique temp name renamed into place. Raises OSError
+    (the temp file removed)."""
+    tmp = os.path.join(directory, f".{block.block_hash:016x}.{os.getpid()}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header(block) if head is None else head)
+            f.write(block.data)
+        os.replace(tmp, os.path.join(directory, file_name(block.block_hash)))
+    except OSError:
+        _unlink(tmp)
+        raise
+
+
+# Writes a directory's block files: (directory, blocks) -> per block None or the OSError it met, in order.
+WriteFiles = Callable[[str, "list[Block]"], "list[OSError | None]"]
+
+
+def write_here(directory: str, blocks: list[Block]) -> list[OSError | None]:
+    """WriteFiles in the calling thread, one file after another."""
+    out: list[OSError | None] = []
+    for block in blocks:
+        try:
+            write_block_file(directory, block)
+            out.append(None)
+        except OSError as e:
+            out.append(e)
+    return out
+
+
 class _FileStore(BlockStore):
     def __init__(self, name: str, directory: str, capacity_bytes: int, metrics: KvbmMetrics | None):
         super().__init__(name, capacity_bytes)
@@ -41,6 +73,8 @@ class _FileStore(BlockStore):
         self._lock = threading.Lock()
         # Where a payload read from a file goes (the vLLM connector's pinned host slots on a GPU); None: bytes.
         self.read_buffer: ReadBuffer | None = None
+        # Who writes a put_many's files (the vLLM connector's writer process on a GPU); None: the calling thread.
+        self.write_files: WriteFiles | None = None
 
     @property
     def writable(self) -> bool:
@@ -50,29 +84,26 @@ class _FileStore(BlockStore):
         return os.path.join(self.directory, file_name(block_hash))
 
     def _write_atomic(self, block: Block, head: bytes) -> bool:
-        """The block's file: its header, then the payload straight from the block's buffer (no copy of it)."""
-        block_hash = block.block_hash
-        tmp = os.path.join(self.directory, f".{block_hash:016x}.{os.getpid()}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+        """The block's file, straight from the block's buffer (no copy of it); False (counted, logged) on failure."""
         try:
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(block.data)
-            os.replace(tmp, self._path(block_hash))
+            write_block_file(self.directory, block, head)
             return True
         except OSError as e:
-            _unlink(tmp)
-            if e.errno in FULL_ERRNOS:
-                if self._writable:
-                    log.warning("KV %s tier at %s is full (%s): writes to it are off, the worker goes on "
-                                "with the other tiers", self.name, self.directory, os.strerror(e.errno))
-                self._writable = False
-                if self.metrics:
-                    self.metrics.tier_disabled.labels(self.name).set(1)
-            else:
-                log.warning("KV %s tier: writing block %016x failed: %s", self.name, block_hash, e)
-            if self.metrics:
-                self.metrics.write_errors.labels(self.name).inc()
+            self._write_failed(block.block_hash, e)
             return False
+
+    def _write_failed(self, block_hash: int, e: OSError) -> None:
+        if e.errno in FULL_ERRNOS:
+            if self._writable:
+                log.warning("KV %s tier at %s is full (%s): writes to it are off, the worker goes on "
+                            "with the other tiers", self.name, self.directory, os.strerror(e.errno))
+            self._writable = False
+            if self.metrics:
+                self.metrics.tier_disabled.labels(self.name).set(1)
+        else:
+            log.warning("KV %s tier: writing block %016x failed: %s", self.name, block_hash, e)
+        if self.metrics:
+            self.metrics.write_errors.labels(self.name).inc()
 
     def _read(self, block_hash: int) -> Block | None:
         """The verified block; None when absent; a corrupt file is unlinked and counted, then None."""
@@ -118,27 +149,59 @@ class DiskStore(_FileStore):
         self._dropped(self._evict_to(0))
 
     def put(self, block: Block) -> bool:
-        size = HEADER_SIZE + block.nbytes
-        if size > self.capacity_bytes or not self._writable:
-            return False
+        return self.put_many([block])[0]
+
+    def put_many(self, blocks: list[Block]) -> list[bool]:
+        """The blocks' files, written by `write_files` (set by the vLLM connector on a GPU: a process of its own,
+        turbine/kvbm/file_writer.py), else here, one after another. In parts that fit the tier: a block being
+        written cannot be evicted, so a part ends where the next block would need the room of one of its own."""
+        held = [False] * len(blocks)
+        start = 0
+        while start < len(blocks):
+            start = self._put_part(blocks, start, held)
+        return held
+
+    def _put_part(self, blocks: list[Block], start: int, held: list[bool]) -> int:
+        """Reserves room for blocks[start:...] (as many as fit), writes them; returns where the next part starts."""
+        todo: list[int] = []
+        evicted: list[int] = []
+        end = start
         with self._lock:
-            if block.block_hash in self._index or block.block_hash in self._writing:
-                if block.block_hash in self._index:
-                    self._index.move_to_end(block.block_hash)
-                return True
-            # The room is taken now; the write runs outside the lock (reads of other blocks go on meanwhile).
-            evicted = self._evict_to(size)
-            self._used += size
-            self._writing.add(block.block_hash)
-        ok = self._write_atomic(block, header(block))
+            for i in range(start, len(blocks)):
+                block = blocks[i]
+                size = HEADER_SIZE + block.nbytes
+                if size > self.capacity_bytes or not self._writable:
+                    end = i + 1
+                    continue
+                if block.block_hash in self._index or block.block_hash in self._writing:
+                    if block.block_hash in self._index:
+                        self._index.move_to_end(block.block_hash)
+                    held[i] = True
+                    end = i + 1
+                    continue
+                evicted += self._evict_to(size)
+                if todo and self._used + size > self.capacity_bytes:
+                    break  # the room is held by this part's own writes: the next part, once they are done
+                # The room is taken now; the writes run outside the lock (reads of other blocks go on meanwhile).
+                self._used += size
+                self._writing.add(block.block_hash)
+                todo.append(i)
+                end = i + 1
+        errors = (self.write_files or write_here)(self.directory, [blocks[i] for i in todo]) if todo else []
         with self._lock:
-            self._writing.discard(block.block_hash)
-            if ok:
-                self._index[block.block_hash] = size
-            else:
-                self._used -= size
+            for i, error in zip(todo, errors):
+                block = blocks[i]
+                self._writing.discard(block.block_hash)
+                if error is None:
+                    self._index[block.block_hash] = HEADER_SIZE + block.nbytes
+                    held[i] = True
+                else:
+                    self._used -= HEADER_SIZE + block.nbytes
+        for i, error in zip(todo, errors):
+            if error is not None:
+                self._write_failed(blocks[i].block_hash, error)
         self._dropped(evicted)
-        return ok
+        return end
 
     def _evict_to(self, room: int) -> list[int]:
         """Unlinks least recently used files until `room` more bytes fit; the lock is held."""

@@ -42,6 +42,10 @@ class BlockStore(ABC):
         cannot (larger than the whole tier, tier disabled, write failed). Storing a held hash
         again only refreshes its recency."""
 
+    def put_many(self, blocks: list[Block]) -> list[bool]:
+        """`put` of each block, in order (a tier that writes several blocks better together overrides this)."""
+        return [self.put(block) for block in blocks]
+
     @abstractmethod
     def get(self, block_hash: int) -> Block | None:
         """The block, verified, and marks it most recently used; None when absent or corrupt

@@ -84,6 +84,35 @@ class TieredStore:
         uses = self._used(block.block_hash)
         return [t.name for t in self.tiers if self._admitted(t, uses) and self._put_one(t, block)]
 
+    def put_many(self, blocks: list[Block]) -> list[list[str]]:
+        """`put` of each block, each tier taking its blocks together (the disk tier's writer process writes them in
+        one exchange); returns, per block, the tiers that now hold it."""
+        uses = [self._used(block.block_hash) for block in blocks]
+        held: list[list[str]] = [[] for _ in blocks]
+        for tier in self.tiers:
+            if not tier.writable:
+                continue
+            mine = [i for i, n in enumerate(uses) if self._admitted(tier, n)]
+            if not mine:
+                continue
+            # What the tier drops during the batch (blocks of this batch among them) is applied after the batch's
+            # blocks are recorded, so that a block stored and then evicted within the batch ends up removed.
+            dropped: list[tuple[str, int]] = []
+            tier.on_removed = lambda name, block_hash: dropped.append((name, block_hash))
+            start = time.perf_counter()
+            try:
+                written = tier.put_many([blocks[i] for i in mine])
+            finally:
+                tier.on_removed = self._tier_dropped
+            self.metrics.write_seconds.labels(tier.name).inc(time.perf_counter() - start)
+            for i, ok in zip(mine, written):
+                if ok:
+                    self._record_put(tier, blocks[i])
+                    held[i].append(tier.name)
+            for name, block_hash in dropped:
+                self._tier_dropped(name, block_hash)
+        return held
+
     def _used(self, block_hash: int) -> int:
         """Counts one use of the block; returns its uses so far (1 when not tracked, or no filter)."""
         if not self.min_uses:
@@ -110,10 +139,13 @@ class TieredStore:
         self.metrics.write_seconds.labels(tier.name).inc(time.perf_counter() - start)
         if not written:
             return False
+        self._record_put(tier, block)
+        return True
+
+    def _record_put(self, tier: BlockStore, block: Block) -> None:
         if self._gained(tier.name, block.block_hash, block.parent_hash):
             self.metrics.stored.labels(tier.name).inc()
             self.metrics.bytes_written.labels(tier.name).inc(block.nbytes)
-        return True
 
     def remove(self, block_hash: int) -> None:
         """Drops the block from every tier."""

@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from turbine.kvbm import Block, DiskStore, FileCheck, HostStore, SharedStore, TieredStore, shared_tier_id
 from turbine.kvbm.block import file_name
+from turbine.kvbm.file_writer import ProcessFileWriter
 from turbine.kvbm.files import file_identity, settled
 from turbine.router.hashing import block_hashes
 from turbine.vllm.compat import CacheHitSource
@@ -101,8 +102,9 @@ _SOURCES = {"host": "HOST", "disk": "DISK", "shared": "EXTERNAL_UNSPECIFIED"} if
 
 TIER_ORDER = ("host", "disk", "shared")  # fastest first
 FILE_READERS = min(8, os.cpu_count() or 1)  # threads reading one step's blocks from the file tiers
-# Threads writing one step's blocks to the file tiers: one fell behind a GPU's prefill; 8 kept up but slowed the
-# engine's own thread by a quarter (docs/benchmarks/gpu.md, ninth session).
+# Threads writing one step's blocks to the file tiers (on a GPU: the disk tier's, in the writer process): one fell
+# behind a GPU's prefill. In the engine's process, 4 or 8 of them slowed its own thread (the GIL), hence the process
+# (docs/benchmarks/gpu.md, eleventh session).
 FILE_WRITERS = min(4, os.cpu_count() or 1)
 # Blocks a step loads per part: each part is read (into host slots) while the previous part's DMA runs, and its
 # promotions into the host tier free older slots for the next part.
@@ -241,6 +243,7 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         self._blocks: KvCacheBlocks | None = None
         self._readers: ThreadPoolExecutor | None = None  # file-tier reads of one step, in parallel
         self._writers: ThreadPoolExecutor | None = None  # file-tier writes of one step, in parallel
+        self._file_writer: ProcessFileWriter | None = None  # on a GPU: the disk tier's writes, in a process
         self._unsettled: dict[tuple[str, int], None] = {}  # (tier, hash) of files written, identity not yet sent
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -459,19 +462,31 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     # ============================ worker side ============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        disk = next((t for t in self.store.tiers if isinstance(t, DiskStore)), None)
+        on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
         self._blocks = KvCacheBlocks(kv_caches, num_blocks=self._kv_cache_config.num_blocks,
                                      num_kv_heads=self._kv_heads, block_size=self.block_size,
                                      head_size=self._head_size, store_blocks=self._store_blocks,
-                                     host_tier_bytes=int(extra.get(HOST_BYTES) or 0))
+                                     host_tier_bytes=int(extra.get(HOST_BYTES) or 0),
+                                     shared_slots=on_gpu and disk is not None)
         for tier in self.store.tiers:
             if hasattr(tier, "read_buffer"):  # the file tiers read payloads straight into host slots (on a GPU)
                 tier.read_buffer = self._blocks.read_buffer
+        if self._blocks.background and self._blocks.slots.fd is not None:
+            # The disk tier's files are written by a process of its own, from the slots (see file_writer.py).
+            self._file_writer = ProcessFileWriter(self._blocks.slots.fd, self._blocks.slots.nbytes,
+                                                  self._blocks.slots.offset_of, FILE_WRITERS)
+            disk.write_files = self._file_writer.write
 
     def _store_blocks(self, blocks: list[tuple[int, int | None, memoryview]]) -> None:
         """Payloads (on a GPU: pinned host slots) into the tiers: the host tier keeps the payload itself, file
-        tiers write it, several blocks at a time (the writes and their checksums run outside the GIL): one
-        writer alone fell behind a GPU's prefill (docs/benchmarks/gpu.md)."""
+        tiers write it. On a GPU the disk tier's writer process writes a step's blocks together; elsewhere several
+        blocks are put at a time on threads (the writes and their checksums run outside the GIL): one writer alone
+        fell behind a GPU's prefill (docs/benchmarks/gpu.md)."""
         puts = [Block(block_hash, parent, self.block_size, data) for block_hash, parent, data in blocks]
+        if self._file_writer is not None:
+            self.store.put_many(puts)
+            return
         if len(puts) < 2 or not self._dirs:
             for block in puts:
                 self.store.put(block)
@@ -544,6 +559,8 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
             self._readers.shutdown(wait=False)
         if self._writers is not None:
             self._writers.shutdown(wait=False)
+        if self._file_writer is not None:
+            self._file_writer.close()
 
     def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
         events = self.store.take_tier_events()

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
+import os
 import queue
 import threading
 import warnings
@@ -54,10 +56,26 @@ StoreBlocks = Callable[[list[tuple[int, int | None, memoryview]]], None]
 
 class PinnedSlots:
     """Fixed-size slots of one host allocation (pinned where there is a GPU). `take` hands out free slots;
-    `payload(slot)` is a byte view of one that frees the slot when the last reference to it goes."""
+    `payload(slot)` is a byte view of one that frees the slot when the last reference to it goes.
 
-    def __init__(self, slot_bytes: int, count: int, pinned: bool):
-        self.tensor = torch.empty((count, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
+    `shared`: the allocation is a memfd (`fd`, `nbytes`) that another process can map (the file writer process,
+    turbine/kvbm/file_writer.py, reads payloads from it by `offset_of`), pinned by registering it with CUDA."""
+
+    def __init__(self, slot_bytes: int, count: int, pinned: bool, shared: bool = False):
+        self.nbytes = slot_bytes * count
+        self.fd: int | None = None
+        if shared:
+            self.fd = os.memfd_create("turbine-kvbm-slots")
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(count, slot_bytes)
+            if pinned:
+                err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0))
+                if err:
+                    raise RuntimeError(f"--connector kvbm: pinning {self.nbytes} bytes of host slots failed "
+                                       f"(cudaHostRegister error {err})")
+        else:
+            self.tensor = torch.empty((count, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
         self._rows = self.tensor.numpy()
         self._free = collections.deque(range(count))
         self._lock = threading.Lock()
@@ -78,6 +96,10 @@ class PinnedSlots:
         """Whether `data` is a payload view of one of these slots."""
         return isinstance(data, memoryview) and getattr(data.obj, "base", None) is self._rows
 
+    def offset_of(self, data) -> int | None:
+        """Where the payload view `data` starts in the allocation; None when it is not a slot's."""
+        return data.obj.ctypes.data - self._rows.ctypes.data if self.holds(data) else None
+
     @property
     def free(self) -> int:
         return len(self._free)
@@ -96,10 +118,11 @@ class KvCacheBlocks:
     def __init__(self, kv_caches: dict[str, torch.Tensor], *, num_blocks: int, num_kv_heads: int,
                  block_size: int, head_size: int, store_blocks: StoreBlocks, host_tier_bytes: int = 0,
                  background: bool | None = None, pending_bytes: int | None = None, stage_loads: bool | None = None,
-                 stage_rows: int = STAGE_ROWS):
+                 stage_rows: int = STAGE_ROWS, shared_slots: bool = False):
         """`store_blocks` puts payloads into the tiers. `background` (default: on a GPU) stores them on the
         writer thread, from slots sized for a host tier of `host_tier_bytes` plus `pending_bytes` in flight.
-        `stage_loads` (default: on a GPU) copies a load's payloads that are not in a slot through the staging."""
+        `stage_loads` (default: on a GPU) copies a load's payloads that are not in a slot through the staging.
+        `shared_slots`: the slots are memory another process can map (PinnedSlots' `shared`)."""
         expected = (num_blocks, num_kv_heads, block_size, 2 * head_size)
         for name, t in kv_caches.items():
             if tuple(t.shape) != expected:
@@ -124,7 +147,7 @@ class KvCacheBlocks:
         if self.background:
             pending = PENDING_SAVE_BYTES if pending_bytes is None else pending_bytes
             count = max(1, host_tier_bytes // self.block_nbytes + pending // self.block_nbytes)
-            self.slots = PinnedSlots(self.block_nbytes, count, pinned=self._on_gpu)
+            self.slots = PinnedSlots(self.block_nbytes, count, pinned=self._on_gpu, shared=shared_slots)
             # Reads from files take slots too (read_buffer) but leave this many to the saves in flight.
             self._save_reserve = pending // self.block_nbytes // 2
             log.info("kvbm: %d host slots of %d bytes (%.1f GiB%s)", count, self.block_nbytes,

@@ -12,6 +12,7 @@ import pytest
 
 from turbine.kvbm import Block, DiskStore, KvbmMetrics, SharedStore, shared_tier_id
 from turbine.kvbm.block import HEADER_SIZE
+from turbine.kvbm.files import write_here
 
 H = 0xC0FFEE
 
@@ -167,14 +168,13 @@ def test_a_disk_read_does_not_wait_for_a_write_in_progress(tmp_path, monkeypatch
     store = DiskStore(str(tmp_path / "disk"), 1 << 20)
     assert store.put(Block(0x1, None, 16, b"a" * 1000))
     entered, release = threading.Event(), threading.Event()
-    real_write = store._write_atomic
 
-    def slow_write(block_hash, raw):
+    def slow_write(directory, blocks):
         entered.set()
         release.wait(10)
-        return real_write(block_hash, raw)
+        return write_here(directory, blocks)
 
-    monkeypatch.setattr(store, "_write_atomic", slow_write)
+    store.write_files = slow_write
     writer = threading.Thread(target=store.put, args=(Block(0x2, 0x1, 16, b"b" * 1000),))
     writer.start()
     assert entered.wait(5)

@@ -180,3 +180,30 @@ def test_get_many_reads_in_parallel_and_leaves_the_tiers_as_one_get_at_a_time(tm
     assert [t for _, t in filter(None, parallel)] == ["disk", "disk", "host", "disk"]
     # The host tier now holds the last three read, in the same recency order as after the sequential gets.
     assert list(many.tiers[0]._blocks) == list(one.tiers[0]._blocks) == [2, 6, 3]
+
+
+def test_put_many_leaves_the_tiers_events_and_counts_as_puts_one_at_a_time(tmp_path):
+    """put_many (a step's blocks, each tier taking its share together) against put of each block: the same tiers
+    hold the same blocks, the same per-tier events (evictions included), the same counts, the frequency filter
+    alike. The consolidated stream may show a block the host tier evicted within the batch as removed and then
+    stored again by the disk tier: it ends in the same blocks."""
+    blocks = [blk(1), blk(2, 1), blk(3, 2), blk(2, 1), blk(4, 3)]
+    results = []
+    for name, write in (("one", lambda s: [s.put(b) for b in blocks]), ("many", lambda s: s.put_many(blocks))):
+        s = three(tmp_path / name)
+        s.min_uses = {"shared": 2}
+        held = write(s)
+        held_after = set()
+        for e in s.take_events():
+            (held_after.add if e.kind == "stored" else held_after.discard)(e.block_hash)
+        results.append((held, s.take_tier_events(), held_after,
+                        [sorted(s.tiers_of(h)) for h in range(1, 5)],
+                        [(sample(s, m, t)) for m in ("turbine_kvbm_blocks_stored_total",
+                                                     "turbine_kvbm_blocks_removed_total",
+                                                     "turbine_kvbm_writes_filtered_total")
+                         for t in ("host", "disk", "shared")]))
+    one, many = results
+    assert one[0] == many[0] and one[3] == many[3] and one[4] == many[4]
+    assert sorted(one[1], key=repr) == sorted(many[1], key=repr)  # per tier the same events; tier by tier in order
+    assert one[2] == many[2] == {2, 3, 4}
+    assert many[0][3] == ["host", "disk", "shared"]  # the second put of 2 reached the filtered tier

@@ -200,3 +200,38 @@ def test_file_reads_go_straight_into_host_slots_and_the_host_tier_keeps_them(tmp
     gc.collect()
     assert copier.slots.free == 3 and copier.slots.holds(host.get(0x32).data)
     copier.close()
+
+
+def test_shared_slots_reach_the_disk_through_the_writer_process(tmp_path, monkeypatch):
+    """A GPU worker's disk tier: the slots are a memfd the writer process maps, and the step's blocks go to their
+    files from there (nothing written in this process), then the slots are free again."""
+    from turbine.kvbm import Block, DiskStore, TieredStore
+    from turbine.kvbm import files as kvbm_files
+    from turbine.kvbm.file_writer import ProcessFileWriter
+
+    caches = _caches(True, seed=5)
+    expected = [_canonical(caches, i) for i in range(3)]
+    disk = DiskStore(str(tmp_path / "disk"), 1 << 20)
+    store = TieredStore([disk])
+    copier = KvCacheBlocks(caches, num_blocks=BLOCKS, num_kv_heads=HEADS, block_size=N, head_size=HEAD,
+                           store_blocks=lambda blocks: store.put_many([Block(h, p, N, d) for h, p, d in blocks]),
+                           background=True, shared_slots=True, pending_bytes=4 * len(expected[0]))
+    assert copier.slots.fd is not None and copier.slots.free == 4
+    writer = ProcessFileWriter(copier.slots.fd, copier.slots.nbytes, copier.slots.offset_of)
+    disk.write_files = writer.write
+
+    def not_here(*a, **kw):
+        raise AssertionError("a file was written in the engine's process")
+    monkeypatch.setattr(kvbm_files, "write_block_file", not_here)
+    try:
+        copier.save([(i, 0x40 + i, None) for i in range(3)])
+        for t in caches.values():
+            t.zero_()  # the next step reuses the blocks
+        copier.flush()
+        monkeypatch.undo()
+        assert [bytes(store.get(0x40 + i)[0].data) for i in range(3)] == expected
+        gc.collect()
+        assert copier.slots.free == 4
+    finally:
+        copier.close()
+        writer.close()
