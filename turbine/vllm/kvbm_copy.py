@@ -15,8 +15,9 @@ another logical shape is refused at start, naming the layer.
   pinned memory per save costs milliseconds and can stall the device). A save gathers the step's blocks on
   the GPU (one small copy kernel per layer, in stream order after the forward pass), then a side stream
   copies them into free slots while the next step runs; a writer thread waits for that copy and hands the
-  slots to the tiers (the host tier keeps the slot itself; disk and shared tiers write it to a file), so
-  neither the D2H copy nor any file I/O is on the model runner's path. A slot is free again once nothing
+  slots to the tiers (the host tier keeps the slot itself; disk and shared tiers write it to a file: the disk tier
+  through a writer process that maps the slots, `shared_slots`), so neither the D2H copy nor any file I/O is on the
+  model runner's path. A slot is free again once nothing
   holds its payload (the host tier evicted it and no load reads it). With no free slot a save is dropped
   (counted, and the block is simply recomputed when needed), so a slow disk cannot grow memory without
   bound. A load copies each block host → GPU and scatters it into every layer, in stream order before the
