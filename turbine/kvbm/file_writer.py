@@ -3,16 +3,16 @@
 Why a process: on a GPU the engine's own thread launches the model's kernels from Python, and threads of the
 engine's process that write files take the GIL back after every system call. Measured on an H200 (2026-11-30,
 docs/benchmarks/gpu.md): 4 writer threads in the engine process made 16k-token first turns 16-26 % slower, 8
-threads 35 %; the same writes at 3.6-5.3 GB/s from another process cost those turns nothing. So the writes
+threads 36 %; the same writes at 3.6-5.3 GB/s from another process cost those turns nothing. So the writes
 (checksum, temp file, rename) run here, on threads of this process, and the engine's process sends one line per
 batch and waits for one line back.
 
 The payloads are not sent: they live in a buffer of the engine process's (the vLLM connector's host slots) that is
 a memfd both processes map (a memfd rather than /dev/shm: a container's /dev/shm is often 64 MB). A job names the
 payload by its offset in that buffer; the engine keeps the payload unchanged until the batch's answer is back.
-Only JSON crosses the pipe (nothing is unpickled).
+Only JSON of typed structs crosses the pipe (msgspec; nothing is unpickled), one line each way per batch:
 
-  parent → child: [directory, [[hash, parent hash or null, tokens, offset, bytes], ...]]
+  parent → child: WriteBatch [directory, [WriteJob [hash, parent hash or null, tokens, offset, bytes], ...]]
   child → parent: [errno or 0, ...]  (one per job, in order)
 
 `ProcessFileWriter(...).write` is a `WriteFiles` (turbine/kvbm/files.py): a DiskStore's `write_files`. A block whose
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import mmap
 import os
@@ -33,6 +32,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from turbine.kvbm.block import Block
 from turbine.kvbm.files import write_block_file, write_here
 
@@ -40,6 +41,25 @@ log = logging.getLogger(__name__)
 
 # The offset of a payload in the shared buffer, None when it is not in it.
 OffsetOf = Callable[[object], "int | None"]
+
+
+class WriteJob(msgspec.Struct, array_like=True, frozen=True):
+    """One block's file: the block's fields, and where its payload is in the shared buffer."""
+    block_hash: int
+    parent_hash: int | None
+    num_tokens: int
+    offset: int
+    nbytes: int
+
+
+class WriteBatch(msgspec.Struct, array_like=True, frozen=True):
+    directory: str
+    jobs: list[WriteJob]
+
+
+_ENCODE = msgspec.json.Encoder().encode
+_DECODE_BATCH = msgspec.json.Decoder(WriteBatch).decode
+_DECODE_ERRNOS = msgspec.json.Decoder(list[int]).decode
 
 
 class ProcessFileWriter:
@@ -64,8 +84,9 @@ class ProcessFileWriter:
         remote = [i for i, off in enumerate(offsets) if off is not None]
         out: list[OSError | None] = [None] * len(blocks)
         if remote:
-            errnos = self._exchange(directory, [[blocks[i].block_hash, blocks[i].parent_hash, blocks[i].num_tokens,
-                                                 offsets[i], blocks[i].nbytes] for i in remote])
+            errnos = self._exchange(WriteBatch(directory, [
+                WriteJob(blocks[i].block_hash, blocks[i].parent_hash, blocks[i].num_tokens, offsets[i], blocks[i].nbytes)
+                for i in remote]))
             if errnos is None:  # the process is gone: these are written here
                 local = remote + [i for i, off in enumerate(offsets) if off is None]
             else:
@@ -78,19 +99,19 @@ class ProcessFileWriter:
             out[i] = err
         return out
 
-    def _exchange(self, directory: str, jobs: list) -> list[int] | None:
+    def _exchange(self, batch: WriteBatch) -> list[int] | None:
         with self._lock:
             if not self.alive:
                 return None
             try:
-                self._proc.stdin.write(json.dumps([directory, jobs]).encode() + b"\n")
+                self._proc.stdin.write(_ENCODE(batch) + b"\n")
                 self._proc.stdin.flush()
                 line = self._proc.stdout.readline()
-                errnos = json.loads(line) if line else None
-            except (OSError, ValueError) as e:
+                errnos = _DECODE_ERRNOS(line) if line else None
+            except (OSError, msgspec.DecodeError) as e:
                 log.error("kvbm: the file writer process failed (%s): files are written in this process now", e)
                 errnos = None
-            if errnos is None or len(errnos) != len(jobs):
+            if errnos is None or len(errnos) != len(batch.jobs):
                 if self._proc.poll() is None:
                     self._proc.kill()
                 log.error("kvbm: the file writer process stopped (exit %s): files are written in this process now",
@@ -116,10 +137,10 @@ def _serve(fd: int, size: int, threads: int) -> int:
     buf = memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
     os.close(fd)  # the mapping keeps the memory
 
-    def write(directory: str, job: list) -> int:
-        block_hash, parent, tokens, offset, nbytes = job
+    def write(directory: str, job: WriteJob) -> int:
         try:
-            write_block_file(directory, Block(block_hash, parent, tokens, buf[offset:offset + nbytes]))
+            payload = buf[job.offset:job.offset + job.nbytes]
+            write_block_file(directory, Block(job.block_hash, job.parent_hash, job.num_tokens, payload))
             return 0
         except OSError as e:
             return e.errno or errno.EIO
@@ -127,9 +148,9 @@ def _serve(fd: int, size: int, threads: int) -> int:
             return errno.EINVAL
     with ThreadPoolExecutor(threads, thread_name_prefix="kvbm-file") as pool:
         for line in sys.stdin.buffer:
-            directory, jobs = json.loads(line)
-            errnos = list(pool.map(lambda job: write(directory, job), jobs))
-            sys.stdout.buffer.write(json.dumps(errnos).encode() + b"\n")
+            batch = _DECODE_BATCH(line)  # a line that is not a batch ends the process: the parent writes on alone
+            errnos = list(pool.map(lambda job: write(batch.directory, job), batch.jobs))
+            sys.stdout.buffer.write(_ENCODE(errnos) + b"\n")
             sys.stdout.buffer.flush()
     return 0
 

@@ -101,3 +101,26 @@ def test_a_dead_writer_process_leaves_the_writes_to_this_process(tmp_path, buffe
     for h, byte in ((0x1, 1), (0x2, 2), (0x3, 3)):
         assert bytes(disk.get(h).data) == bytes([byte]) * SLOT
     writer.close()
+
+
+def test_a_full_u64_hash_and_parent_cross_the_pipe_intact(tmp_path, buffer):
+    fd, views, offset_of = buffer
+    writer = ProcessFileWriter(fd, SLOT * SLOTS, offset_of)
+    top = (1 << 64) - 1
+    try:
+        assert writer.write(str(tmp_path), [Block(top, top - 1, 16, views[3])]) == [None]
+        got = _read(str(tmp_path), top)
+        assert got.block_hash == top and got.parent_hash == top - 1 and bytes(got.data) == bytes([4]) * SLOT
+    finally:
+        writer.close()
+
+
+def test_a_line_that_is_not_a_batch_ends_the_writer_process_and_this_process_writes_on(tmp_path, buffer):
+    fd, views, offset_of = buffer
+    writer = ProcessFileWriter(fd, SLOT * SLOTS, offset_of)
+    writer._proc.stdin.write(b'["not", "a batch"]\n')
+    writer._proc.stdin.flush()
+    assert writer._proc.wait(10) != 0
+    assert writer.write(str(tmp_path), [Block(0x5, None, 16, views[4])]) == [None]
+    assert bytes(_read(str(tmp_path), 0x5).data) == bytes([5]) * SLOT and not writer.alive
+    writer.close()
