@@ -108,14 +108,14 @@ class ProcessFileWriter:
                 self._proc.stdin.flush()
                 line = self._proc.stdout.readline()
                 errnos = _DECODE_ERRNOS(line) if line else None
+                why = "no answer" if errnos is None else None
             except (OSError, msgspec.DecodeError) as e:
-                log.error("kvbm: the file writer process failed (%s): files are written in this process now", e)
-                errnos = None
+                errnos, why = None, str(e)
             if errnos is None or len(errnos) != len(batch.jobs):
                 if self._proc.poll() is None:
                     self._proc.kill()
-                log.error("kvbm: the file writer process stopped (exit %s): files are written in this process now",
-                          self._proc.wait())
+                log.error("kvbm: the file writer process stopped (%s, exit %s): files are written in this process now",
+                          why or f"{len(errnos)} answers to {len(batch.jobs)} jobs", self._proc.wait())
                 self._proc = None
                 return None
             return errnos
