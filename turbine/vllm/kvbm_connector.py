@@ -106,6 +106,9 @@ FILE_READERS = min(8, os.cpu_count() or 1)  # threads reading one step's blocks 
 # behind a GPU's prefill. In the engine's process, 4 or 8 of them slowed its own thread (the GIL), hence the process
 # (docs/benchmarks/gpu.md, eleventh session).
 FILE_WRITERS = min(4, os.cpu_count() or 1)
+# The writer process's threads: they share no GIL with the engine, and 4 fell behind a 16k-token prefill on an H200
+# (12.2 of 16.6 GB written, docs/benchmarks/gpu.md, eleventh session).
+PROCESS_FILE_WRITERS = min(8, os.cpu_count() or 1)
 # Blocks a step loads per part: each part is read (into host slots) while the previous part's DMA runs, and its
 # promotions into the host tier free older slots for the next part.
 LOAD_PART = 64
@@ -463,19 +466,18 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         disk = next((t for t in self.store.tiers if isinstance(t, DiskStore)), None)
-        on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
         self._blocks = KvCacheBlocks(kv_caches, num_blocks=self._kv_cache_config.num_blocks,
                                      num_kv_heads=self._kv_heads, block_size=self.block_size,
                                      head_size=self._head_size, store_blocks=self._store_blocks,
                                      host_tier_bytes=int(extra.get(HOST_BYTES) or 0),
-                                     shared_slots=on_gpu and disk is not None)
+                                     shared_slots=disk is not None)  # slots exist in background mode (a GPU) only
         for tier in self.store.tiers:
             if hasattr(tier, "read_buffer"):  # the file tiers read payloads straight into host slots (on a GPU)
                 tier.read_buffer = self._blocks.read_buffer
         if self._blocks.background and self._blocks.slots.fd is not None:
             # The disk tier's files are written by a process of its own, from the slots (see file_writer.py).
             self._file_writer = ProcessFileWriter(self._blocks.slots.fd, self._blocks.slots.nbytes,
-                                                  self._blocks.slots.offset_of, FILE_WRITERS)
+                                                  self._blocks.slots.offset_of, PROCESS_FILE_WRITERS)
             disk.write_files = self._file_writer.write
 
     def _store_blocks(self, blocks: list[tuple[int, int | None, memoryview]]) -> None:
