@@ -95,11 +95,31 @@ def stop_all(procs: list[Proc]) -> None:
             list(pool.map(lambda p: p.stop(), procs))
 
 
+# The engines the tests start run vLLM's one-process executor (`uni`): the model in the engine core's process, as on
+# a one-GPU host, instead of vLLM CPU's default (`mp`: a model-runner process of its own, which imports torch and vLLM
+# once more and reserves a core for the engine core). On the 2-core host an engine was ready in 33-37 s instead of
+# 55-62 s, 0.7 GiB smaller, same greedy text (benchmarks/lifecycle/engine_layout.py; docs/operations/tests.md).
+# OMP_NUM_THREADS keeps the compute threads mp would have (one core left over). The modules where the layout is
+# what they test (connectors whose worker half crosses vLLM's executor boundary, core binding, `turbine serve`)
+# keep vLLM CPU's own layout: `mp_layout`.
+UNI_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}
+
+
 def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
     env = dict(os.environ)
     env.update(TURBINE_DISCOVERY_BACKEND="file", TURBINE_DISCOVERY_DIR=discovery_dir,
                TURBINE_DISCOVERY_TTL=str(ttl), VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **UNI_LAYOUT)
+    return env
+
+
+def mp_layout(env: dict) -> dict:
+    """`env` with vLLM CPU's own process layout for the engines started with it (see UNI_LAYOUT)."""
+    env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    else:
+        env.pop("OMP_NUM_THREADS", None)  # vLLM sets it for its model runner
     return env
 
 

@@ -26,6 +26,7 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    mp_layout,
     prefill_workers_of,
     start_frontend,
     start_worker,
@@ -61,7 +62,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("disagg")
-    env = base_env(str(root / "discovery"))
+    env = mp_layout(base_env(str(root / "discovery")))  # the connectors' worker halves in vLLM CPU's own layout
     # Each engine computes on its own half of the cores, as `turbine serve --disagg` arranges.
     prefill_env, decode_env = (dict(env, **cpus) for cpus in split_cpu_cores(env))
     prefill = start_worker("prefill", prefill_env, root, "--is-prefill-worker", "--connector", "nixl", *FLOAT32)

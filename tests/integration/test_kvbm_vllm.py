@@ -34,6 +34,7 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    mp_layout,
     prefill_workers_of,
     start_frontend,
     start_worker,
@@ -64,8 +65,8 @@ def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
 @pytest.fixture(scope="module")
 def kvbm(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("kvbm")
-    env = base_env(str(root / "discovery"))
-    env_b = base_env(str(root / "discovery-b"))
+    env = mp_layout(base_env(str(root / "discovery")))  # the connectors' worker halves in vLLM CPU's own layout
+    env_b = mp_layout(base_env(str(root / "discovery-b")))  # the connectors' worker halves in vLLM CPU's own layout
     disk, shared = root / "kv-disk", root / "kv-shared"
     small_engine = ("--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "192",  # the 6 usable blocks
                     "--num-gpu-blocks-override", "7")

@@ -34,6 +34,7 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    mp_layout,
     prefill_workers_of,
     start_frontend,
     stop_all,
@@ -74,7 +75,7 @@ def vlm_dirs(tmp_path_factory, model_dir) -> dict[int, str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, vlm_dirs):
     root = tmp_path_factory.mktemp("vlm-disagg")
-    env = base_env(str(root / "discovery"))
+    env = mp_layout(base_env(str(root / "discovery")))  # the connectors' worker halves in vLLM CPU's own layout
     prefill_env, decode_env = (dict(env, **cpus) for cpus in split_cpu_cores(env))
     model = ["--model", vlm_dirs[0], *ENGINE]
     prefill = _start("prefill", prefill_env, root, "turbine.vllm", "--system-port", *model,

@@ -22,6 +22,7 @@ from tests.integration.procs import (
     http_text,
     instances_of,
     metric,
+    mp_layout,
     start_frontend,
     start_worker,
     wait_until,
@@ -110,7 +111,7 @@ class Serve:
 
     def __init__(self, cluster, log_path, mode: list[str], env_extra: dict | None = None):
         self.port, self.log_path = free_port(), log_path
-        env = dict(cluster["env"], **(env_extra or {}))
+        env = mp_layout(dict(cluster["env"], **(env_extra or {})))  # the main job, in the layout users get
         env.pop("TURBINE_DISCOVERY_DIR")
         self.log = open(log_path, "w+b")
         self.popen = subprocess.Popen(
