@@ -101,8 +101,12 @@ def stop_all(procs: list[Proc]) -> None:
 # 55-62 s, 0.7 GiB smaller, same greedy text (benchmarks/lifecycle/engine_layout.py; docs/operations/tests.md).
 # OMP_NUM_THREADS keeps the compute threads mp would have (one core left over). The modules where the layout is
 # what they test (connectors whose worker half crosses vLLM's executor boundary, core binding, `turbine serve`)
-# keep vLLM CPU's own layout: `mp_layout`.
-UNI_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}
+# keep vLLM CPU's own layout: `mp_layout`. TURBINE_TEST_ENGINE_LAYOUT=mp runs every engine in vLLM CPU's own layout.
+ENGINE_LAYOUT = os.environ.get("TURBINE_TEST_ENGINE_LAYOUT", "uni")
+if ENGINE_LAYOUT not in ("uni", "mp"):
+    raise SystemExit(f"TURBINE_TEST_ENGINE_LAYOUT={ENGINE_LAYOUT!r}: uni or mp")
+UNI_LAYOUT = ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}
+              if ENGINE_LAYOUT == "uni" else {})
 
 
 def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
@@ -115,11 +119,12 @@ def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
 
 def mp_layout(env: dict) -> dict:
     """`env` with vLLM CPU's own process layout for the engines started with it (see UNI_LAYOUT)."""
-    env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    if "OMP_NUM_THREADS" in os.environ:
-        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-    else:
-        env.pop("OMP_NUM_THREADS", None)  # vLLM sets it for its model runner
+    env = dict(env)
+    for name in UNI_LAYOUT:  # back to what the suite was started with
+        if name in os.environ:
+            env[name] = os.environ[name]
+        else:
+            env.pop(name, None)
     return env
 
 
