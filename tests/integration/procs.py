@@ -97,8 +97,9 @@ def stop_all(procs: list[Proc]) -> None:
 
 # The engines the tests start run vLLM's one-process executor (`uni`): the model in the engine core's process, as on
 # a one-GPU host, instead of vLLM CPU's default (`mp`: a model-runner process of its own, which imports torch and vLLM
-# once more and reserves a core for the engine core). On the 2-core host an engine was ready in 33-37 s instead of
-# 55-62 s, 0.7 GiB smaller, same greedy text (benchmarks/lifecycle/engine_layout.py; docs/operations/tests.md).
+# once more and reserves a core for the engine core). On the 2-core host an engine was ready in 0.69x the time (40 s
+# instead of 58 s, medians of three) with 0.67x the CPU, 0.65 GiB smaller, same greedy text
+# (benchmarks/lifecycle/engine_layout.py, layout uni-omp; docs/operations/tests.md).
 # OMP_NUM_THREADS keeps the compute threads mp would have (one core left over). The modules where the layout is
 # what they test (connectors whose worker half crosses vLLM's executor boundary, core binding, `turbine serve`)
 # keep vLLM CPU's own layout: `mp_layout`. TURBINE_TEST_ENGINE_LAYOUT=mp runs every engine in vLLM CPU's own layout.

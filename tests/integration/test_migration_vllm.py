@@ -25,6 +25,7 @@ from openai import OpenAI
 
 from tests.integration.conftest import ENGINE_START_TIMEOUT
 from tests.integration.procs import (
+    ENGINE_LAYOUT,
     base_env,
     http_text,
     instances_of,
@@ -129,7 +130,12 @@ def killed(tmp_path_factory, model_dir):
         wait_until(lambda: len(constrained.pieces) >= 2 and all(len(r.get("events", ())) >= 3 for r in results),
                    120, "every stream under way", procs)
         assert greedy.is_alive(), "the greedy stream ended before the kill: make TOKENS larger"
-        victim.stop(signal.SIGKILL)
+        engine_cores = psutil.Process(victim.popen.pid).children(recursive=True)
+        victim.popen.send_signal(signal.SIGKILL)  # the worker alone: its engine core must die with it
+        victim.popen.wait(10)
+        _, orphans = psutil.wait_procs(engine_cores, timeout=30)  # (mp: the model runner sees it in ~15 s)
+        for orphan in orphans:  # (for the test below to report; not left running)
+            orphan.kill()
         # Its heartbeat stopped with it: gone from discovery within the TTL, while the streams go on.
         ttl = float(env["TURBINE_DISCOVERY_TTL"])
         wait_until(lambda: instances_of(migrating, MODEL) == 1 and instances_of(off, MODEL) == 1, ttl + 5,
@@ -140,7 +146,8 @@ def killed(tmp_path_factory, model_dir):
         wait_until(lambda: worker_metric(survivor, "turbine_worker_active_kv_blocks") == 0, 30,
                    "the survivor's blocks freed", [survivor])
         yield {"reference": reference, "greedy": greedy, "constrained": constrained, "off": results,
-               "migrating": migrating, "off_frontend": off, "survivor": survivor}
+               "migrating": migrating, "off_frontend": off, "survivor": survivor,
+               "engine_cores": engine_cores, "orphans": orphans}
     finally:
         stop_all(procs)
 
@@ -153,6 +160,14 @@ def test_greedy_stream_goes_on_unbroken_after_its_worker_is_killed(killed):
     assert len(greedy.ids) == 1
     migrations = metric(http_text(f"{killed['migrating'].url}/metrics"), "turbine_frontend_migrations_total")
     assert migrations == 1  # the greedy stream; the constrained one could not move
+
+
+@pytest.mark.skipif(ENGINE_LAYOUT != "uni", reason="TURBINE_TEST_ENGINE_LAYOUT=mp: vLLM CPU spawns the engine core")
+def test_the_killed_workers_engine_core_dies_with_it(killed):
+    """With the model in the engine core (the tests' layout), the engine core is forked from the worker and tied to
+    it (turbine/vllm/engine_fork.py): a SIGKILLed worker leaves no engine behind holding its memory and its port."""
+    assert killed["engine_cores"], "the worker had no engine-core process"
+    assert killed["orphans"] == [], [(p.pid, p.name()) for p in killed["orphans"]]
 
 
 def test_constrained_stream_fails_clearly_mid_grammar(killed):

@@ -95,6 +95,9 @@ class WorkerConfig(ServingConfig):
     # one engine; each flag needs the other.
     omni: bool = flag("--omni", default=False)
     stage_configs_path: str | None = flag("--stage-configs-path", default=None)
+    # vLLM's engine-core process as vLLM CPU starts it (spawned: torch and vLLM imported again) instead of forked from
+    # this worker where the model runs in it (turbine/vllm/engine_fork.py). Elsewhere vLLM decides either way.
+    spawn_engine_core: bool = flag("--spawn-engine-core", default=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -235,6 +238,12 @@ def _build_parser():
     parser.add_argument("--stage-configs-path", default=None,
                         help="--omni: the pipeline's stage-config YAML (vLLM-Omni's format: a `stage_args` list, "
                              "or a deploy config's `stages` list); read and checked at start")
+    parser.add_argument("--spawn-engine-core", action="store_true",
+                        help="on CPU with vLLM's one-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank), "
+                             "start vLLM's engine-core process as vLLM does on CPU, by spawn (it imports torch and vLLM "
+                             "again), instead of forking it from this worker, which starts it in about two thirds of "
+                             "the time and ties it to the worker (killed with it). vLLM CPU's default layout and GPU "
+                             "hosts keep vLLM's own choice either way")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -321,7 +330,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
                    kv_events_port=args.kv_events_port, headless=args.headless, omni=args.omni,
-                   stage_configs_path=args.stage_configs_path)
+                   stage_configs_path=args.stage_configs_path, spawn_engine_core=args.spawn_engine_core)
 
 
 def _check_omni(args, parser) -> None:

@@ -29,6 +29,7 @@ from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import generate_canary, pooling_canary
 from turbine.vllm.compat import ping_engine_rank, unfinished_requests, unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers
+from turbine.vllm.engine_fork import engine_cores_forked
 from turbine.vllm.images import measured_placeholder
 from turbine.vllm.connectors import claim_nixl_side_channel, keep_model_runner_v1, uses_kvbm, uses_nixl
 from turbine.vllm.handlers import HANDLERS_OF_ROLE
@@ -103,7 +104,8 @@ class VllmEngine:
             self._amx_after_restore = True
         building = time.monotonic()
         # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
-        self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=[stat_logger_factory(self._stats)])
+        with engine_cores_forked(cfg.engine_args, enabled=not cfg.spawn_engine_core):
+            self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=[stat_logger_factory(self._stats)])
         self._load_seconds = time.monotonic() - building
         if self.relay is not None:  # listens only now: an engine core forked before would hold its socket open
             await self.relay.listen()

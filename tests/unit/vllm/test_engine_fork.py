@@ -1,0 +1,88 @@
+"""turbine/vllm/engine_fork.py: while the worker builds its engine on CPU with the model in the engine core (vLLM's
+one-process executor), vLLM's engine-core launcher forks (vLLM CPU would spawn, importing torch and vLLM again), and
+what it forks is killed with the worker; what the engine core launches in turn is spawned as vLLM wants; vLLM CPU's
+default layout (a model-runner process) keeps the spawn. The real engine's fork and death are checked in
+tests/integration/test_migration_vllm.py (a SIGKILLed worker's engine core dies with it)."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import signal
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.engine import utils as launcher
+
+from turbine.vllm.args import parse_worker_args
+from turbine.vllm.engine_fork import engine_cores_forked, model_in_engine_core
+
+PR_GET_PDEATHSIG = 2
+
+
+def _child_report(conn) -> None:
+    """In a forked child: its parent-death signal and the start method vLLM's launcher gives it now."""
+    sig = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0)
+    conn.send((sig.value, launcher.get_mp_context().get_start_method()))
+    conn.close()
+
+
+def _fork_and_report(context) -> tuple[int, str]:
+    parent_end, child_end = multiprocessing.Pipe()
+    proc = context.Process(target=_child_report, args=(child_end,))
+    proc.start()
+    got = parent_end.recv()
+    proc.join(10)
+    return got
+
+
+def engine_args(tp=1, dp=1, backend=None):
+    return SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=dp,
+                           distributed_executor_backend=backend)
+
+
+@pytest.fixture
+def cpu_spawns(monkeypatch):
+    """What vLLM's CPU platform sets for every process vLLM starts, and its one-process executor asked for."""
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def test_the_launcher_forks_only_inside(cpu_spawns):
+    assert launcher.get_mp_context().get_start_method() == "spawn"
+    with engine_cores_forked(engine_args()):
+        assert launcher.get_mp_context().get_start_method() == "fork"
+    assert launcher.get_mp_context().get_start_method() == "spawn"
+    with engine_cores_forked(engine_args(), enabled=False):  # --spawn-engine-core
+        assert launcher.get_mp_context().get_start_method() == "spawn"
+
+
+def test_only_where_the_model_runs_in_the_engine_core(cpu_spawns, monkeypatch):
+    assert model_in_engine_core(engine_args()) and model_in_engine_core(engine_args(backend="uni"))
+    assert not model_in_engine_core(engine_args(tp=2))
+    assert not model_in_engine_core(engine_args(dp=2))
+    assert not model_in_engine_core(engine_args(backend="mp"))
+    with engine_cores_forked(engine_args(dp=2)):
+        assert launcher.get_mp_context().get_start_method() == "spawn"
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")  # vLLM CPU's default layout: a model-runner process
+    assert not model_in_engine_core(engine_args())
+    with engine_cores_forked(engine_args()):
+        assert launcher.get_mp_context().get_start_method() == "spawn"
+
+
+def test_an_engine_core_forked_inside_dies_with_the_worker_and_spawns_what_it_starts(cpu_spawns):
+    with engine_cores_forked(engine_args()):
+        death, its_launcher = _fork_and_report(launcher.get_mp_context())
+    assert death == signal.SIGKILL
+    assert its_launcher == "spawn"  # its model-runner processes are spawned, as vLLM CPU wants
+
+
+def test_a_process_forked_outside_is_left_alone():
+    death, _ = _fork_and_report(multiprocessing.get_context("fork"))
+    assert death == 0
+
+
+def test_the_flag():
+    assert parse_worker_args(["--enforce-eager"]).spawn_engine_core is False
+    assert parse_worker_args(["--enforce-eager", "--spawn-engine-core"]).spawn_engine_core is True
