@@ -1,8 +1,10 @@
 """vLLM CPU's process layouts for one engine, side by side: `mp` (vLLM's CPU default: the Turbine worker, vLLM's
 engine core, and a model-runner process the engine core spawns), `uni` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the
 model runs in the engine core's process, as on a one-GPU host) and `uni-omp` (uni computing on as many threads as
-mp's model runner, all cores but one: the tests' layout). Issue #32 §4 asks what an engine start costs the
-test suite; this measures the layouts in the same run, alternating their order, repeated:
+mp's model runner, all cores but one: the tests' layout). Each also as `-spawn` (`mp-spawn`, `uni-omp-spawn`):
+`--spawn-engine-core`, vLLM's engine core spawned as vLLM CPU does instead of forked from the worker
+(turbine/vllm/engine_fork.py). Issue #32 §4 asks what an engine start costs the test suite; this measures the
+layouts in the same run, alternating their order, repeated:
 
 - ready: seconds from `turbine serve` to the frontend listing the model and /health 200;
 - CPU: user + system seconds of the whole process tree when ready (what the start costs a 2-core host);
@@ -34,8 +36,11 @@ from benchmarks.lib.stats import fmt, median, ratio
 
 # uni-omp: uni with the compute threads mp gives its model runner (all cores but one), the tests' layout
 # (tests/integration/procs.py): plain uni computes on every core, so it alone does not compare like with like.
-LAYOUTS = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-           "uni-omp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}}
+ENVS = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        "uni-omp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}}
+# A layout: (environment, more worker flags).
+LAYOUTS = {**{name: (env, []) for name, env in ENVS.items()},
+           **{f"{name}-spawn": (env, ["--spawn-engine-core"]) for name, env in ENVS.items()}}
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain what a KV cache is."]
 
@@ -77,9 +82,10 @@ def complete(url: str, prompt: str, tokens: int) -> tuple[str, int, float]:
 
 def run_layout(a, layout: str, tag: str, run_dir: Path) -> dict:
     port = free_port()
-    env = {**os.environ, **LAYOUTS[layout]}
+    layout_env, layout_flags = LAYOUTS[layout]
+    env = {**os.environ, **layout_env}
     argv = [a.python, "-m", "turbine.cli", "serve", "--http-port", str(port), "--max-model-len", "1024",
-            *a.worker_args.split()]
+            *layout_flags, *a.worker_args.split()]
     start = time.perf_counter()
     proc = Proc(tag, argv, env, run_dir / f"{tag}.log")
     url = f"http://127.0.0.1:{port}"
