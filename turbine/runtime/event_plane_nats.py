@@ -18,16 +18,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import msgspec
-from nats.aio.client import Client
-from nats.errors import Error as NatsError
 
 from turbine.runtime import cluster_auth
 from turbine.runtime.cluster_auth import ClusterAuth
 from turbine.runtime.codec import encode
 from turbine.runtime.errors import EventPlaneError
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 log = logging.getLogger("turbine.event_plane")
 
@@ -65,6 +67,11 @@ def parse_address(address: str) -> tuple[str, str]:
 async def connect_nats(server: str, what: str, reconnected: Callable[[], None] | None = None) -> Client:
     """Connected, or EventPlaneError after CONNECT_TIMEOUT_S; reconnects forever afterwards,
     then calls `reconnected` (the server has our subscriptions again by then)."""
+    # nats-py (and the aiohttp it imports) here, not at the top: most processes never use NATS, and the import
+    # is ~0.15 s of CPU each (the test suite starts some 300 frontends, mockers and routers).
+    from nats.aio.client import Client
+    from nats.errors import Error as NatsError
+
     last_error: list[BaseException] = []
     warned = [0.0]
 
