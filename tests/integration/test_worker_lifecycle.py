@@ -113,6 +113,7 @@ class Serve:
         self.port, self.log_path = free_port(), log_path
         env = mp_layout(dict(cluster["env"], **(env_extra or {})))  # the main job, in the layout users get
         env.pop("TURBINE_DISCOVERY_DIR")
+        env.pop("TURBINE_ENGINE_CORE_START", None)  # and started as users start it
         self.log = open(log_path, "w+b")
         self.popen = subprocess.Popen(
             # The model first, as `vllm serve MODEL` takes it.

@@ -23,6 +23,7 @@ from turbine.vllm.connectors import (
     parse_connectors,
     uses_kvbm,
 )
+from turbine.vllm.engine_fork import ENGINE_CORE_STARTS
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
 
@@ -95,12 +96,15 @@ class WorkerConfig(ServingConfig):
     # one engine; each flag needs the other.
     omni: bool = flag("--omni", default=False)
     stage_configs_path: str | None = flag("--stage-configs-path", default=None)
-    # vLLM's engine-core process as vLLM CPU starts it (spawned: torch and vLLM imported again) instead of forked from
-    # this worker where the model runs in it (turbine/vllm/engine_fork.py). Elsewhere vLLM decides either way.
-    spawn_engine_core: bool = flag("--spawn-engine-core", default=False)
+    # How vLLM's engine-core processes start on CPU (turbine/vllm/engine_fork.py): auto forks them from this worker
+    # where the model runs in the engine core and leaves vLLM CPU's spawn elsewhere; fork forks them in every layout;
+    # spawn is vLLM CPU's own way (torch and vLLM imported again). On a GPU vLLM decides: only auto there.
+    engine_core_start: str = flag("--engine-core-start", default="auto")
 
     def __post_init__(self):
         super().__post_init__()
+        check(self, self.engine_core_start in ENGINE_CORE_STARTS, "engine_core_start",
+              f"must be one of {', '.join(ENGINE_CORE_STARTS)}, got {self.engine_core_start!r}")
         check(self, not self.omni or self.stage_configs_path is not None, "omni",
               "needs --stage-configs-path FILE (the pipeline's stages)")
         check(self, self.stage_configs_path is None or self.omni, "stage_configs_path",
@@ -238,12 +242,14 @@ def _build_parser():
     parser.add_argument("--stage-configs-path", default=None,
                         help="--omni: the pipeline's stage-config YAML (vLLM-Omni's format: a `stage_args` list, "
                              "or a deploy config's `stages` list); read and checked at start")
-    parser.add_argument("--spawn-engine-core", action="store_true",
-                        help="on CPU with vLLM's one-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank), "
-                             "start vLLM's engine-core process as vLLM does on CPU, by spawn (it imports torch and vLLM "
-                             "again), instead of forking it from this worker, which starts it in about two thirds of "
-                             "the time and ties it to the worker (killed with it). vLLM CPU's default layout and GPU "
-                             "hosts keep vLLM's own choice either way")
+    parser.add_argument("--engine-core-start", choices=ENGINE_CORE_STARTS, default="auto",
+                        help="on CPU, how vLLM's engine-core processes start. auto: forked from this worker where the "
+                             "model runs in the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank), which starts "
+                             "it in about two thirds of the time and kills it with the worker, else spawned as vLLM CPU "
+                             "does (torch and vLLM imported again); fork: forked in every layout (vLLM CPU's default "
+                             "one, data parallelism; its model runners are still spawned): ready in about 0.75x the "
+                             "time there; spawn: vLLM CPU's own way everywhere. On a GPU vLLM decides, and only auto "
+                             "is taken")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "
@@ -330,7 +336,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
                    kv_events_port=args.kv_events_port, headless=args.headless, omni=args.omni,
-                   stage_configs_path=args.stage_configs_path, spawn_engine_core=args.spawn_engine_core)
+                   stage_configs_path=args.stage_configs_path, engine_core_start=args.engine_core_start)
 
 
 def _check_omni(args, parser) -> None:

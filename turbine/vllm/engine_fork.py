@@ -1,20 +1,24 @@
-"""vLLM's engine-core process forked from the worker on CPU, not spawned, where the model runs in it.
+"""vLLM's engine-core processes forked from the worker on CPU, not spawned (`--engine-core-start`).
 
 vLLM's CPU platform sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` for every process it starts, so each engine core
 imports torch and vLLM again although the worker that starts it holds both: on a 2-core host that import is about
 14 s of CPU, a third of an engine's start (benchmarks/lifecycle/engine_layout.py, `uni-omp` against
 `uni-omp-spawn`: ready in 0.68x the time and CPU, decode as fast). On a GPU host vLLM forks the engine core itself
-(until CUDA is initialized); Turbine does the same on CPU where the engine core is also the model runner: vLLM's
-one-process executor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one rank). In vLLM CPU's default layout (`mp`: the engine
-core spawns a model-runner process) a forked engine core started in 0.78x the time but decoded about 10 % slower
-in the same runs (medians of five each, not understood), so there it is still spawned. Only the engine-core launcher
-(`vllm.v1.engine.utils`) is given the fork context, and only while the worker builds the engine.
+(until CUDA is initialized) and decides alone.
 
-A forked child holds copies of the worker's open descriptors (the status server's listening socket, say). So that
-a killed worker never leaves an engine behind that holds its port and its memory, every process forked while the
-engine is built is killed when the worker dies (`PR_SET_PDEATHSIG`, Linux).
+- `auto` (the default) forks where the engine core is also the model runner: vLLM's one-process executor
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one rank). In vLLM CPU's default layout (`mp`: the engine core spawns a
+  model-runner process) it keeps vLLM's spawn: there a forked engine core started in 0.78x the time but decoded
+  about 10 % slower on one 2-core host (2026-12-01, medians of five), though as fast on another (0.74x the time,
+  decode 1.00x alone and at four at once, medians of five).
+- `fork` forks in every layout, data-parallel ranks included (the tests' engines: tests/integration/procs.py). The
+  model runners an engine core starts are spawned still.
+- `spawn` is vLLM CPU's own way everywhere.
 
-`--spawn-engine-core` keeps vLLM's own spawn.
+Only the engine-core launcher (`vllm.v1.engine.utils`) is given the fork context, and only while the worker builds
+the engine. A forked child holds copies of the worker's open descriptors (the status server's listening socket,
+say). So that a killed worker never leaves an engine behind that holds its port and its memory, every process
+forked while the engine is built is killed when the worker dies (`PR_SET_PDEATHSIG`, Linux).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
+ENGINE_CORE_STARTS = ("auto", "fork", "spawn")
 _PR_SET_PDEATHSIG = 1
 _forking_for: int | None = None  # the worker's pid while it forks its engine cores (read in the child)
 _restore = None  # in the child: puts vLLM's own launcher context back
@@ -46,13 +51,21 @@ def model_in_engine_core(engine_args) -> bool:
 
 
 @contextlib.contextmanager
-def engine_cores_forked(engine_args, enabled: bool = True):
-    """Within it, vLLM's engine-core launcher forks on CPU where vLLM would spawn and the model runs in the engine
-    core (`model_in_engine_core`); elsewhere, or not `enabled`, vLLM decides as always."""
+def engine_cores_forked(engine_args, start: str = "auto"):
+    """Within it, on CPU, vLLM's engine-core launcher forks where `start` says so (module doc); elsewhere vLLM
+    decides as always. RuntimeError naming the flag for a `start` other than auto where vLLM is not on CPU."""
     global _forking_for, _restore
     from vllm.platforms import current_platform
 
-    if not (enabled and current_platform.is_cpu() and model_in_engine_core(engine_args)):
+    if start not in ENGINE_CORE_STARTS:
+        raise ValueError(f"--engine-core-start: one of {', '.join(ENGINE_CORE_STARTS)}, got {start!r}")
+    if not current_platform.is_cpu():
+        if start != "auto":
+            raise RuntimeError(f"--engine-core-start {start}: on CPU only (on a GPU vLLM forks its engine core "
+                               "until CUDA is initialized); drop it")
+        yield
+        return
+    if start == "spawn" or (start == "auto" and not model_in_engine_core(engine_args)):
         yield
         return
     # PR_SET_PDEATHSIG fires when the forking *thread* ends: only the main thread's children are tied to the process.

@@ -104,7 +104,7 @@ class VllmEngine:
             self._amx_after_restore = True
         building = time.monotonic()
         # vLLM's stat-logger hook feeds the load reports and the worker's KV gauges of each rank.
-        with engine_cores_forked(cfg.engine_args, enabled=not cfg.spawn_engine_core):
+        with engine_cores_forked(cfg.engine_args, cfg.engine_core_start):
             self.engine = AsyncLLM.from_engine_args(cfg.engine_args, stat_loggers=[stat_logger_factory(self._stats)])
         self._load_seconds = time.monotonic() - building
         if self.relay is not None:  # listens only now: an engine core forked before would hold its socket open

@@ -1,7 +1,8 @@
 """turbine/vllm/engine_fork.py: while the worker builds its engine on CPU with the model in the engine core (vLLM's
 one-process executor), vLLM's engine-core launcher forks (vLLM CPU would spawn, importing torch and vLLM again), and
 what it forks is killed with the worker; what the engine core launches in turn is spawned as vLLM wants; vLLM CPU's
-default layout (a model-runner process) keeps the spawn. The real engine's fork and death are checked in
+default layout (a model-runner process) keeps the spawn unless `--engine-core-start fork`; `spawn` keeps it
+everywhere; on a GPU only `auto` is taken. The real engine's fork and death are checked in
 tests/integration/test_migration_vllm.py (a SIGKILLed worker's engine core dies with it)."""
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ def test_the_launcher_forks_only_inside(cpu_spawns):
     with engine_cores_forked(engine_args()):
         assert launcher.get_mp_context().get_start_method() == "fork"
     assert launcher.get_mp_context().get_start_method() == "spawn"
-    with engine_cores_forked(engine_args(), enabled=False):  # --spawn-engine-core
+    with engine_cores_forked(engine_args(), "spawn"):
         assert launcher.get_mp_context().get_start_method() == "spawn"
-
 
 def test_only_where_the_model_runs_in_the_engine_core(cpu_spawns, monkeypatch):
     assert model_in_engine_core(engine_args()) and model_in_engine_core(engine_args(backend="uni"))
@@ -71,6 +71,29 @@ def test_only_where_the_model_runs_in_the_engine_core(cpu_spawns, monkeypatch):
         assert launcher.get_mp_context().get_start_method() == "spawn"
 
 
+def test_fork_forks_in_every_layout(cpu_spawns, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")  # vLLM CPU's default layout
+    for args in (engine_args(), engine_args(dp=2), engine_args(tp=2)):
+        with engine_cores_forked(args, "fork"):
+            assert launcher.get_mp_context().get_start_method() == "fork"
+        assert launcher.get_mp_context().get_start_method() == "spawn"
+    with engine_cores_forked(engine_args(dp=2), "fork"):
+        death, its_launcher = _fork_and_report(launcher.get_mp_context())
+    assert (death, its_launcher) == (signal.SIGKILL, "spawn")
+
+
+def test_off_cpu_only_auto_is_taken(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with engine_cores_forked(engine_args()):
+        pass
+    for start in ("fork", "spawn"):
+        with pytest.raises(RuntimeError, match=f"--engine-core-start {start}: on CPU only"):
+            with engine_cores_forked(engine_args(), start):
+                pass
+
+
 def test_an_engine_core_forked_inside_dies_with_the_worker_and_spawns_what_it_starts(cpu_spawns):
     with engine_cores_forked(engine_args()):
         death, its_launcher = _fork_and_report(launcher.get_mp_context())
@@ -83,6 +106,9 @@ def test_a_process_forked_outside_is_left_alone():
     assert death == 0
 
 
-def test_the_flag():
-    assert parse_worker_args(["--enforce-eager"]).spawn_engine_core is False
-    assert parse_worker_args(["--enforce-eager", "--spawn-engine-core"]).spawn_engine_core is True
+def test_the_flag(capsys):
+    assert parse_worker_args(["--enforce-eager"]).engine_core_start == "auto"
+    assert parse_worker_args(["--enforce-eager", "--engine-core-start", "fork"]).engine_core_start == "fork"
+    with pytest.raises(SystemExit):
+        parse_worker_args(["--enforce-eager", "--engine-core-start", "clone"])
+    assert "--engine-core-start" in capsys.readouterr().err
