@@ -99,6 +99,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # engine modules ran at once. 1,115 s against 1,176 s, as the two cores were shared, and the kernel
 # killed an engine for memory while two modules' engines started together. Not kept.)
 _ENGINE_STARTS = ("start_worker(", '"turbine.vllm"')
+# ... except these, one engine at a time each and not on the shared cluster: a group of their own, which the other
+# worker takes in its turn, so that the engine worker is not the whole run (2026-12-01, 2-core host: the engine
+# worker's tests 943 s, the other's 808 s; these two 66 s). Two engines at once on two workers stay within memory
+# here (a forked `uni` engine is ~2.5 GiB): the kernel killed one in 2026-11-29's trial of every engine module
+# spread over both workers, when engines were three processes of ~1.4 GiB each.
+_ENGINE_ALONE = ("tests/integration/test_embeddings.py", "tests/integration/test_checkpoint_vllm.py")
 
 
 @cache
@@ -119,15 +125,17 @@ def pytest_collection_modifyitems(config, items) -> None:
         by_module[item.nodeid.split("::")[0]].append(item)
     for module, its in by_module.items():
         # A whole module in one group: its own fixtures (a mocker fleet, say) start once, on one worker.
-        if module.startswith("tests/integration/") and (
-                _starts_engines(its[0].path) or any(_uses_shared_cluster(i) for i in its)):
+        on_cluster = any(_uses_shared_cluster(i) for i in its)
+        if module in _ENGINE_ALONE and not on_cluster:
+            group = "engine-alone"
+        elif module.startswith("tests/integration/") and (_starts_engines(its[0].path) or on_cluster):
             group = "engine"
         elif any("nats_url" in i.fixturenames for i in its):
             group = "nats"  # one NATS server for all: its subjects and buckets, one module at a time
         else:
             group = module
         for item in its:
-            if group == "engine":
+            if group.startswith("engine"):
                 item.add_marker(pytest.mark.engine)
             item.add_marker(pytest.mark.xdist_group(group))
 
