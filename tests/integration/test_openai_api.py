@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from tests.integration.conftest import MODEL
 from tests.integration.procs import http_text, metric
@@ -17,6 +16,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(model_dir):
+    from transformers import AutoTokenizer  # here: at the top it was ~5 s of every xdist worker's collection
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 

@@ -353,7 +353,7 @@ JSON_WHITESPACE = ("compact", "any")
 # What a --headless node reads of Turbine's own flags: where its status server listens, the port of the
 # leader's KV-event relay its ranks publish to, the discovery it finds the leader's card in, and the mode
 # itself (logging and --config are read before).
-HEADLESS_FLAGS = {"headless", "system_host", "system_port", "kv_events_port", "config", "help",
+HEADLESS_FLAGS = {"headless", "system_host", "system_port", "kv_events_port", "config", "help", "engine_core_start",
                   # where the leader's card is (a headless node watches it: turbine/vllm/headless.py)
                   "discovery_backend", "discovery_dir", "etcd_endpoints", "discovery_ttl"}
 

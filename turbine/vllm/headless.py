@@ -32,6 +32,7 @@ from turbine.config import make_registry
 from turbine.runtime.lifecycle import stop_on_signals
 from turbine.runtime.status_server import Health, make_app, serve_status
 from turbine.vllm.args import WorkerConfig
+from turbine.vllm.engine_fork import engine_cores_forked
 from turbine.worker.host import EXIT_ENGINE_DEAD
 
 log = logging.getLogger("turbine.vllm")
@@ -69,7 +70,10 @@ class HeadlessNode:
         registry = make_registry(self.cfg.discovery)
         await registry.backend.start()
         try:
-            self._procs = await asyncio.to_thread(self._start)
+            # On the main thread: there vLLM's engine cores can be forked (--engine-core-start), which ties them to
+            # this process; the event loop waits the second or two this takes.
+            with engine_cores_forked(self.cfg.engine_args, self.cfg.engine_core_start):
+                self._procs = self._start()
             log.info("headless node: %s; waiting for the leader's card (node group %s)", self._what(), self._group)
             seen, missing = False, 0
             while not self.stopping.is_set():
