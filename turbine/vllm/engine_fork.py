@@ -9,16 +9,17 @@ imports torch and vLLM again although the worker that starts it holds both: on a
 - `auto` (the default) forks where the engine core is also the model runner: vLLM's one-process executor
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one rank). In vLLM CPU's default layout (`mp`: the engine core spawns a
   model-runner process) it keeps vLLM's spawn: there a forked engine core started in 0.78x the time but decoded
-  about 10 % slower on one 2-core host (2026-12-01, medians of five), though as fast on another (0.74x the time,
-  decode 1.00x alone and at four at once, medians of five).
+  about 10 % slower on one 2-core host (medians of five), though as fast on another (0.71x the time, decode 1.04x
+  alone and 1.01x at four at once, medians of three; docs/operations/tests.md).
 - `fork` forks in every layout, data-parallel ranks included (the tests' engines: tests/integration/procs.py). The
   model runners an engine core starts are spawned still.
 - `spawn` is vLLM CPU's own way everywhere.
 
 Only the engine-core launcher (`vllm.v1.engine.utils`) and the data-parallel coordinator's
-(`vllm.v1.engine.coordinator`) are given the fork context, and only while the worker builds the engine. A forked child holds copies of the worker's open descriptors (the status server's listening socket,
-say). So that a killed worker never leaves an engine behind that holds its port and its memory, every process
-forked while the engine is built is killed when the worker dies (`PR_SET_PDEATHSIG`, Linux).
+(`vllm.v1.engine.coordinator`) are given the fork context, and only while the worker builds the engine. A forked
+child holds copies of the worker's open descriptors (the status server's listening socket, say). So that a killed
+worker never leaves an engine behind that holds its port and its memory, every process forked while the engine is
+built is killed when the worker dies (`PR_SET_PDEATHSIG`, Linux).
 """
 
 from __future__ import annotations
