@@ -120,8 +120,8 @@ def _vllm_cpu_build() -> bool:
 
 
 # Every engine's engine-core processes forked from its worker, in the mp layout and with data parallelism too
-# (`--engine-core-start fork`; its default forks only in `uni`): an mp engine was ready in 0.74x the time with
-# 0.75x the CPU, decode as fast (docs/operations/tests.md). Only the CPU build takes it (a GPU's vLLM forks by itself);
+# (`--engine-core-start fork`; its default forks only in `uni`): an mp engine was ready in 0.71x the time with
+# 0.72x the CPU, decode as fast (docs/operations/tests.md). Only the CPU build takes it (a GPU's vLLM forks by itself);
 # `turbine serve` in the lifecycle module starts as users start it.
 ENGINE_CORE_START = {"TURBINE_ENGINE_CORE_START": "fork"} if _vllm_cpu_build() else {}
 

@@ -58,8 +58,6 @@ def engine_cores_forked(engine_args, start: str = "auto"):
     global _forking_for, _restore
     from vllm.platforms import current_platform
 
-    if start not in ENGINE_CORE_STARTS:
-        raise ValueError(f"--engine-core-start: one of {', '.join(ENGINE_CORE_STARTS)}, got {start!r}")
     if not current_platform.is_cpu():
         if start != "auto":
             raise RuntimeError(f"--engine-core-start {start}: on CPU only (on a GPU vLLM forks its engine core "
