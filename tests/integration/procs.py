@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.integration import fork_server
 from turbine.runtime.ports import free_port  # noqa: F401  (the tests import it from here)
 
 ENGINE_FLAGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16"]
@@ -126,6 +127,11 @@ def _vllm_cpu_build() -> bool:
 ENGINE_CORE_START = {"TURBINE_ENGINE_CORE_START": "fork"} if _vllm_cpu_build() else {}
 
 
+# Every `python -m turbine.vllm` of the tests forked from a process that has imported the worker once
+# (tests/integration/fork_server.py): the imports were ~70 % of a `uni` engine's start. The CPU build only.
+FORK_SERVER = os.environ.get("TURBINE_TEST_FORK_SERVER", "1" if _vllm_cpu_build() else "0") == "1"
+
+
 def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
     env = dict(os.environ)
     env.update(TURBINE_DISCOVERY_BACKEND="file", TURBINE_DISCOVERY_DIR=discovery_dir,
@@ -151,6 +157,9 @@ def _start(name: str, env: dict, log_dir: Path, module: str, port_flag: str, *ar
     log_path = log_dir / f"{name}.log"
     if module == "turbine.vllm":
         args = (*args, *EXTRA_VLLM_ARGS)
+    if module == "turbine.vllm" and FORK_SERVER:
+        return Proc(name, fork_server.start(module, [port_flag, str(port), *args], env, str(log_path)), log_path,
+                    port)
     cmd = [sys.executable, "-m", module, port_flag, str(port), *args]
     popen = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     return Proc(name, popen, log_path, port)

@@ -71,24 +71,17 @@ def vlm_dir(tmp_path_factory, model_dir) -> str:
 @pytest.fixture(scope="module")
 def vlm_cluster(tmp_path_factory, vlm_dir):
     """One multimodal vLLM worker, a mocker serving a text-only model, one frontend (private discovery)."""
-    import subprocess
-    import sys
-
-    from tests.integration.procs import Proc, free_port
+    from tests.integration.procs import _start
 
     root = tmp_path_factory.mktemp("vlm-cluster")
     env = base_env(str(root / "discovery"))
 
     def vlm_worker(name: str) -> Proc:
-        port = free_port()
-        log = root / f"{name}.log"
         # Not procs.start_worker: its engine flags are the text model's (2048-token context, 16 sequences).
-        return Proc(name, subprocess.Popen(
-            [sys.executable, "-m", "turbine.vllm", "--system-port", str(port), "--model", vlm_dir,
-             "--served-model-name", VLM, "--enable-multimodal", "--enforce-eager", "--dtype", "float32",
-             "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}',
-             "--block-size", str(BLOCK)],
-            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT), log, port)
+        return _start(name, env, root, "turbine.vllm", "--system-port", "--model", vlm_dir,
+                      "--served-model-name", VLM, "--enable-multimodal", "--enforce-eager", "--dtype", "float32",
+                      "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}',
+                      "--block-size", str(BLOCK))
 
     workers = [vlm_worker("worker-a"), vlm_worker("worker-b")]
     mocker = start_mocker("mocker", env, root, "--served-model-name", TEXT_ONLY, "--speedup-ratio", "0")
