@@ -10,6 +10,8 @@ What a forked worker keeps of a started one, and how:
   `turbine.vllm.__main__`, run as `python -m` runs it (runpy), so vLLM's spawned processes find it.
 - Its exit status: the server is its parent and reaps it, and sends `{"exit": pid, "code": ...}` back;
   `ForkedProcess` answers `poll`/`wait`/`returncode` as `subprocess.Popen` does (minus signal number).
+- Its title in `ps` is that command line (setproctitle), so that its processes (and vLLM's titles such as
+  `VLLM::EngineCore` for the engine core) are told apart as before.
 - Python's `random` and numpy's global generator are reseeded (a fork shares its parent's state).
 - The environment that imports see: one server per distinct environment, apart from the variables read at
   run time only (`RUNTIME_ONLY`), so nothing that an import reads from the environment differs from a fresh start.
@@ -47,6 +49,8 @@ def _import_env(env: dict) -> tuple:
 def serve(fd: int) -> dict | None:
     """The server's loop. Returns only in a forked child, with the request it is to run."""
     start_env = dict(os.environ)
+    import setproctitle  # (vLLM's dependency) first set while the environment is as the process found it:
+    setproctitle.setproctitle("turbine tests' fork server")  # later, after a child's os.environ.clear(), it still can
     import turbine.vllm.worker  # noqa: F401  (the ~12 s this process is for)
     imported_env = {k: v for k, v in os.environ.items() if start_env.get(k) != v}  # what imports set (vLLM does)
     sock = socket.socket(fileno=fd)
@@ -88,6 +92,9 @@ def run_child(req: dict) -> None:
     """In the forked child: become `python -m MODULE ARGS` as `subprocess.Popen` would have started it."""
     import random
     import runpy
+
+    import setproctitle
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", req["module"], *req["args"]]))  # what `ps` shows
     log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
