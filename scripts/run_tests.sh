@@ -35,11 +35,10 @@ export TURBINE_TEST_NATS="nats://127.0.0.1:4222"
 # compiled it from source again: 0.3-0.4 s of CPU more per frontend or mocker start.
 $PY -m compileall -q turbine tests >/dev/null
 
-# Three pytest-xdist workers: the real-engine modules on the shared cluster (and those of several `mp`
-# engines) on one of them, one after the other; the other engine modules on a second, one after the other
-# (the xdist groups of tests/conftest.py); everything else on whichever is free. TURBINE_TEST_WORKERS=0
+# Two pytest-xdist workers: the real-engine modules all on one of them, one after the other (the xdist
+# groups of tests/conftest.py), everything else on the other meanwhile. TURBINE_TEST_WORKERS=0
 # runs it all in this one process.
 start=$(date +%s)
 $PY -m pytest "${TURBINE_TESTS:-tests}" -q -p no:cacheprovider --durations=30 \
-  -n "${TURBINE_TEST_WORKERS:-3}" --dist loadgroup "$@"
+  -n "${TURBINE_TEST_WORKERS:-2}" --dist loadgroup "$@"
 echo "make test took $(( $(date +%s) - start ))s"

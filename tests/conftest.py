@@ -99,13 +99,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # engine modules ran at once. 1,115 s against 1,176 s, as the two cores were shared, and the kernel
 # killed an engine for memory while two modules' engines started together. Not kept.)
 _ENGINE_STARTS = ("start_worker(", '"turbine.vllm"')
-# ... except these, not on the shared cluster: a group of their own, which another worker takes (scripts/run_tests.sh
-# runs three), so that the engine worker is not the whole run. With the fork server (tests/integration/fork_server.py)
-# an engine start is mostly the engine's own work, and the two cores were 29 % idle over a two-worker run
-# (2026-12-01, vmstat); at least 10 GiB stayed free with two engine modules at once. The modules of vLLM CPU's
-# `mp` layout with several engines (multi-node, disaggregation, disaggregated encode) stay on the engine worker.
+# ... except these, one or two `uni` engines each, no NIXL and not on the shared cluster: a group of their own, which
+# the other worker takes in its turn, so that the engine worker is not the whole run (2026-12-01, 2-core host: the
+# engine worker's tests 943 s, the other's 808 s; embeddings and checkpoint 66 s). Two engine modules at once stay
+# within memory here. Not the NIXL modules (disaggregation, disaggregated encode, KV tiers): run beside each other
+# their engines took the same NIXL side-channel port ("Address already in use"); nor the rest on a third xdist
+# worker: with the fork server (tests/integration/fork_server.py) the cores were 29 % idle over a two-worker run,
+# but three workers gave 1,028 s against 1,066 s, an engine core died mid-test and 3.3 GiB of memory was left at
+# the lowest (2026-12-01).
 _ENGINE_ALONE = tuple(f"tests/integration/test_{name}.py" for name in (
-    "embeddings", "checkpoint_vllm", "speculative_vllm", "lora_vllm", "migration_vllm", "multimodal_model", "kvbm_vllm"))
+    "embeddings", "checkpoint_vllm", "multimodal_model"))
 
 
 @cache
