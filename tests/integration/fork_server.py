@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+import psutil
+
 # Read when the worker runs, never at import (Turbine reads no environment at import; vLLM's `envs` is lazy).
 RUNTIME_ONLY_PREFIXES = ("TURBINE_",)
 RUNTIME_ONLY = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_NO_USAGE_STATS", "VLLM_CPU_OMP_THREADS_BIND",
@@ -228,9 +230,8 @@ class ForkedProcess:
 
 def _pid_running(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
