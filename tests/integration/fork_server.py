@@ -36,9 +36,11 @@ import time
 import psutil
 
 # Read when the worker runs, never at import (Turbine reads no environment at import; vLLM's `envs` is lazy).
+# PYTEST_CURRENT_TEST is pytest's name of the running test, in every environment the tests copy from theirs: as
+# part of the key it gave each module a server of its own (12 servers' imports in one run, ~11 s of CPU each).
 RUNTIME_ONLY_PREFIXES = ("TURBINE_",)
 RUNTIME_ONLY = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_NO_USAGE_STATS", "VLLM_CPU_OMP_THREADS_BIND",
-                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_HOST_IP", "PYTHONUNBUFFERED"}
+                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_HOST_IP", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
 MAX_SERVERS = 2  # each holds ~1 GiB of imports; environments beyond two are rare (mp layout, one module's own)
 
 
