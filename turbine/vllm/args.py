@@ -247,9 +247,9 @@ def _build_parser():
                              "model runs in the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank), which starts "
                              "it in about two thirds of the time and kills it with the worker, else spawned as vLLM CPU "
                              "does (torch and vLLM imported again); fork: forked in every layout (vLLM CPU's default "
-                             "one, data parallelism; its model runners are still spawned): ready in about 0.75x the "
-                             "time there; spawn: vLLM CPU's own way everywhere. On a GPU vLLM decides, and only auto "
-                             "is taken")
+                             "one, data parallelism), and the model runners forked from their engine core with the "
+                             "threads and cores vLLM gives them: ready in about half the time there; spawn: vLLM "
+                             "CPU's own way everywhere. On a GPU vLLM decides, and only auto is taken")
     parser.add_argument("--use-vllm-tokenizer", action="store_true",
                         help="text mode: the frontend sends text (chat messages or the prompt) and gets text back; "
                              "this worker applies vLLM's chat template, tokenizes and detokenizes (for models whose "

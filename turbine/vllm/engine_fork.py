@@ -11,12 +11,15 @@ imports torch and vLLM again although the worker that starts it holds both: on a
   model-runner process) it keeps vLLM's spawn: there a forked engine core started in 0.78x the time but decoded
   about 10 % slower on one 2-core host (medians of five), though as fast on another (0.71x the time, decode 1.04x
   alone and 1.01x at four at once, medians of three; docs/operations/tests.md).
-- `fork` forks in every layout, data-parallel ranks included (the tests' engines: tests/integration/procs.py). The
-  model runners an engine core starts are spawned still.
+- `fork` forks in every layout, data-parallel ranks included (the tests' engines: tests/integration/procs.py), and
+  the model runners a forked engine core starts (vLLM CPU's default layout, data parallelism) are forked from it in
+  turn, with the OpenMP threads and cores vLLM gives a spawned one (`_RunnerProcess`): each spawned one imported
+  torch and vLLM again, ~11 s of CPU on a 2-core host.
 - `spawn` is vLLM CPU's own way everywhere.
 
 Only the engine-core launcher (`vllm.v1.engine.utils`) and the data-parallel coordinator's
-(`vllm.v1.engine.coordinator`) are given the fork context, and only while the worker builds the engine. A forked
+(`vllm.v1.engine.coordinator`) are given the fork context, and only while the worker builds the engine; under `fork`
+also the model-runner launcher (`vllm.v1.executor.multiproc_executor`), which the forked engine cores keep. A forked
 child holds copies of the worker's open descriptors (the status server's listening socket, say). So that a killed
 worker never leaves an engine behind that holds its port and its memory, every process forked while the engine is
 built is killed when the worker dies (`PR_SET_PDEATHSIG`, Linux).
@@ -28,6 +31,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import signal
 import sys
@@ -78,21 +82,63 @@ def engine_cores_forked(engine_args, start: str = "auto"):
     # The engine cores' launcher, and with data parallelism the DP coordinator's (a process the leader waits for
     # before it starts its engine cores: spawned, it added ~10 s to a data-parallel engine's start on 2 cores).
     launchers = [m for m in (launcher, coordinator) if hasattr(m, "get_mp_context")]
-    spawning = [m.get_mp_context for m in launchers]
+    # Under `fork`, the model runners' launcher too: a forked engine core keeps it (`restore` there leaves it).
+    runner_launchers = []
+    if start == "fork":
+        from vllm.v1.executor import multiproc_executor
+        runner_launchers = [multiproc_executor] if hasattr(multiproc_executor, "get_mp_context") else []
+    originals = {m: m.get_mp_context for m in (*launchers, *runner_launchers)}
     fork = multiprocessing.get_context("fork")
+    runner_fork = _RunnerForkContext()
 
-    def restore():
-        for m, original in zip(launchers, spawning):
-            m.get_mp_context = original
+    def restore(modules=launchers):
+        for m in modules:
+            m.get_mp_context = originals[m]
 
     for m in launchers:
         m.get_mp_context = lambda: fork
+    for m in runner_launchers:
+        m.get_mp_context = lambda: runner_fork
     _forking_for, _restore = os.getpid(), restore
     try:
         yield
     finally:
-        restore()
+        restore(list(originals))
         _forking_for = _restore = None
+
+
+def _omp_binding_from_env() -> tuple[int | None, set[int] | None]:
+    """The thread count and cores that vLLM CPU's executor puts in the environment for a model runner it starts
+    (`vllm.utils.ompmultiprocessing`: OMP_NUM_THREADS with GOMP_CPU_AFFINITY, OMP_PLACES or KMP_AFFINITY)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    cores = None
+    if (gomp := os.environ.get("GOMP_CPU_AFFINITY", "").strip()):
+        cores = {int(c) for c in gomp.split()}
+    elif (places := os.environ.get("OMP_PLACES", "").strip()).startswith("{"):
+        cores = {int(c) for c in places.strip("{}").split(",") if c.strip()}
+    elif "proclist=[" in (kmp := os.environ.get("KMP_AFFINITY", "")):
+        cores = {int(c) for c in kmp.split("proclist=[", 1)[1].split("]", 1)[0].split(",") if c.strip()}
+    return (int(threads) if threads.isdigit() else None), cores
+
+
+class _RunnerProcess(multiprocessing.context.ForkProcess):
+    """A model runner forked from its engine core. vLLM binds a runner's OpenMP threads through the environment it
+    is started with, which only a spawned process reads (its OpenMP runtime starts then): a forked one inherited
+    its engine core's threads and all of its cores, and decoded at 0.7x the speed (13.8 against 21.1 tok/s alone,
+    SmolLM2 on 2 cores). So the binding is applied here, before the runner starts."""
+
+    def run(self):
+        threads, cores = _omp_binding_from_env()
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
+        super().run()
+
+
+class _RunnerForkContext(multiprocessing.context.ForkContext):
+    Process = _RunnerProcess
 
 
 def _die_with_parent() -> None:

@@ -1,19 +1,21 @@
 """turbine/vllm/engine_fork.py: while the worker builds its engine on CPU with the model in the engine core (vLLM's
 one-process executor), vLLM's engine-core launcher forks (vLLM CPU would spawn, importing torch and vLLM again), and
 what it forks is killed with the worker; what the engine core launches in turn is spawned as vLLM wants; vLLM CPU's
-default layout (a model-runner process) keeps the spawn unless `--engine-core-start fork`; `spawn` keeps it
-everywhere; on a GPU only `auto` is taken. The real engine's fork and death are checked in
+default layout (a model-runner process) keeps the spawn unless `--engine-core-start fork`, which forks the model
+runners from the engine core too, bound to the threads and cores vLLM gives them; `spawn` keeps it everywhere; on a GPU only `auto` is taken. The real engine's fork and death are checked in
 tests/integration/test_migration_vllm.py (a SIGKILLed worker's engine core dies with it)."""
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import os
 import signal
 from types import SimpleNamespace
 
 import pytest
 from vllm.v1.engine import utils as launcher
+from vllm.v1.executor import multiproc_executor as runner_launcher
 
 from turbine.vllm.args import parse_worker_args
 from turbine.vllm.engine_fork import engine_cores_forked, model_in_engine_core
@@ -22,14 +24,16 @@ PR_GET_PDEATHSIG = 2
 
 
 def _child_report(conn) -> None:
-    """In a forked child: its parent-death signal and the start method vLLM's launcher gives it now."""
+    """In a forked child: its parent-death signal and the start methods vLLM's launchers give it now (engine cores,
+    model runners)."""
     sig = ctypes.c_int(-1)
     ctypes.CDLL(None).prctl(PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0)
-    conn.send((sig.value, launcher.get_mp_context().get_start_method()))
+    conn.send((sig.value, launcher.get_mp_context().get_start_method(),
+               runner_launcher.get_mp_context().get_start_method()))
     conn.close()
 
 
-def _fork_and_report(context) -> tuple[int, str]:
+def _fork_and_report(context) -> tuple[int, str, str]:
     parent_end, child_end = multiprocessing.Pipe()
     proc = context.Process(target=_child_report, args=(child_end,))
     proc.start()
@@ -77,9 +81,37 @@ def test_fork_forks_in_every_layout(cpu_spawns, monkeypatch):
         with engine_cores_forked(args, "fork"):
             assert launcher.get_mp_context().get_start_method() == "fork"
         assert launcher.get_mp_context().get_start_method() == "spawn"
+        assert runner_launcher.get_mp_context().get_start_method() == "spawn"
     with engine_cores_forked(engine_args(dp=2), "fork"):
-        death, its_launcher = _fork_and_report(launcher.get_mp_context())
-    assert (death, its_launcher) == (signal.SIGKILL, "spawn")
+        death, its_launcher, its_runner_launcher = _fork_and_report(launcher.get_mp_context())
+    # an engine core forked under `fork` starts no engine core of its own, and forks its model runners
+    assert (death, its_launcher, its_runner_launcher) == (signal.SIGKILL, "spawn", "fork")
+    assert runner_launcher.get_mp_context().get_start_method() == "spawn"  # the worker's own, put back
+
+
+def _runner_report(conn) -> None:
+    import torch
+    conn.send((sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+    conn.close()
+
+
+def test_a_forked_model_runner_gets_the_threads_and_cores_vllm_gives_a_spawned_one(cpu_spawns, monkeypatch):
+    """vLLM CPU binds a runner through the environment it starts it with (vllm.utils.ompmultiprocessing), which only
+    a spawned process reads: without the binding here a forked runner ran on every core with its engine core's
+    threads, and decoded at 0.7x the speed."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores to tell a binding from none")
+    core = max(os.sched_getaffinity(0))
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    with engine_cores_forked(engine_args(), "fork"):
+        runner_context = runner_launcher.get_mp_context()  # what a forked engine core keeps
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what vLLM's executor sets around the runner's start
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(core))
+    parent_end, child_end = multiprocessing.Pipe()
+    proc = runner_context.Process(target=_runner_report, args=(child_end,))
+    proc.start()
+    assert parent_end.recv() == ([core], 1)
+    proc.join(10)
 
 
 def test_off_cpu_only_auto_is_taken(monkeypatch):
@@ -96,13 +128,13 @@ def test_off_cpu_only_auto_is_taken(monkeypatch):
 
 def test_an_engine_core_forked_inside_dies_with_the_worker_and_spawns_what_it_starts(cpu_spawns):
     with engine_cores_forked(engine_args()):
-        death, its_launcher = _fork_and_report(launcher.get_mp_context())
+        death, its_launcher, its_runner_launcher = _fork_and_report(launcher.get_mp_context())
     assert death == signal.SIGKILL
-    assert its_launcher == "spawn"  # its model-runner processes are spawned, as vLLM CPU wants
+    assert its_launcher == its_runner_launcher == "spawn"  # what it starts is spawned, as vLLM CPU wants
 
 
 def test_a_process_forked_outside_is_left_alone():
-    death, _ = _fork_and_report(multiprocessing.get_context("fork"))
+    death, _, _ = _fork_and_report(multiprocessing.get_context("fork"))
     assert death == 0
 
 
