@@ -155,7 +155,7 @@ def test_kv_gauges_per_rank_and_the_model_load_time(stack):
 
         def long_request():
             httpx.post(f"{frontend.url}/v1/completions", timeout=120, json={
-                "model": "ranked-model", "prompt": "word " * 100, "max_tokens": 60, "ignore_eos": True})
+                "model": "ranked-model", "prompt": "word " * 100, "max_tokens": 20, "ignore_eos": True})
             done.set()
 
         threading.Thread(target=long_request, daemon=True).start()
