@@ -92,10 +92,12 @@ def test_a_restored_vllm_worker_serves_the_same_greedy_answers_under_its_new_ide
     control = tmp_path / "control"
     control.mkdir()
     discovery = str(tmp_path / "discovery")
-    env = base_env(discovery)
+    # Leases of 10 s, not the suite's 3 s: nothing here waits for one to lapse, and beside other engines on two cores
+    # a worker's first request once held its heartbeat past 3 s (its lease lapsed between two requests: a 404).
+    env = base_env(discovery, ttl=10.0)
     held = start_worker_session("checkpointed", dict(env, TURBINE_SNAPSHOT_CONTROL_DIR=str(control)), tmp_path)
     reference = start_worker_session("reference", env, tmp_path)  # the same engine, never checkpointed
-    frontend = start_frontend("frontend", base_env(discovery), tmp_path, "--router-mode", "kv")
+    frontend = start_frontend("frontend", env, tmp_path, "--router-mode", "kv")
     client = OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=120)
     shm_before = set(os.listdir("/dev/shm"))
     restored: list[psutil.Process] = []
