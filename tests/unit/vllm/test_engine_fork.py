@@ -2,7 +2,8 @@
 one-process executor), vLLM's engine-core launcher forks (vLLM CPU would spawn, importing torch and vLLM again), and
 what it forks is killed with the worker; what the engine core launches in turn is spawned as vLLM wants; vLLM CPU's
 default layout (a model-runner process) keeps the spawn unless `--engine-core-start fork`, which forks the model
-runners from the engine core too, bound to the threads and cores vLLM gives them; `spawn` keeps it everywhere; on a GPU only `auto` is taken. The real engine's fork and death are checked in
+runners from the engine core too, bound to the threads and cores vLLM gives them; `spawn` keeps it everywhere; on a
+GPU only `auto` is taken. The real engine's fork and death are checked in
 tests/integration/test_migration_vllm.py (a SIGKILLed worker's engine core dies with it)."""
 
 from __future__ import annotations
