@@ -33,7 +33,7 @@ from turbine.frontend.dispatch.encode import remote_encode, wants_remote_encode
 from turbine.frontend.dispatch.migration import MigrationConfig, continuation, migration_reason, why_not_continued
 from turbine.frontend.dispatch.overload import OverloadRetries
 from turbine.frontend.errors import Overloaded, RequestError, WorkerFailed, failure_of
-from turbine.frontend.metrics import ModelMetrics
+from turbine.frontend.metrics import ModelMetrics, observe_many
 from turbine.frontend.models.table import ServedModel
 from turbine.protocol.discovery import InstanceRecord
 from turbine.protocol.generate import GenerateOutput, GenerateRequest, Usage
@@ -184,9 +184,7 @@ class Dispatch:
             self._uncount()
             if self._stream is not None:
                 await self._stream.aclose()
-            observe = self.metrics.itl.observe
-            for gap in gaps:
-                observe(gap)
+            observe_many(self.metrics.itl, gaps)
 
     # -- migration --------------------------------------------------------------------
     def _failure(self, exc: BaseException) -> RequestError:
