@@ -98,7 +98,7 @@ def prepare(tokenizer_from: Path, out: Path, vocab_size: int = LLAMA_31_8B["voca
 
 
 # --------------------------------------------------------------------------- prompts
-def prompts(n: int, isl: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+def prompts(n: int, isl: int, seed: int | str, vocab: int = 49152) -> list[list[int]]:
     """Random token ids (from the base tokenizer's range: real BPE tokens), distinct per request so
     that the prefix cache does not turn prefill into a lookup."""
     rng = random.Random(seed)
@@ -181,8 +181,16 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def point_seed(seed: int, isl: int, osl: int, concurrency: int, run: int = 0) -> str:
+    """The prompts' seed of one point, the same for every system: each point (and each `run` of a point on one
+    engine) gets prompts of its own. With one seed for all, a point's prompts began with the previous point's
+    and were prefilled from the prefix cache (until 2026-12-01: C=256 after C=64 found 64 of its prompts there,
+    and a frontend count measured after another found them all)."""
+    return f"{seed}:{isl}x{osl}@{concurrency}" + (f"#{run}" if run else "")
+
+
 def load_point(base_url: str, model: str, isl: int, osl: int, concurrency: int, requests: int,
-               processes: int, seed: int) -> dict:
+               processes: int, seed: int | str) -> dict:
     """One measured point: `requests` streaming completions at `concurrency`, split over `processes`."""
     work = prompts(requests, isl, seed)
     procs, pipes = [], []
@@ -211,6 +219,15 @@ def load_point(base_url: str, model: str, isl: int, osl: int, concurrency: int, 
     out_tokens = sum(r["out"] for r in ok)
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     itl = [x for r in ok for x in r["itl"]]
+    # Each wave of `concurrency` requests (by send time): how far apart its requests were sent, got their first
+    # token and ended (ms). With ignore_eos and one length a wave ends together, and the next is sent as it ends:
+    # a wide first-token spread is a wave reaching the engine a little at a time.
+    by_sent = sorted(ok, key=lambda r: r["t0"])
+    t_first = min(r["t0"] for r in ok) if ok else 0.0
+    waves = [{"sent_ms": [_ms(w[0]["t0"] - t_first), _ms(w[-1]["t0"] - t_first)],
+              "first_token_spread_ms": _ms(max(r["t0"] + r["ttft"] for r in w) - min(r["t0"] + r["ttft"] for r in w)),
+              "end_spread_ms": _ms(max(r["end"] for r in w) - min(r["end"] for r in w))}
+             for w in (by_sent[i:i + concurrency] for i in range(0, len(by_sent), concurrency))]
     return {
         "isl": isl, "osl": osl, "concurrency": concurrency, "requests": requests, "ok": len(ok),
         "errors": len(errors), "first_errors": errors[:3], "wall_s": round(span, 3),
@@ -220,6 +237,7 @@ def load_point(base_url: str, model: str, isl: int, osl: int, concurrency: int, 
         "client_processes": len(procs),
         "client_cpu_max": round(max(r["cpu_s"] / r["wall_s"] for r in results), 3),
         "client_cpu_s": round(sum(r["cpu_s"] for r in results), 2),
+        "waves": waves,
     }
 
 
@@ -326,21 +344,32 @@ class Procs:
         self.procs = [(n, p) for n, p in self.procs if p.poll() is None]
 
 
-def run_offline(a, points) -> dict:
+def run_offline(a, points, as_turbine: bool = False) -> dict:
+    """`as_turbine`: the engine configured as Turbine's worker configures it (stats on, KV events published),
+    so that what those cost the engine core is told apart from what the serving path costs."""
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
+    extra = {}
+    if as_turbine:
+        from vllm.config import KVEventsConfig
+
+        extra = {"disable_log_stats": False, "kv_events_config": KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{free_port()}")}
     llm = LLM(model=str(a.model), load_format="dummy", max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-              enable_prefix_caching=True, skip_tokenizer_init=False, tensor_parallel_size=a.tensor_parallel_size)
+              enable_prefix_caching=True, skip_tokenizer_init=False, tensor_parallel_size=a.tensor_parallel_size,
+              **extra)
     start = time.monotonic() - t0
     res = []
     for isl, osl, conc in points:
         n = a.requests or conc * a.requests_per_slot
         sp = SamplingParams(temperature=0.0, max_tokens=osl, ignore_eos=True)
         warm = SamplingParams(temperature=0.0, max_tokens=min(osl, 32), ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts(min(n, 32), isl, a.seed + 1)], warm, use_tqdm=False)
-        batch = [{"prompt_token_ids": p} for p in prompts(n, isl, a.seed)]
+        seed = point_seed(a.seed, isl, osl, conc)
+        llm.generate([{"prompt_token_ids": p} for p in prompts(min(n, 32), isl, seed + "warm")], warm, use_tqdm=False)
+        batch = [{"prompt_token_ids": p} for p in prompts(n, isl, seed)]
+        steps = _offline_steps(llm) if as_turbine else None
         t = time.perf_counter()
         if conc == 1:  # one at a time: the engine may batch more (max_num_seqs >= 2)
             outs = [o for b in batch for o in llm.generate([b], sp, use_tqdm=False)]
@@ -354,19 +383,36 @@ def run_offline(a, points) -> dict:
                     "ok": len(outs), "wall_s": round(wall, 3),
                     "output_tok_s": round(out_tokens / wall, 1),
                     "total_tok_s": round((out_tokens + isl * len(outs)) / wall, 1)})
-        log(f"offline {isl}/{osl} n={n}: {res[-1]['output_tok_s']} out tok/s")
+        if steps is not None:
+            res[-1].update(step_stats(steps, _offline_steps(llm), wall))
+        log(f"offline {isl}/{osl} n={n}: {res[-1]['output_tok_s']} out tok/s {res[-1].get('engine_steps', '')}")
     del llm
     return {"engine_start_s": round(start, 1), "points": res}
 
 
-def _offline_child(a, points, q) -> None:
+def _offline_steps(llm) -> tuple[float, float]:
+    """The engine's steps so far and the tokens they scheduled (vllm:iteration_tokens_total's count and sum)."""
+    hist = [m for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total"]
+    return sum(m.count for m in hist), sum(m.sum for m in hist)
+
+
+def step_stats(before: tuple[float, float], after: tuple[float, float], wall_s: float) -> dict:
+    """Over one point: the engine's steps, the tokens per step (how full its batches were) and the steps per
+    second (how fast it stepped). Turbine and offline differing in the first means requests reached the engine
+    late; in the second, that something slowed the engine's loop."""
+    steps, tokens = after[0] - before[0], after[1] - before[1]
+    return {"engine_steps": int(steps), "tokens_per_step": round(tokens / steps, 1) if steps else None,
+            "steps_per_s": round(steps / wall_s, 1)}
+
+
+def _offline_child(a, points, q, as_turbine: bool = False) -> None:
     try:
-        q.put(run_offline(a, points))
+        q.put(run_offline(a, points, as_turbine))
     except Exception as exc:
         q.put({"error": f"{type(exc).__name__}: {exc}"[-3000:]})
 
 
-def run_offline_limits(a, points) -> dict:
+def run_offline_limits(a, points, as_turbine: bool = False) -> dict:
     """Offline has no concurrency, so its limit at concurrency C is an engine whose batch is at most C:
     one engine per concurrency (--max-num-seqs min(C, the flag's)), each in its own process so that it
     and its GPU memory go away before the next."""
@@ -378,7 +424,7 @@ def run_offline_limits(a, points) -> dict:
         # whatever the engine could batch.
         mine = argparse.Namespace(**dict(vars(a), max_num_seqs=max(16, min(conc, a.max_num_seqs))))
         q = ctx.Queue()
-        child = ctx.Process(target=_offline_child, args=(mine, [p for p in points if p[2] == conc], q))
+        child = ctx.Process(target=_offline_child, args=(mine, [p for p in points if p[2] == conc], q, as_turbine))
         child.start()
         res = q.get()
         child.join()
@@ -433,7 +479,7 @@ def _py_spy(a, roots: dict[str, int], tag: str, isl: int, osl: int) -> list[subp
     out = []
     for root, pid in roots.items():
         path = a.out.parent / f"pyspy-{tag.replace(' ', '')}-{isl}x{osl}-{root}.txt"
-        out.append(subprocess.Popen([a.py_spy, "record", "--nonblocking", "--subprocesses", "-r", "25", "-f", "raw",
+        out.append(subprocess.Popen([a.py_spy, "record", "--nonblocking", "--subprocesses", "-r", "100", "-f", "raw",
                                      "-o", str(path), "-p", str(pid)], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL))
     return out
@@ -448,22 +494,72 @@ def preemptions(metrics_url: str | None) -> float | None:
                    if line.startswith("vllm:num_preemptions_total"))
 
 
+def engine_steps(metrics_url: str) -> tuple[float, float]:
+    """The engine's steps so far and the tokens they scheduled, from its /metrics (summed over labels)."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+    return total("vllm:iteration_tokens_total_count"), total("vllm:iteration_tokens_total_sum")
+
+
+class RunningTrace:
+    """The engine's running and waiting requests read from its /metrics every `period` s while a point runs
+    (--trace-running; the scrapes cost the serving process CPU, so this is a diagnostic run, not a measured one)."""
+
+    def __init__(self, metrics_url: str, period: float):
+        import threading
+
+        self.url, self.period, self.samples = metrics_url, period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.period):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    lines = r.read().decode().splitlines()
+            except OSError:
+                continue
+            got = {}
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                got[name] = sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name))
+            self.samples.append([round(time.perf_counter() - t0, 3), got["vllm:num_requests_running"],
+                                 got["vllm:num_requests_waiting"]])
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
 def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int] | None = None,
-                   metrics_url: str | None = None) -> list[dict]:
+                   metrics_url: str | None = None, run: int = 0) -> list[dict]:
     """`metrics_url`: the engine's /metrics, for its preemptions during each point (a request preempted waits
-    and recomputes: where a TTFT p99 comes from)."""
+    and recomputes: where a TTFT p99 comes from). `run`: how many times these points were measured on this
+    engine before (their prompts must differ: point_seed)."""
     res = []
     cpu = ServerCpu(cpu_roots or {})
     for isl, osl, conc in points:
         n = a.requests or conc * a.requests_per_slot
         # warm-up: short answers, enough to reach every server part once
-        load_point(base_url, SERVED, isl, min(osl, 32), min(conc, 32), min(conc, 32), a.client_processes, a.seed + 1)
+        seed = point_seed(a.seed, isl, osl, conc, run)
+        load_point(base_url, SERVED, isl, min(osl, 32), min(conc, 32), min(conc, 32), a.client_processes,
+                   seed + "warm")
         spies = _py_spy(a, cpu.roots, tag, isl, osl) if conc == (a.scaling_concurrency or conc) else []
         before, t, preempted = cpu.snapshot(), time.perf_counter(), preemptions(metrics_url)
-        r = load_point(base_url, SERVED, isl, osl, conc, n, a.client_processes, a.seed)
+        steps = engine_steps(metrics_url) if metrics_url else None
+        trace = RunningTrace(metrics_url, a.trace_running) if a.trace_running and metrics_url else None
+        r = load_point(base_url, SERVED, isl, osl, conc, n, a.client_processes, seed)
+        if trace is not None:
+            r["running_trace"] = trace.stop()
         r["server_cores"] = ServerCpu.cores(before, cpu.snapshot(), time.perf_counter() - t)
         if preempted is not None:
             r["preemptions"] = preemptions(metrics_url) - preempted
+        if steps is not None:  # over the whole call (warm-up excluded); wall_s is the requests' span
+            r.update(step_stats(steps, engine_steps(metrics_url), r["wall_s"]))
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
             try:
@@ -471,7 +567,8 @@ def measure_server(a, base_url: str, points, tag: str, cpu_roots: dict[str, int]
             except subprocess.TimeoutExpired:
                 spy.kill()
         log(f"{tag} {isl}/{osl} C={conc}: {r['output_tok_s']} out tok/s, TTFT p50 {r['ttft_p50_ms']} ms, "
-            f"ITL p50 {r['itl_p50_ms']} ms, preemptions {r.get('preemptions')}, client cpu max {r['client_cpu_max']}, errors {r['errors']}, "
+            f"ITL p50 {r['itl_p50_ms']} ms, preemptions {r.get('preemptions')}, steps {r.get('engine_steps')} "
+            f"({r.get('tokens_per_step')} tok/step, {r.get('steps_per_s')}/s), client cpu max {r['client_cpu_max']}, errors {r['errors']}, "
             f"server cores {dict(list(r['server_cores'].items())[:6])}")
         res.append(r)
         MEASURED.append(dict(r, system=tag))
@@ -525,7 +622,7 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
     worker_proc = procs.spawn("turbine_worker", [*worker, "--system-port", str(system_port)], env)
     out = {"by_frontend_processes": {}}
     try:
-        for n in a.frontend_processes:
+        for i, n in enumerate(a.frontend_processes):
             port = free_port()
             fe = [sys.executable, "-m", "turbine.frontend", "--http-port", str(port)]
             if n > 1:
@@ -544,7 +641,8 @@ def run_turbine(a, points, run_dir: Path, worker_flags: tuple[str, ...] = (), no
                 mine = [p for p in points if p[2] == a.scaling_concurrency]
             out["by_frontend_processes"][str(n)] = measure_server(
                 a, f"http://127.0.0.1:{port}", mine, f"turbine x{n}",
-                {"worker": worker_proc.pid, "frontend": frontend.pid}, f"http://127.0.0.1:{system_port}/metrics")
+                {"worker": worker_proc.pid, "frontend": frontend.pid}, f"http://127.0.0.1:{system_port}/metrics",
+                run=i)
             procs.stop("turbine_frontend")
         return out
     except Exception:
@@ -595,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--model", type=Path, required=True)
     r.add_argument("--systems", default="offline,serve,turbine",
-                   help="offline, serve, turbine, turbine-kvbm (--connector kvbm with a --kvbm-host-gb host tier), "
+                   help="offline, offline-as-turbine (stats on and KV events published, as Turbine's worker runs "
+                        "its engine), serve, turbine, turbine-kvbm (--connector kvbm with a --kvbm-host-gb host tier), "
                         "turbine-2nodes (--tensor-parallel-size 2 over a leader and a --headless node, a GPU each)")
     r.add_argument("--kvbm-host-gb", type=float, default=32.0)
     r.add_argument("--loads", default="128x512,1024x256", help="ISLxOSL, comma separated")
@@ -608,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--client-processes", type=int, default=8)
     r.add_argument("--py-spy", default="", help="a py-spy binary: profile the servers' processes during the points "
                                                 "at --scaling-concurrency (every point if 0), raw stacks beside --out")
+    r.add_argument("--trace-running", type=float, default=0.0,
+                   help="every this many seconds, the engine's running/waiting requests from /metrics during each "
+                        "point (a diagnostic: the scrapes cost the server CPU); 0: off")
     r.add_argument("--max-model-len", type=int, default=2048)
     r.add_argument("--max-num-seqs", type=int, default=512)
     r.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -648,6 +750,8 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
         try:
             if system == "offline":
                 res = run_offline_limits(a, points)
+            elif system == "offline-as-turbine":  # the engine as Turbine's worker sets it up (stats, KV events)
+                res = run_offline_limits(a, points, as_turbine=True)
             elif system == "serve":
                 res = run_serve(a, points, run_dir)
             elif system == "turbine":
