@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -485,22 +486,22 @@ def _py_spy(a, roots: dict[str, int], tag: str, isl: int, osl: int) -> list[subp
     return out
 
 
-def preemptions(metrics_url: str | None) -> float | None:
-    """The engine's `vllm:num_preemptions_total` (summed over its labels), None without a metrics URL."""
-    if metrics_url is None:
-        return None
+def metric_totals(metrics_url: str, *names: str) -> list[float]:
+    """Each named metric of one /metrics scrape, summed over its labels."""
     with urllib.request.urlopen(metrics_url, timeout=30) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith("vllm:num_preemptions_total"))
+        lines = r.read().decode().splitlines()
+    return [sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name)) for name in names]
+
+
+def preemptions(metrics_url: str | None) -> float | None:
+    """The engine's `vllm:num_preemptions_total`, None without a metrics URL."""
+    return None if metrics_url is None else metric_totals(metrics_url, "vllm:num_preemptions_total")[0]
 
 
 def engine_steps(metrics_url: str) -> tuple[float, float]:
-    """The engine's steps so far and the tokens they scheduled, from its /metrics (summed over labels)."""
-    with urllib.request.urlopen(metrics_url, timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    def total(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
-    return total("vllm:iteration_tokens_total_count"), total("vllm:iteration_tokens_total_sum")
+    """The engine's steps so far and the tokens they scheduled (vllm:iteration_tokens_total's count and sum)."""
+    count, total = metric_totals(metrics_url, "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
+    return count, total
 
 
 class RunningTrace:
@@ -508,8 +509,6 @@ class RunningTrace:
     (--trace-running; the scrapes cost the serving process CPU, so this is a diagnostic run, not a measured one)."""
 
     def __init__(self, metrics_url: str, period: float):
-        import threading
-
         self.url, self.period, self.samples = metrics_url, period, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -519,15 +518,10 @@ class RunningTrace:
         t0 = time.perf_counter()
         while not self._stop.wait(self.period):
             try:
-                with urllib.request.urlopen(self.url, timeout=5) as r:
-                    lines = r.read().decode().splitlines()
+                running, waiting = metric_totals(self.url, "vllm:num_requests_running", "vllm:num_requests_waiting")
             except OSError:
                 continue
-            got = {}
-            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                got[name] = sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name))
-            self.samples.append([round(time.perf_counter() - t0, 3), got["vllm:num_requests_running"],
-                                 got["vllm:num_requests_waiting"]])
+            self.samples.append([round(time.perf_counter() - t0, 3), running, waiting])
 
     def stop(self) -> list:
         self._stop.set()
