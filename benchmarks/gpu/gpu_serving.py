@@ -500,8 +500,7 @@ def preemptions(metrics_url: str | None) -> float | None:
 
 def engine_steps(metrics_url: str) -> tuple[float, float]:
     """The engine's steps so far and the tokens they scheduled (vllm:iteration_tokens_total's count and sum)."""
-    count, total = metric_totals(metrics_url, "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
-    return count, total
+    return tuple(metric_totals(metrics_url, "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum"))
 
 
 class RunningTrace:
