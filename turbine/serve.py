@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -241,17 +242,18 @@ def _wait_ready(url: str, model: str, procs: list[subprocess.Popen], prefill: bo
     return False
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], hurry: threading.Event | None = None) -> None:
     """SIGTERM to each child (a worker drains), then SIGKILL to what is left of its process group: a
-    worker stopped while its engine was still starting left vLLM's EngineCore running, orphaned."""
+    worker stopped while its engine was still starting left vLLM's EngineCore running, orphaned.
+    Once `hurry` is set, nothing more is waited for."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        while p.poll() is None and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+            time.sleep(0.05)
+        if p.poll() is None:
             p.kill()
             p.wait()
         try:
@@ -299,8 +301,7 @@ def main(argv: list[str]) -> int:
         print("\n[turbine] stopping…", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stop short
-        _stop(procs[::-1])  # workers first (they drain), then the frontend
+        _stop(procs[::-1], _hurry_on_ctrl_c())  # workers first (they drain), then the frontend
 
 
 def cluster_key_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -331,6 +332,17 @@ def observability_env(serve_argv: list[str], args: argparse.Namespace) -> dict[s
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _hurry_on_ctrl_c() -> threading.Event:
+    """While serve stops its children: a second Ctrl-C stops them at once (SIGKILL), as a user pressing it again
+    means; a second SIGTERM (`timeout` signals its child, then its whole process group) is ignored, so the workers
+    still drain. Either one, raised as an exception, used to cut the stop short, leaving the frontend up without
+    serve, holding its port."""
+    hurry = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: hurry.set())
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return hurry
 
 
 def _served_name(worker_args: list[str]) -> str | None:

@@ -449,3 +449,79 @@ def test_serve_stop_leaves_no_grandchild_behind(tmp_path):
     else:
         os.kill(grandchild, signal_mod.SIGKILL)
         raise AssertionError("the grandchild outlived serve's stop")
+
+
+_FAKE_FRONTEND = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"models": {"m": {}}}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+# A worker that drains for argv[1] seconds on SIGTERM, then says so in the file argv[2].
+_DRAINING_WORKER = """
+import pathlib, signal, sys, time
+def drain(*args):
+    time.sleep(float(sys.argv[1]))
+    pathlib.Path(sys.argv[2]).write_text("drained")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, drain)
+signal.pause()
+"""
+
+
+@pytest.mark.parametrize("second,drain_s", [("SIGINT", 60.0), ("SIGTERM", 1.0)])
+def test_serve_signalled_again_while_stopping_leaves_nothing_running(tmp_path, second, drain_s):
+    # Ctrl-C pressed twice, or `timeout` (which signals its child, then the child's whole process group): serve's
+    # real main loop over a stand-in frontend and a worker that drains slowly. A second Ctrl-C kills what is left at
+    # once; a second SIGTERM lets the worker drain. Either way serve exits and takes every child with it (the second
+    # signal used to cut the stop short and leave the frontend serving without serve).
+    import signal as signal_mod
+    import socket
+    import time
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    drained = tmp_path / "drained"
+    script = (
+        "import sys\nimport turbine.serve as serve\n"
+        f"fe = [sys.executable, '-c', {_FAKE_FRONTEND!r}, '{port}']\n"
+        f"worker = [sys.executable, '-c', {_DRAINING_WORKER!r}, '{drain_s}', {str(drained)!r}]\n"
+        "serve.plan = lambda argv, workdir: serve.ServePlan(\n"
+        f"    model='m', served_name='m', url='http://127.0.0.1:{port}', frontend_cmd=fe, worker_cmds=[worker],\n"
+        "    env={}, disagg=False, status_ports=[])\n"
+        "sys.exit(serve.main([]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal_mod.signal(signal_mod.SIGINT, signal_mod.SIG_DFL))
+    children = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("[turbine] ready"):
+                break
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 2
+        first = signal_mod.SIGINT if second == "SIGINT" else signal_mod.SIGTERM
+        proc.send_signal(first)
+        time.sleep(0.5)  # serve is now waiting for the worker to drain
+        proc.send_signal(getattr(signal_mod, second))
+        assert proc.wait(timeout=drain_s / 2 + 10) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [c.cmdline()[:3] for c in alive]
+        assert drained.exists() == (second == "SIGTERM")
+    finally:
+        proc.kill()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
