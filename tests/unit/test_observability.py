@@ -95,6 +95,18 @@ async def test_request_id_generated_echoed_and_in_every_log_line(stack, lines):
     assert [rec["request_id"] for rec in on_worker] == [request_id]
 
 
+async def test_probes_log_their_access_lines_at_debug(stack, lines):
+    # `turbine serve` polls /health twice a second while its engine starts: those lines stay out of the INFO log.
+    worker, client, http = stack
+    assert (await http.get("/health")).status_code == 200
+    assert (await http.get("/live")).status_code == 200
+    await http.get("/v1/models")
+    assert [rec["path"] for rec in lines() if rec["logger"] == "turbine.access"] == ["/v1/models"]
+    logging.getLogger("turbine").setLevel(logging.DEBUG)
+    await http.get("/health")
+    assert [(rec["path"], rec["level"]) for rec in lines() if rec["logger"] == "turbine.access"][-1] == ("/health", "DEBUG")
+
+
 async def test_client_request_id_is_taken_and_echoed(stack, lines):
     worker, client, http = stack
     raw = await client.chat.completions.with_raw_response.create(**CHAT, extra_headers={"X-Request-Id": "abc-1.2:3"})

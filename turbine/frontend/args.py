@@ -81,7 +81,8 @@ def add_frontend_args(parser: argparse.ArgumentParser, *, default_port: int = 80
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction,
                    default=env_bool("TURBINE_ACCESS_LOG", True),
                    help="one line per HTTP request on the logger turbine.access: client, method, path, status, "
-                        "duration, request id (env TURBINE_ACCESS_LOG=0 turns it off; default on)")
+                        "duration, request id; the probes /health and /live at DEBUG (env TURBINE_ACCESS_LOG=0 turns "
+                        "it off; default on)")
     gr = parser.add_argument_group("Turbine global router (one endpoint over several deployments)")
     gr.add_argument(POOL_FLAG, action="append", default=None, metavar="NAME=NAMESPACE[@DISCOVERY]",
                     help="a pool of workers to route over, given twice or more: the workers of NAMESPACE in this "

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turbine.frontend")
 access_log = logging.getLogger("turbine.access")
+# Probes log their access lines at DEBUG: `turbine serve` asks /health twice a second while its engine starts,
+# and an orchestrator asks every few seconds for as long as the frontend runs.
+PROBE_PATHS = frozenset({"/health", "/live"})
 
 # The Responses API (turbine/frontend/apis/responses.py) and Anthropic's Messages API
 # (turbine/frontend/apis/anthropic.py) run on the chat path.
@@ -442,10 +445,11 @@ class _Observed:
         if self.access_log:  # under the request's span still: the line carries its trace id
             client = scope.get("client")
             ms = (time.perf_counter() - self.started) * 1e3
-            access_log.info("%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
-                            status, ms, extra={"fields": {"client": client[0] if client else None,
-                                                          "method": scope["method"], "path": scope["path"],
-                                                          "status": status, "duration_ms": round(ms, 3)}})
+            access_log.log(logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO,
+                           "%s %s %s %d %.1fms", client[0] if client else "-", scope["method"], scope["path"],
+                           status, ms, extra={"fields": {"client": client[0] if client else None,
+                                                         "method": scope["method"], "path": scope["path"],
+                                                         "status": status, "duration_ms": round(ms, 3)}})
         if self.span is not None:
             self.span.set_attribute("http.response.status_code", status)
             tracing.detach(self.token)
