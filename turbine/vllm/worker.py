@@ -27,7 +27,7 @@ from turbine.worker.worker_metrics import WorkerMetrics
 from turbine.vllm import amx
 from turbine.vllm.args import WorkerConfig, parse_worker_args
 from turbine.vllm.canary import generate_canary, pooling_canary
-from turbine.vllm.compat import ping_engine_rank, unfinished_requests, unknown_release_warning
+from turbine.vllm.compat import engine_env_defaults, ping_engine_rank, unfinished_requests, unknown_release_warning
 from turbine.vllm.embed import EmbedHandlers
 from turbine.vllm.engine_fork import engine_cores_forked
 from turbine.vllm.images import measured_placeholder
@@ -289,6 +289,8 @@ class VllmEngine:
 def main(argv: list[str] | None = None) -> int:
     setup_logging(argv, "python -m turbine.vllm")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    for name, value in engine_env_defaults().items():
+        os.environ.setdefault(name, value)
     cfg = parse_worker_args(argv)
     if (warning := unknown_release_warning()) is not None:
         log.warning(warning)
