@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -278,6 +278,9 @@ def validate_completion(req: CompletionRequest) -> None:
 
 
 MAX_BATCH_PROMPTS = 64
+# A token-id prompt's check in C (msgspec refuses bools, floats and negatives): a Python loop over its ids was a third
+# of the frontend's CPU at 4,096-token prompts (py-spy; 188 -> 18 us a prompt, timeit).
+_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
@@ -296,8 +299,10 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
         _check(isinstance(p, type(prompts[0])), "prompt", "a batch is a list of strings or of token-id lists")
         _check(len(p) > 0, "prompt", "must not be empty")
         if isinstance(p, list):
-            _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p), "prompt",
-                   "must be a string or a list of non-negative token ids")
+            try:
+                msgspec.convert(p, _TOKEN_IDS)
+            except msgspec.ValidationError:
+                _check(False, "prompt", "must be a string or a list of non-negative token ids")
     return prompts
 
 

@@ -82,7 +82,8 @@ def test_completion_prompt_forms(prompt, expected):
 @pytest.mark.parametrize("kw,param", [
     ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": ["a", [1]]}, "prompt"),
-    ({"prompt": [1, -1]}, "prompt"), ({"prompt": [1, True]}, "prompt"), ({"logprobs": 21}, "logprobs"),
+    ({"prompt": [1, -1]}, "prompt"), ({"prompt": [1, True]}, "prompt"), ({"prompt": [1, 2.0]}, "prompt"),
+    ({"prompt": [[1], [2, "a"]]}, "prompt"), ({"logprobs": 21}, "logprobs"),
     ({"suffix": "s"}, "suffix"),
 ])
 def test_invalid_completion(kw, param):
