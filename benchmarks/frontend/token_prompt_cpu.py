@@ -15,7 +15,6 @@ their order per repeat; the ratios are this checkout's over the baseline's, medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,10 +23,11 @@ from pathlib import Path
 from benchmarks.gpu.gpu_serving import load_point
 from benchmarks.lib.args import parse_int_list
 from benchmarks.lib.paths import default_model
-from benchmarks.lib.proc import exit_on_sigterm, http_get_json, log, proc_cpu_s
+from benchmarks.lib.proc import exit_on_sigterm, http_post_json, log, proc_cpu_s
 from benchmarks.lib.results import dump_json, git_commit
 from benchmarks.lib.stack import Stack
 from benchmarks.lib.stats import median
+from turbine.runtime.ports import free_port
 
 SERVED = "m"
 
@@ -56,14 +56,18 @@ def main(argv: list[str] | None = None) -> int:
                                "--max-num-batched-tokens", "1000000", "--num-gpu-blocks", "1000000"], env)
         frontends = {}
         for system, checkout in (("turbine", None), ("baseline", a.baseline.resolve())):
-            fe = Stack(system, run_dir, system)
+            port = free_port()
             # The baseline's code only: PYTHONSAFEPATH keeps this checkout (the working directory) off its path.
             fe_env = env if checkout is None else dict(env, PYTHONPATH=str(checkout), PYTHONSAFEPATH="1")
             proc = stack.spawn(f"frontend-{system}", [sys.executable, "-m", "turbine.frontend", "--http-port",
-                                                      str(fe.port), "--no-access-log"], fe_env)
-            frontends[system] = (fe.base_url, proc)
+                                                      str(port), "--no-access-log"], fe_env)
+            frontends[system] = (f"http://127.0.0.1:{port}", proc)
         for system, (url, _) in frontends.items():
-            stack.wait_ready(lambda: SERVED in json.dumps(http_get_json(f"{url}/health")[1]), 120)
+            # Ready once a completion goes through (the model in /health came before its worker was routable),
+            # a few of them warming each frontend up before its first point.
+            stack.wait_ready(lambda: http_post_json(f"{url}/v1/completions", {"model": SERVED, "prompt": [1, 2, 3],
+                                                                           "max_tokens": 1})[0] == 200, 120)
+            load_point(url, SERVED, max(a.isl), a.osl, a.concurrency, a.concurrency, a.client_processes, "warm-up")
         points = []
         for rep in range(a.repeats):
             order = list(frontends) if rep % 2 == 0 else list(frontends)[::-1]
