@@ -37,6 +37,8 @@ def sample(action: argparse.Action):
         return "1", True
     if isinstance(action, argparse.BooleanOptionalAction):
         return "0", False
+    if isinstance(action, argparse._StoreFalseAction):  # --no-X: TURBINE_NO_X=1 turns X off
+        return "1", False
     if action.choices is not None:
         choice = next(c for c in action.choices if c != action.default)
         return str(choice), choice

@@ -26,6 +26,7 @@ from turbine.vllm.connectors import (
 from turbine.vllm.engine_fork import ENGINE_CORE_STARTS
 from turbine.vllm.sleep import platform_sleep_refusal
 from turbine.worker.config import EMBEDDINGS, ServingConfig, add_serving_args, checked, serving_fields_from_args
+from turbine.worker.kv_publisher import DEFAULT_REPLAY_BUFFER
 
 # Dynamo's vLLM backend maps these load formats to worker classes of other NVIDIA packages; vLLM has no
 # loader of these names, so without a refusal the flag would reach vLLM's loader and fail deep inside it.
@@ -89,6 +90,10 @@ class WorkerConfig(ServingConfig):
     encoder_threads: int = flag("--encoder-threads", default=1)
     # The first loopback port of the KV-event relay (rank r's engine publishes on it + r); None: any free run.
     kv_events_port: int | None = flag("--kv-events-port", default=None)
+    # Publish the engine's KV cache events (with prefix caching on, on all but decode workers): the KV router's
+    # view of this worker's cache. Off, a KV router sees nothing cached here (its --no-router-kv-events mode
+    # learns from its own decisions instead) and the engine core builds and sends no events.
+    kv_events: bool = flag("--no-kv-events", default=True)
     # A secondary node (turbine/vllm/headless.py): vLLM's engine processes of the ranks or workers the leader
     # fronts; it serves and registers nothing.
     headless: bool = flag("--headless", default=False)
@@ -118,8 +123,11 @@ class WorkerConfig(ServingConfig):
                   f"{self.kv_events_port}: must be between 1024 and {65535 - self.data_parallel_size + 1} (the relay "
                   f"takes {self.data_parallel_size} port(s) from it, one per data-parallel rank)")
             relays = getattr(self.engine_args, "enable_prefix_caching", True) and not self.is_decode
-            check(self, relays and not self.multimodal_encode_worker, "kv_events_port",
-                  "this worker relays no KV events (a decode or encode worker, or prefix caching off): drop it")
+            check(self, relays and self.kv_events and not self.multimodal_encode_worker, "kv_events_port",
+                  "this worker relays no KV events (a decode or encode worker, prefix caching off, or "
+                  "--no-kv-events): drop it")
+        check(self, self.kv_events or self.kv_events_buffer == DEFAULT_REPLAY_BUFFER, "kv_events_buffer",
+              "is the replay buffer of the KV events, and --no-kv-events publishes none: drop one of them")
         if self.multimodal_encode_worker:
             check(self, not (self.enable_multimodal or self.take_image_embeddings or self.use_vllm_tokenizer)
                   and self.disaggregation_mode == "agg" and getattr(self.engine_args, "runner", None) != "pooling"
@@ -229,6 +237,10 @@ def _build_parser():
                              "publishes on it + r; 1024-65535; loopback, or --data-parallel-address when ranks run "
                              "on other nodes); default: any free run. A leader with ranks on --headless nodes, and "
                              "those nodes, need the same fixed port")
+    parser.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                        help="publish none of the engine's KV cache events (on by default with prefix caching, but on "
+                             "decode workers): a KV router then sees nothing cached here, so use it with the "
+                             "round-robin or random router, or the KV router's --no-router-kv-events")
     parser.add_argument("--headless", action="store_true",
                         help="a secondary node of a multi-node deployment: vLLM's engine processes only (the data-"
                              "parallel ranks --data-parallel-start-rank.. that the leader fronts, or the workers of "
@@ -335,7 +347,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
                    multimodal_encode_worker=args.multimodal_encode_worker,
                    take_image_embeddings=args.take_image_embeddings, embedding_cache_mb=args.embedding_cache_mb,
                    embedding_dir=args.embedding_dir, encoder_threads=args.encoder_threads,
-                   kv_events_port=args.kv_events_port, headless=args.headless, omni=args.omni,
+                   kv_events_port=args.kv_events_port, kv_events=args.kv_events, headless=args.headless,
+                   omni=args.omni,
                    stage_configs_path=args.stage_configs_path, engine_core_start=args.engine_core_start)
 
 
@@ -353,7 +366,8 @@ JSON_WHITESPACE = ("compact", "any")
 # What a --headless node reads of Turbine's own flags: where its status server listens, the port of the
 # leader's KV-event relay its ranks publish to, the discovery it finds the leader's card in, and the mode
 # itself (logging and --config are read before).
-HEADLESS_FLAGS = {"headless", "system_host", "system_port", "kv_events_port", "config", "help", "engine_core_start",
+HEADLESS_FLAGS = {"headless", "system_host", "system_port", "kv_events_port", "kv_events", "config", "help",
+                  "engine_core_start",
                   # where the leader's card is (a headless node watches it: turbine/vllm/headless.py)
                   "discovery_backend", "discovery_dir", "etcd_endpoints", "discovery_ttl"}
 
@@ -378,7 +392,7 @@ def multi_node_refusal(args, turbine_actions, decode: bool = False) -> str | Non
                 f"--data-parallel-size {size}")
     if not 0 <= node_rank < nnodes:
         return f"--node-rank {node_rank}: the nodes are 0..{nnodes - 1} (--nnodes {nnodes})"
-    relays = args.enable_prefix_caching is not False and not decode  # as VllmEngine.start decides
+    relays = args.enable_prefix_caching is not False and not decode and args.kv_events  # as VllmEngine.start decides
     if not args.headless:
         if start:
             return (f"--data-parallel-start-rank {start}: a worker fronts the ranks from 0; the ranks of another "
@@ -404,7 +418,7 @@ def multi_node_refusal(args, turbine_actions, decode: bool = False) -> str | Non
                 f"leader's), so {flag} does nothing there; give it to the leader and drop it here")
     if dp_secondary and relays and args.kv_events_port is None:
         return ("--kv-events-port: this node's ranks publish their KV events to the leader's relay; give the "
-                "leader's --kv-events-port (and its --data-parallel-address)")
+                "leader's --kv-events-port (and its --data-parallel-address), or --no-kv-events as the leader has")
     return None
 
 

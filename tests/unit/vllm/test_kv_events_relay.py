@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 vllm_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -9,7 +11,7 @@ vllm_events = pytest.importorskip("vllm.distributed.kv_events")
 from turbine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from turbine.router.hashing import block_hashes  # noqa: E402
 from turbine.router.indexer import KvIndexer, WorkerKey  # noqa: E402
-from turbine.vllm.kv_events_relay import engine_hash, translate  # noqa: E402
+from turbine.vllm.kv_events_relay import VllmKvEventsRelay, engine_hash, translate  # noqa: E402
 
 BS = 4
 TOKENS = [11, 12, 13, 14, 70_000, 49_151, 0, 7]
@@ -218,3 +220,44 @@ def test_a_taken_kv_events_port_is_named():
         port = taken.getsockname()[1]
         with pytest.raises(EventPlaneError, match=f"--kv-events-port {port}: cannot bind 127.0.0.1:{port}"):
             VllmKvEventsRelay([KvEventPublisher("w", dp_rank=0, events_plane=RecordingPlane())], port=port)
+
+
+class _BuiltWith:
+    """Stands in for AsyncLLM.from_engine_args: keeps the engine arguments the worker built it with."""
+
+    args = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args, stat_loggers=None):
+        cls.args = engine_args
+        return object()
+
+
+@pytest.mark.parametrize("flags,publishes", [([], True), (["--no-kv-events"], False)])
+def test_no_kv_events_gives_the_engine_no_publisher_and_the_worker_no_relay(monkeypatch, flags, publishes):
+    import contextlib
+
+    from turbine.vllm import worker
+    from turbine.vllm.args import parse_worker_args
+
+    monkeypatch.setattr(worker, "AsyncLLM", _BuiltWith)
+    monkeypatch.setattr(worker, "engine_cores_forked", lambda *a: contextlib.nullcontext())
+
+    async def listened(self, wait_s=5.0):
+        return True
+    monkeypatch.setattr(VllmKvEventsRelay, "listen", listened)
+    engine = worker.VllmEngine(parse_worker_args(["--enforce-eager", *flags]))
+    asyncio.run(engine.build(checkpoint=False))
+    assert (engine.relay is not None) == publishes
+    config = _BuiltWith.args.kv_events_config
+    assert (config is not None and config.enable_kv_cache_events) == publishes
+
+
+def test_no_kv_events_refuses_what_only_events_use(capsys):
+    from turbine.vllm.args import parse_worker_args
+
+    assert parse_worker_args([]).kv_events and not parse_worker_args(["--no-kv-events"]).kv_events
+    for extra in (["--kv-events-port", "20080"], ["--kv-events-buffer", "64"]):
+        with pytest.raises(SystemExit):
+            parse_worker_args(["--no-kv-events", *extra])
+        assert "--no-kv-events" in capsys.readouterr().err

@@ -29,6 +29,9 @@ def test_a_leader_and_a_secondary_parse():
                                  "--master-addr", "127.0.0.1", "--master-port", "29700"])
     assert tp_node.headless
     assert not parse_worker_args([]).remote_ranks
+    # Without KV events neither needs the relay's port.
+    assert not parse_worker_args([*DP, "--no-kv-events"]).kv_events
+    assert not parse_worker_args([*SECONDARY[:-2], "--no-kv-events", "--system-port", "0"]).kv_events
 
 
 @pytest.mark.parametrize("argv, words", [
