@@ -690,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--systems", default="offline,serve,turbine",
                    help="offline, offline-as-turbine (stats on and KV events published, as Turbine's worker runs "
                         "its engine), serve, turbine, turbine-kvbm (--connector kvbm with a --kvbm-host-gb host tier), "
+                        "turbine-no-kv-events (the worker's --no-kv-events), "
                         "turbine-2nodes (--tensor-parallel-size 2 over a leader and a --headless node, a GPU each)")
     r.add_argument("--kvbm-host-gb", type=float, default=32.0)
     r.add_argument("--loads", default="128x512,1024x256", help="ISLxOSL, comma separated")
@@ -751,6 +752,8 @@ def run_systems(a, points, run_dir: Path, doc: dict) -> None:
                 res = run_serve(a, points, run_dir)
             elif system == "turbine":
                 res = run_turbine(a, points, run_dir)
+            elif system == "turbine-no-kv-events":  # the worker publishing no KV events (round-robin routing)
+                res = run_turbine(a, points, run_dir, ("--no-kv-events",))
             elif system == "turbine-2nodes":  # tensor parallelism over a leader and a --headless node
                 res = run_turbine(a, points, run_dir, nodes=2)
             elif system == "turbine-kvbm":  # the same with the KV tiers saving every block (host tier)
