@@ -262,7 +262,8 @@ def validate_chat(req: ChatCompletionRequest) -> None:
            "send them to /v1/completions")
 
 
-def validate_completion(req: CompletionRequest) -> None:
+def validate_completion(req: CompletionRequest) -> list[str | list[int]]:
+    """Checks the request; returns its prompts (prompts_of; none when it gives prompt embeddings)."""
     validate_sampling(req)
     if req.max_tokens is not None:
         _check(req.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -271,10 +272,10 @@ def validate_completion(req: CompletionRequest) -> None:
     # None of the models served here has fill-in-the-middle tokens (SmolLM2 has none).
     _check(req.suffix is None, "suffix", "is not supported: no fill-in-the-middle template for this model")
     if req.prompt_embeds is None:
-        prompts_of(req)
-    else:
-        _check(not req.prompt, "prompt", "give either prompt or prompt_embeds, not both (prompt may be \"\")")
-        _check(not req.echo, "echo", "cannot echo a prompt given as embeddings")
+        return prompts_of(req)
+    _check(not req.prompt, "prompt", "give either prompt or prompt_embeds, not both (prompt may be \"\")")
+    _check(not req.echo, "echo", "cannot echo a prompt given as embeddings")
+    return []
 
 
 MAX_BATCH_PROMPTS = 64

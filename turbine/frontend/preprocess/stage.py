@@ -18,7 +18,6 @@ from turbine.frontend.preprocess.schemas import (
     CompletionRequest,
     decode_request,
     logit_bias_of,
-    prompts_of,
     stop_list,
     validate_chat,
     validate_completion,
@@ -66,13 +65,13 @@ async def preprocess_all(body: bytes, kind: Kind, models: ModelTable, ignore_unk
         return [await preprocess_chat(decode_request(body, ChatCompletionRequest, ignore_unknown_fields), models,
                                       media)]
     req = decode_request(body, CompletionRequest, ignore_unknown_fields)
-    validate_completion(req)
+    prompts = validate_completion(req)  # the prompts it checked: each read once
     constraint = constraint_of(req)
     model = served_model(models, req.model, kind)
     if req.prompt_embeds is not None:
         return [await _prepare(req, kind, model, None, constraint, max_prompt_embeds_bytes, media)]
     return [await _prepare(req, kind, model, prompt, constraint, max_prompt_embeds_bytes, media)
-            for prompt in prompts_of(req)]
+            for prompt in prompts]
 
 
 async def preprocess_chat(req: ChatCompletionRequest, models: ModelTable,
