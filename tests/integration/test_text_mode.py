@@ -1,6 +1,8 @@
 """Text mode end to end: a vLLM worker with --use-vllm-tokenizer, registered under its own
 served name in the shared cluster's discovery dir, so the shared frontend serves both the
-token-mode model (its two workers) and the text-mode one; greedy answers must agree."""
+token-mode model (its two workers) and the text-mode one; greedy answers must agree. The text-mode
+worker runs with --no-kv-events (the shared frontend routes round-robin, so nothing reads them): its
+card then announces no KV-events address."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def text_worker(cluster):
     worker = start_worker("worker-text", cluster["env"], cluster["root"], "--use-vllm-tokenizer",
-                          "--served-model-name", TEXT_MODEL)
+                          "--served-model-name", TEXT_MODEL, "--no-kv-events")
     try:
         wait_until(lambda: worker_ready(worker), ENGINE_START_TIMEOUT, "text-mode worker ready", [worker])
         wait_until(lambda: instances_of(cluster["frontend"], TEXT_MODEL) == 1, 30, "frontend sees it", [worker])
@@ -106,3 +108,25 @@ def test_the_health_canary_is_sent_as_text(text_worker):
     from tests.integration.procs import http_json
 
     assert http_json(f"{text_worker.url}/health", timeout=30) == (200, {"status": "healthy"})
+
+
+def test_a_worker_with_no_kv_events_announces_no_kv_events_address(cluster, text_worker):
+    """--no-kv-events: no relay and no publisher in the card (routers then know it publishes none); its load
+    reports still have an address. The token-mode workers of the same cluster announce theirs."""
+    import asyncio
+
+    from turbine.config import DiscoveryConfig, make_registry
+
+    async def cards():
+        registry = make_registry(DiscoveryConfig(file_dir=cluster["env"]["TURBINE_DISCOVERY_DIR"]))
+        await registry.backend.start()
+        try:
+            return await registry.list_models()
+        finally:
+            await registry.backend.close()
+    by_model = {}
+    for card in asyncio.run(cards()):
+        by_model.setdefault(card.name, []).append(card)
+    [text] = by_model[TEXT_MODEL]
+    assert text.kv_events_address is None and text.load_metrics_address
+    assert len(by_model[MODEL]) == 2 and all(c.kv_events_address for c in by_model[MODEL])
