@@ -31,19 +31,37 @@ def check(criu: str) -> str | None:
     return None if out.returncode == 0 else (out.stdout + out.stderr).strip()
 
 
-def dump(criu: str, pid: int, images: Path) -> subprocess.CompletedProcess:
+# A dump that met a unix socket whose peer was, that instant, most likely a closed connection not yet taken off
+# a listener's queue (vLLM's ZMQ sockets inside the tree): CRIU refuses it and leaves the tree running; a moment
+# later the listener's I/O thread has taken it. Seen once in a CI run beside other engines on two cores (2026-12-01).
+TRANSIENT = "closed in-flight socket"
+
+
+def dump(criu: str, pid: int, images: Path, attempts: int = 2) -> subprocess.CompletedProcess:
     """Dump the process tree of `pid` into `images` (which ends it); returns once every process of the
-    tree is gone (the caller reaps `pid` itself if it is its child): a restore takes their pids back."""
+    tree is gone (the caller reaps `pid` itself if it is its child): a restore takes their pids back.
+    A dump refused for TRANSIENT is tried again after a second, as an operator would (the first
+    refusal's log kept as dump-refused.log); any other failure is returned at once."""
     images.mkdir(parents=True, exist_ok=True)
     try:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
-    out = subprocess.run([criu, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4", *FLAGS],
-                         capture_output=True, text=True)
-    if out.returncode == 0:
-        psutil.wait_procs([p for p in tree if p.pid != pid], timeout=30)
+    for attempt in range(attempts):
+        out = subprocess.run([criu, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4", *FLAGS],
+                             capture_output=True, text=True)
+        if out.returncode == 0:
+            psutil.wait_procs([p for p in tree if p.pid != pid], timeout=30)
+            return out
+        log = images / "dump.log"
+        if attempt + 1 == attempts or TRANSIENT not in log.read_text(errors="replace"):
+            return out
+        log.rename(images / "dump-refused.log")
+        for f in images.iterdir():  # the refused attempt's partial images
+            if f.name != "dump-refused.log":
+                f.unlink()
+        time.sleep(1.0)
     return out
 
 
