@@ -122,8 +122,7 @@ class WorkerConfig(ServingConfig):
             check(self, 1024 <= self.kv_events_port and last <= 65535, "kv_events_port",
                   f"{self.kv_events_port}: must be between 1024 and {65535 - self.data_parallel_size + 1} (the relay "
                   f"takes {self.data_parallel_size} port(s) from it, one per data-parallel rank)")
-            relays = getattr(self.engine_args, "enable_prefix_caching", True) and not self.is_decode
-            check(self, relays and self.kv_events and not self.multimodal_encode_worker, "kv_events_port",
+            check(self, self.relays_kv_events and not self.multimodal_encode_worker, "kv_events_port",
                   "this worker relays no KV events (a decode or encode worker, prefix caching off, or "
                   "--no-kv-events): drop it")
         check(self, self.kv_events or self.kv_events_buffer == DEFAULT_REPLAY_BUFFER, "kv_events_buffer",
@@ -158,6 +157,12 @@ class WorkerConfig(ServingConfig):
               "a pooling worker (--runner pooling) serves embeddings only, and only it does")
         check(self, not pooling or self.disaggregation_mode == "agg", "disaggregation_mode",
               "a pooling worker (--runner pooling) is not disaggregated")
+
+    @property
+    def relays_kv_events(self) -> bool:
+        """The engine publishes KV events and the worker relays them: prefix caching on, not a decode worker
+        (routing picks prefill workers by their caches), and not --no-kv-events."""
+        return bool(getattr(self.engine_args, "enable_prefix_caching", True)) and not self.is_decode and self.kv_events
 
     @property
     def data_parallel_size(self) -> int:
@@ -392,7 +397,8 @@ def multi_node_refusal(args, turbine_actions, decode: bool = False) -> str | Non
                 f"--data-parallel-size {size}")
     if not 0 <= node_rank < nnodes:
         return f"--node-rank {node_rank}: the nodes are 0..{nnodes - 1} (--nnodes {nnodes})"
-    relays = args.enable_prefix_caching is not False and not decode and args.kv_events  # as VllmEngine.start decides
+    # WorkerConfig.relays_kv_events, read from the parsed flags (the config is not built yet)
+    relays = args.enable_prefix_caching is not False and not decode and args.kv_events
     if not args.headless:
         if start:
             return (f"--data-parallel-start-rank {start}: a worker fronts the ranks from 0; the ranks of another "

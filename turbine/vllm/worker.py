@@ -86,7 +86,7 @@ class VllmEngine:
         # With prefix caching on, the engine's KV events are relayed for KV routers (decode workers relay none:
         # routing picks prefill workers by their caches). The relay's ports are chosen before the engine is built,
         # as its publisher connects to them; its publishers are attached by start().
-        if cfg.engine_args.enable_prefix_caching and not cfg.is_decode and cfg.kv_events:
+        if cfg.relays_kv_events:
             # Ranks on other nodes publish to the relay over the data-parallel network (the one vLLM's own engine
             # handshake and outputs cross), so it listens there; otherwise on loopback.
             host = cfg.data_parallel_address if cfg.remote_ranks else "127.0.0.1"
