@@ -132,7 +132,9 @@ ENGINE_CORE_START = {"TURBINE_ENGINE_CORE_START": "fork"} if _vllm_cpu_build() e
 FORK_SERVER = os.environ.get("TURBINE_TEST_FORK_SERVER", "1" if _vllm_cpu_build() else "0") == "1"
 
 
-def base_env(discovery_dir: str, ttl: float = 3.0) -> dict:
+# The product's default discovery TTL. Killed processes go at once either way (the pid check); with 3 s, a worker
+# whose heartbeat was late by 2 s on a loaded CI host (a disk tier's writeback) lost its lease mid-test (2026-12-01).
+def base_env(discovery_dir: str, ttl: float = 10.0) -> dict:
     env = dict(os.environ)
     env.update(TURBINE_DISCOVERY_BACKEND="file", TURBINE_DISCOVERY_DIR=discovery_dir,
                TURBINE_DISCOVERY_TTL=str(ttl), VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",

@@ -2,6 +2,7 @@ import asyncio
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,41 @@ async def test_sigkilled_process_disappears_fast_by_pid_check(open_backends, tmp
     took = await eventually(lambda: _empty(reader, "workers/"), timeout=3)
     assert took < 2
     assert os.listdir(root / "leases") == [reader.lease_id]  # the dead lease was reaped
+
+
+async def test_killed_process_not_yet_reaped_by_its_parent_disappears_by_pid_check(open_backends, tmp_path,
+                                                                                  python_child):
+    """A zombie still answers kill(pid, 0): it is dead all the same, long before its TTL."""
+    root = tmp_path / "disc"
+    reader = await open_backends(root)
+    proc, line = await python_child(CHILD, root, 60)
+    assert line == "ready"
+    proc.kill()  # not waited for: a zombie until the fixture reaps it
+    await eventually(lambda: _empty(reader, "workers/"), timeout=3)
+    assert proc.poll() is not None  # (and it was a zombie all along: only now reaped)
+
+
+async def test_a_slow_heartbeat_write_does_not_stall_the_owners_event_loop(open_backends, tmp_path, monkeypatch):
+    """The heartbeat is written in a thread: the owner's loop runs while the write waits (as on a filesystem
+    busy writing back), and the write goes through once the filesystem answers."""
+    owner = await open_backends(ttl=0.3)
+    released, waited = threading.Event(), []
+    write = FileDiscovery._write
+
+    def slow_write(path, data):
+        if path.name == "heartbeat":
+            waited.append(released.wait(timeout=5))  # in the loop's thread this would block the loop 5 s
+        write(path, data)
+
+    monkeypatch.setattr(FileDiscovery, "_write", staticmethod(slow_write))
+    for _ in range(10):  # the loop goes on turning while the heartbeat write waits
+        await asyncio.sleep(0.05)
+    released.set()
+    await eventually(lambda: asyncio.sleep(0, bool(waited)), timeout=3)
+    assert waited[0] is True  # released by this loop, not by its timeout
+    monkeypatch.undo()
+    await owner.put("a", b"1")
+    assert await owner.get_prefix("") == {"a": b"1"}
 
 
 async def test_starved_process_vanishes_then_reregisters_without_restart(open_backends, tmp_path, python_child):

@@ -1,13 +1,14 @@
 """Discovery in a shared directory: no service to run (one host, or a shared filesystem).
 
 Layout under `root_dir`:
-  leases/<lease_id>/heartbeat    JSON `Heartbeat`, rewritten every ttl/3 by its owner
+  leases/<lease_id>/heartbeat    JSON `Heartbeat`, rewritten every ttl/3 by its owner (in a thread)
   leases/<lease_id>/k.<key>      one file per key (key percent-escaped), content = value
   staging/                       lease dirs being created or reaped (moved atomically)
 
 Files are written to a temp name and os.replace()d, so readers never see partial values.
 A lease is dead when its heartbeat is older than its ttl, or when its pid is gone on this
-host (so a SIGKILLed process vanishes at the next poll); readers remove dead leases.
+host, or a zombie (so a SIGKILLed process vanishes at the next poll); readers remove dead leases, and an
+owner whose lease was reaped (starved past its TTL) builds it again with every key.
 """
 
 from __future__ import annotations
@@ -58,8 +59,16 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
+        pass
+    # A killed process that its parent has not reaped yet (a zombie) still answers kill(0); it serves
+    # nothing, so its lease goes now rather than a TTL later.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:
         return True
-    return True
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def _key_file(key: str) -> str:
@@ -78,7 +87,7 @@ class FileDiscovery(DiscoveryBackend):
         self._leases = self.root / "leases"
         self._staging = self.root / "staging"
         self._dir = self._leases / self.lease_id
-        self._keys: dict[str, bytes] = {}  # what we own: the truth that _sync() restores
+        self._keys: dict[str, bytes] = {}  # what we own: the truth that _rebuild() restores
         self._hostname = socket.gethostname()
         self._pid_namespace = _pid_namespace()
         self._task: asyncio.Task[None] | None = None
@@ -86,7 +95,7 @@ class FileDiscovery(DiscoveryBackend):
     async def start(self) -> None:
         self._leases.mkdir(parents=True, exist_ok=True)
         self._staging.mkdir(parents=True, exist_ok=True)
-        self._sync()
+        self._rebuild()
         self._task = asyncio.create_task(self._heartbeat_loop())
 
     async def close(self) -> None:
@@ -104,7 +113,7 @@ class FileDiscovery(DiscoveryBackend):
         try:
             self._write(self._dir / name, value)
         except FileNotFoundError:  # our lease dir was reaped: rebuild all of it
-            self._sync()
+            self._rebuild()
 
     async def delete(self, key: str) -> None:
         if self._keys.pop(key, None) is not None:
@@ -129,45 +138,38 @@ class FileDiscovery(DiscoveryBackend):
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                self._sync()
+                # In a thread: where the filesystem is busy writing back (a disk KV tier, say) even a small
+                # write can wait seconds, and the owner's event loop (a worker serving) must not wait with it.
+                if not await asyncio.to_thread(self._refresh_heartbeat):
+                    # A reader reaped the lease (we were starved past the TTL): it comes back whole.
+                    logger.warning("discovery lease %s was reaped: re-registering its %d key(s)", self.lease_id,
+                                   len(self._keys))
+                    self._rebuild()
             except OSError:
                 logger.warning("discovery heartbeat in %s failed", self._dir, exc_info=True)
 
-    def _sync(self) -> None:
-        """Refresh the heartbeat and make our lease dir hold exactly our keys.
+    def _heartbeat(self) -> bytes:
+        return msgspec.json.encode(Heartbeat(pid=os.getpid(), hostname=self._hostname,
+                                             pid_namespace=self._pid_namespace, time=time.time(), ttl=self.ttl))
 
-        Run every heartbeat, this is also the self-healing path: after we were starved
-        and a reader reaped our lease, the dir is rebuilt and every key re-written.
-        """
-        heartbeat = msgspec.json.encode(
-            Heartbeat(
-                pid=os.getpid(),
-                hostname=self._hostname,
-                pid_namespace=self._pid_namespace,
-                time=time.time(),
-                ttl=self.ttl,
-            )
-        )
+    def _refresh_heartbeat(self) -> bool:
+        """False when our lease dir is gone (reaped by a reader)."""
         try:
-            self._write(self._dir / _HEARTBEAT, heartbeat)
+            self._write(self._dir / _HEARTBEAT, self._heartbeat())
         except FileNotFoundError:
-            self._create_dir(heartbeat)
-        present = {name for name in os.listdir(self._dir) if name.startswith(_KEY_PREFIX)}
-        wanted = {_key_file(key): value for key, value in self._keys.items()}
-        for name in present - wanted.keys():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._dir / name)
-        missing = wanted.keys() - present
-        if missing:
-            logger.warning("re-registering %d discovery key(s) in lease %s", len(missing), self.lease_id)
-        for name in missing:
-            self._write(self._dir / name, wanted[name])
+            return False
+        return True
 
-    def _create_dir(self, heartbeat: bytes) -> None:
-        # Built aside then moved in, so readers never see our lease without a heartbeat.
+    def _rebuild(self) -> None:
+        """Our lease dir with its heartbeat and every key we own, unless it is there. Built aside then moved in,
+        so readers see the lease whole or not at all (never a heartbeat whose keys are still being written)."""
+        if self._dir.is_dir():
+            return
         tmp = self._staging / f"{self.lease_id}.{uuid.uuid4().hex}"
         tmp.mkdir()
-        self._write(tmp / _HEARTBEAT, heartbeat)
+        for key, value in self._keys.items():
+            self._write(tmp / _key_file(key), value)
+        self._write(tmp / _HEARTBEAT, self._heartbeat())
         os.rename(tmp, self._dir)
 
     @staticmethod
