@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -23,6 +24,7 @@ from turbine.flag_sources import (
     config_key_flag,
     config_tokens,
     env_errors,
+    env_name,
     load_config_file,
     split_config_arg,
     with_config_file,
@@ -31,6 +33,9 @@ from turbine.logging_setup import add_logging_args, logging_choices
 from turbine.model.prepare import DEFAULT_MODEL, EMBEDDED_MODELS, resolve
 from turbine.tracing import add_tracing_args
 from turbine.worker.config import add_serving_args
+
+if TYPE_CHECKING:
+    from turbine.router.policy import RouterConfig
 
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 40
@@ -42,7 +47,8 @@ SERVE_DESCRIPTION = (
     "have (--namespace, --migration-limit, the discovery and TLS flags) go to both; every other flag goes to the "
     "worker (turbine worker --help: Turbine's worker flags and every vLLM engine flag, e.g. --max-model-len 4096). "
     "Nothing given is set: each process keeps its TURBINE_* environment settings and defaults (the frontend "
-    "binds 127.0.0.1:8000 unless told otherwise).")
+    "binds 127.0.0.1:8000 unless told otherwise), except that the workers get --no-kv-events unless the frontend "
+    "routes by KV events, a KV-events flag is given, or a discovery flag (another router could read them).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +197,8 @@ def plan(argv: list[str], workdir: str) -> ServePlan:
                      None)
     name = _served_name(worker_tokens) or from_file or (model if model in EMBEDDED_MODELS else model_path)
     worker_cmd = [sys.executable, "-m", "turbine.vllm", "--model", model, *child_config("worker"), *worker_tokens]
+    if _kv_events_unread(fe_cfg.router, worker_tokens, by_owner["worker"]):
+        worker_cmd.append("--no-kv-events")
     if args.disagg:
         if "kvbm" in _connector_words(worker_tokens, by_owner["worker"]):
             # Both workers get the same flags here, and a decode worker takes its prompt's KV over nixl only.
@@ -377,6 +385,20 @@ def _check_omni(parser, worker_tokens: list[str], from_file: dict) -> None:
 
         if (refusal := omni_flags_refusal(omni, stages)) is not None:
             parser.error(refusal)
+
+
+KV_EVENTS_FLAGS = ("--kv-events-port", "--kv-events-buffer", "--no-kv-events")
+SHARED_DISCOVERY_FLAGS = ("--discovery-backend", "--discovery-dir", "--etcd-endpoints")
+
+
+def _kv_events_unread(router: RouterConfig, worker_tokens: list[str], worker_settings: dict) -> bool:
+    """Whether nothing reads the workers' KV events: serve's frontend routes by none (round-robin, its default, or
+    random) and no other router can find the workers (serve's discovery is private unless a discovery flag says
+    otherwise). Then the engines publish none and the workers relay none (--no-kv-events), unless the user set a
+    KV-events flag (or its TURBINE_* variable) themselves."""
+    named = {t.split("=")[0] for t in worker_tokens if t.startswith("--")} | {config_key_flag(k) for k in worker_settings}
+    return not (router.follows_kv_events or named & {*KV_EVENTS_FLAGS, *SHARED_DISCOVERY_FLAGS}
+                or any(os.environ.get(env_name(flag)) for flag in KV_EVENTS_FLAGS))
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

@@ -271,7 +271,7 @@ def model_dir(tmp_path) -> str:
 def test_serve_takes_the_model_as_its_first_argument_or_as_a_flag(model_dir, tmp_path, capsys):
     for argv in ([model_dir], ["--model", model_dir], [model_dir, "--model", model_dir]):
         p = plan([*argv, "--max-model-len", "1024"], str(tmp_path))
-        assert p.worker_cmds[0][3:-2] == ["--model", model_dir, "--max-model-len", "1024"]
+        assert p.worker_cmds[0][3:-2] == ["--model", model_dir, "--max-model-len", "1024", "--no-kv-events"]
         assert p.worker_cmds[0][-2:] == ["--system-port", str(p.status_ports[0])]
         assert p.served_name == model_dir
     err = exits(lambda: plan([model_dir, "--model", "other"], str(tmp_path)), capsys)
@@ -296,6 +296,33 @@ def test_serve_splits_flags_between_frontend_and_worker(model_dir, tmp_path):
     assert p.worker_cmds[0][5:-2] == ["--namespace", "ns1", "--max-model-len", "512", "--enforce-eager"]
     assert p.env == {"TURBINE_API_KEY": "k" * 20}  # out of `ps`
     assert p.url == "http://127.0.0.1:9002"
+
+
+def test_serve_workers_publish_no_kv_events_where_nothing_reads_them(model_dir, tmp_path, monkeypatch):
+    """Round-robin (the frontend's default) and random route by no worker's cache, and serve's discovery is
+    private: its workers get --no-kv-events. A KV router, a KV-events flag of the user's (or its variable), or a
+    discovery another router could share keeps the events."""
+    for var in ("TURBINE_ROUTER_MODE", "TURBINE_KV_EVENTS_PORT", "TURBINE_NO_KV_EVENTS", "TURBINE_KV_EVENTS_BUFFER"):
+        monkeypatch.delenv(var, raising=False)
+
+    def relays(*argv: str) -> bool:
+        cmds = plan([model_dir, *argv], str(tmp_path)).worker_cmds
+        assert len({"--no-kv-events" in cmd for cmd in cmds}) == 1  # the same for a prefill and a decode worker
+        return "--no-kv-events" not in cmds[0]
+
+    assert not relays() and not relays("--router-mode", "random") and not relays("--disagg")
+    assert relays("--router-mode", "kv") and relays("--router-mode", "kv", "--disagg")
+    assert not relays("--router-mode", "kv", "--no-router-kv-events")  # predicts caches from its own routing
+    assert relays("--kv-events-buffer", "64") and relays("--kv-events-port", "20000")
+    assert relays("--discovery-backend", "etcd") and relays("--discovery-dir", str(tmp_path / "shared"))
+    assert plan([model_dir, "--no-kv-events"], str(tmp_path)).worker_cmds[0].count("--no-kv-events") == 1
+    config = write(tmp_path, "kv-events-buffer: 64\n", "worker.yaml")
+    assert relays("--config", config)
+    monkeypatch.setenv("TURBINE_KV_EVENTS_PORT", "20000")
+    assert relays()
+    monkeypatch.delenv("TURBINE_KV_EVENTS_PORT")
+    monkeypatch.setenv("TURBINE_ROUTER_MODE", "kv")
+    assert relays()
 
 
 def test_serve_default_binds_loopback(model_dir, tmp_path, monkeypatch):

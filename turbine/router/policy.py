@@ -57,8 +57,16 @@ class RouterConfig:
 
     def __post_init__(self):
         check(self, self.mode in _POLICIES, "mode", f"{self.mode!r}: choose from {', '.join(router_modes())}")
-        check(self, self.kv.use_kv_tiers or self.mode not in ("round-robin", "random"), "mode",
+        check(self, self.kv.use_kv_tiers or self.mode not in _BLIND_MODES, "mode",
               f"{self.mode} routing follows no KV events: --no-router-kv-tiers needs --router-mode kv")
+
+    @property
+    def follows_kv_events(self) -> bool:
+        """Whether this routing reads the workers' KV events (a registered policy is assumed to)."""
+        return self.mode not in _BLIND_MODES and self.kv.use_kv_events
+
+
+_BLIND_MODES = ("round-robin", "random")  # the built-in policies that route by no worker's cache
 
 
 # A policy: (config, the model's card, the host's router metrics or None) -> a Router for that model.
