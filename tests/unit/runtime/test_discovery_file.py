@@ -150,6 +150,23 @@ async def test_a_slow_heartbeat_write_does_not_stall_the_owners_event_loop(open_
     assert await owner.get_prefix("") == {"a": b"1"}
 
 
+async def test_the_heartbeat_does_not_queue_behind_the_loops_shared_threads(open_backends, tmp_path):
+    """Every thread of the loop's shared pool busy (long jobs: image encodes, say): the heartbeat, on a thread
+    of its own, still goes on."""
+    owner = await open_backends(ttl=0.3)  # a heartbeat every 0.1 s
+    heartbeat = tmp_path / "disc" / "leases" / owner.lease_id / "heartbeat"
+    released = threading.Event()
+    loop = asyncio.get_running_loop()
+    jobs = [loop.run_in_executor(None, released.wait, 10) for _ in range(40)]  # more than the pool's threads
+    try:
+        seen = msgspec.json.decode(heartbeat.read_bytes(), type=Heartbeat).time
+        await eventually(lambda: asyncio.sleep(0, msgspec.json.decode(heartbeat.read_bytes(), type=Heartbeat).time
+                                               > seen + 0.25), timeout=3)
+    finally:
+        released.set()
+        await asyncio.gather(*jobs)
+
+
 async def test_starved_process_vanishes_then_reregisters_without_restart(open_backends, tmp_path, python_child):
     root = tmp_path / "disc"
     reader = await open_backends(root)

@@ -1,7 +1,7 @@
 """Discovery in a shared directory: no service to run (one host, or a shared filesystem).
 
 Layout under `root_dir`:
-  leases/<lease_id>/heartbeat    JSON `Heartbeat`, rewritten every ttl/3 by its owner (in a thread)
+  leases/<lease_id>/heartbeat    JSON `Heartbeat`, rewritten every ttl/3 by its owner (on a thread of its own)
   leases/<lease_id>/k.<key>      one file per key (key percent-escaped), content = value
   staging/                       lease dirs being created or reaped (moved atomically)
 
@@ -22,6 +22,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -91,11 +92,13 @@ class FileDiscovery(DiscoveryBackend):
         self._hostname = socket.gethostname()
         self._pid_namespace = _pid_namespace()
         self._task: asyncio.Task[None] | None = None
+        self._heartbeats: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         self._leases.mkdir(parents=True, exist_ok=True)
         self._staging.mkdir(parents=True, exist_ok=True)
         self._rebuild()
+        self._heartbeats = ThreadPoolExecutor(1, thread_name_prefix="discovery-heartbeat")
         self._task = asyncio.create_task(self._heartbeat_loop())
 
     async def close(self) -> None:
@@ -104,6 +107,9 @@ class FileDiscovery(DiscoveryBackend):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._heartbeats is not None:
+            self._heartbeats.shutdown(wait=False)
+            self._heartbeats = None
         self._remove(self._dir)
         self._keys.clear()
 
@@ -140,7 +146,8 @@ class FileDiscovery(DiscoveryBackend):
             try:
                 # In a thread: where the filesystem is busy writing back (a disk KV tier, say) even a small
                 # write can wait seconds, and the owner's event loop (a worker serving) must not wait with it.
-                if not await asyncio.to_thread(self._refresh_heartbeat):
+                # A thread of its own: in the loop's shared pool it could queue behind long jobs (image encodes).
+                if not await asyncio.get_running_loop().run_in_executor(self._heartbeats, self._refresh_heartbeat):
                     # A reader reaped the lease (we were starved past the TTL): it comes back whole.
                     logger.warning("discovery lease %s was reaped: re-registering its %d key(s)", self.lease_id,
                                    len(self._keys))
