@@ -157,6 +157,8 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     # ... and counted on the worker's /metrics (from the model-runner process, through vLLM's connector stats).
     assert counted["blocks_stored/host"] == FULL and counted["blocks_stored/disk"] == FULL, counted
     assert counted["bytes_written/disk"] == FULL * BLOCK_BYTES and counted.get("hits/host", 0) == 0
+    # The engine's steps: time handing blocks to the tiers after the forward pass, none loading (nothing to load).
+    assert counted["step_save_seconds"] > 0 and counted.get("step_load_seconds", 0) == 0, counted
     disk_used = [float(line.rsplit(" ", 1)[1]) for line in http_text(f"{kvbm['worker'].url}/metrics").splitlines()
                  if line.startswith("turbine_kvbm_tier_used_bytes{") and 'tier="disk"' in line]
     assert disk_used and disk_used[0] >= FULL * BLOCK_BYTES
@@ -180,6 +182,7 @@ def test_offloaded_prompt_comes_back_from_host_then_disk_and_a_corrupt_block_is_
     assert counted["hits/disk"] == FULL and counted["bytes_read/disk"] == FULL * BLOCK_BYTES, counted
     assert counted["blocks_stored/host"] >= FULL  # promoted into the host tier as they were read
     assert counted["read_seconds/disk"] > 0 and counted["write_seconds/host"] > 0  # transfer time, per tier
+    assert counted["step_load_seconds"] > 0  # the step that loaded them, before its forward pass
 
     # A corrupt block file: E and F push A out again; A's block 1 gets one payload byte flipped in both
     # file tiers (the disk tier's copy alone would be offered from the shared tier instead).

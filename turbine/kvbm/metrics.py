@@ -29,6 +29,12 @@ SPECS: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
     ("write_seconds", Counter, "turbine_kvbm_write_seconds", "time spent writing blocks to a tier", ("tier",)),
     ("read_seconds", Counter, "turbine_kvbm_read_seconds", "time spent reading blocks from a tier (hits, misses "
      "and failed checks)", ("tier",)),
+    ("step_load_seconds", Counter, "turbine_kvbm_step_load_seconds", "time the engine's steps spent on the vLLM "
+     "connector's loads before their forward pass (reading the tiers, issuing the copies into the engine's cache)",
+     ()),
+    ("step_save_seconds", Counter, "turbine_kvbm_step_save_seconds", "time the engine's steps spent handing their "
+     "new blocks to the vLLM connector after their forward pass (on a GPU: issuing the copies out; the tiers' "
+     "writes run in the background)", ()),
     ("tier_disabled", Gauge, "turbine_kvbm_tier_disabled", "1 when a tier stopped writing (a full disk)",
      ("tier",)),
     ("used_bytes", Gauge, "turbine_kvbm_tier_used_bytes", "bytes a tier holds (the shared tier: an estimate)",
@@ -49,6 +55,8 @@ class KvbmMetrics:
     write_errors: Counter
     write_seconds: Counter
     read_seconds: Counter
+    step_load_seconds: Counter
+    step_save_seconds: Counter
     tier_disabled: Gauge
     used_bytes: Gauge
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -504,9 +505,13 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         for tier, block_hash in meta.corrupt:
             self.store.drop_corrupt(tier, block_hash)
         self._blocks.begin_loads()
+        if not meta.loads:
+            return
+        began = time.perf_counter()
         # In parts: one part's copies to the GPU run (asynchronously, from host slots) while the next is read.
         for start in range(0, len(meta.loads), LOAD_PART):
             self._load_part(meta.loads[start:start + LOAD_PART])
+        self.store.metrics.step_load_seconds.inc(time.perf_counter() - began)
 
     def _load_part(self, part: list[tuple[str, int, int]]) -> None:
         loads = []
@@ -551,8 +556,13 @@ class TurbineKvbmConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbmMetadata)
         # A step that attended over a block that failed to load keeps none of its output.
-        self._blocks.save([(block_id, block_hash, parent) for req_id, block_id, block_hash, parent in meta.saves
-                           if req_id not in self._failed_reqs])
+        saves = [(block_id, block_hash, parent) for req_id, block_id, block_hash, parent in meta.saves
+                 if req_id not in self._failed_reqs]
+        if not saves:
+            return
+        began = time.perf_counter()
+        self._blocks.save(saves)
+        self.store.metrics.step_save_seconds.inc(time.perf_counter() - began)
 
     def shutdown(self) -> None:
         if self._blocks is not None:
