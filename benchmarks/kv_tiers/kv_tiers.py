@@ -42,7 +42,9 @@ blocks holding a few conversations, a returning conversation's history has alway
 Reported per mode (medians over repeats): TTFT p50/p99 of returning turns (turn >= 2) and of first
 turns, run throughput (requests/s and prompt tokens/s over the whole run), cache hit rate of
 returning turns (usage cached_tokens / prompt tokens), disk bytes written and tier hits (the
-worker's turbine_kvbm_* counters); ratios of `none` over each mode's returning-turn TTFT p50.
+worker's turbine_kvbm_* counters); ratios of `none` over each mode's returning-turn TTFT p50. Per run, the
+first and the returning turns' mean TTFT split by the servers' histograms (`*_phases_ms`: the frontend's TTFT,
+vLLM's TTFT, its queue wait, scheduled to first token; the connector's loads and saves in the engine's steps).
 
   .venv/bin/python -m benchmarks.kv_tiers.kv_tiers --repeats 2 --lock /tmp/turbine-engine.lock --out benchmarks/results/kv_tiers/kv_tiers-$(date +%F).json
 """
@@ -137,11 +139,13 @@ def conversations(a) -> list[list[dict]]:
     return turns
 
 
-async def drive(a, url: str) -> list[dict]:
+async def drive(a, url: str, after_first_turn=None) -> list[dict]:
     import httpx
     records = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
-        for turn in conversations(a):
+        for t, turn in enumerate(conversations(a)):
+            if t == 1 and after_first_turn is not None:
+                after_first_turn()
             for item in turn:
                 body = {"model": a.served_model_name, "prompt": item["prompt_ids"], "max_tokens": a.output_tokens,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -171,6 +175,42 @@ def kv_counters(samples) -> dict:
             sub = labels.get("tier") or labels.get("source")
             key = f"{name}{{{sub}}}" if sub else name
             out[key] = out.get(key, 0.0) + value
+    return out
+
+
+# Where a turn's TTFT goes, by the servers' own histograms (sums and counts differenced around the first turns and
+# around the returning ones: requests run one at a time): the frontend's TTFT from its arrival, vLLM's from its
+# engine client's arrival, vLLM's wait to be scheduled, and scheduled to first token (the step that loads and
+# computes the prompt). What the client sees beyond the frontend's TTFT is HTTP and the client itself.
+PHASES = {"frontend_ttft": "turbine_frontend_time_to_first_token_seconds",
+          "engine_ttft": "vllm:time_to_first_token_seconds",
+          "engine_queue": "vllm:request_queue_time_seconds",
+          "engine_prefill": "vllm:request_prefill_time_seconds"}
+# ... and, per request, the connector's time in the engine's steps: loads before the forward pass, handing new blocks
+# to the tiers after it (counters: divided by the requests vLLM counted).
+STEP_PHASES = {"kvbm_step_load": "turbine_kvbm_step_load_seconds_total",
+               "kvbm_step_save": "turbine_kvbm_step_save_seconds_total"}
+
+
+def phase_sums(samples) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, _, value in samples:
+        for phase, family in PHASES.items():
+            if name in (f"{family}_sum", f"{family}_count"):
+                key = phase + name[len(family):]
+                out[key] = out.get(key, 0.0) + value
+        for phase, family in STEP_PHASES.items():
+            if name == family:
+                out[f"{phase}_sum"] = out.get(f"{phase}_sum", 0.0) + value
+    return out
+
+
+def phase_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    requests = after.get("engine_ttft_count", 0.0) - before.get("engine_ttft_count", 0.0)
+    for phase in [*PHASES, *STEP_PHASES]:
+        n = after.get(f"{phase}_count", 0.0) - before.get(f"{phase}_count", 0.0) if phase in PHASES else requests
+        out[phase] = 1000 * (after.get(f"{phase}_sum", 0.0) - before.get(f"{phase}_sum", 0.0)) / n if n else None
     return out
 
 
@@ -264,14 +304,21 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
 
     def counters() -> list[dict]:
         return [kv_counters(scrape(f"http://127.0.0.1:{port}/metrics")) for port in metrics_ports]
+
+    def phases() -> dict[str, float]:
+        samples = [s for port in metrics_ports for s in scrape(f"http://127.0.0.1:{port}/metrics")]
+        return phase_sums(samples + scrape(f"{st.base_url}/metrics"))
+    marks: list[dict[str, float]] = []
     try:
         st.wait_ready(ready, a.startup_timeout)
         st.sanity_check(a.served_model_name)
         before = counters()
         spies = py_spy(a, st, run_dir, tag) if mode != "none" else []
+        marks.append(phases())
         t0 = time.monotonic()
-        records = asyncio.run(drive(a, st.base_url))
+        records = asyncio.run(drive(a, st.base_url, after_first_turn=lambda: marks.append(phases())))
         wall = time.monotonic() - t0
+        marks.append(phases())
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -294,6 +341,9 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
     disk_bytes = sum(f.stat().st_size for f in disk_dir.rglob("*.kvb")) if disk_dir.exists() else 0
     shutil.rmtree(disk_dir, ignore_errors=True)
     m = analyze(records, wall)
+    if len(marks) == 3:
+        m["first_turn_phases_ms"] = phase_means_ms(marks[0], marks[1])
+        m["returning_phases_ms"] = phase_means_ms(marks[1], marks[2])
     m.update({"repeat": rep, "mode": mode, "workers": n, "died": died, "worker_argv": argvs[0] if n == 1 else argvs,
               "omp_bind": binds, "disk_dir_bytes_at_end": disk_bytes, "shared_dir_bytes_at_end": shared_bytes,
               "counters": summed, "per_worker_counters": per_worker if n > 1 else None,
@@ -306,6 +356,9 @@ def run_one(a, mode: str, rep: int, run_dir: Path) -> dict:
         f"hits host/disk/shared {c.get('turbine_kvbm_hits_total{host}', 0):.0f}/"
         f"{c.get('turbine_kvbm_hits_total{disk}', 0):.0f}/{c.get('turbine_kvbm_hits_total{shared}', 0):.0f}, "
         f"{wall:.0f}s")
+    if "returning_phases_ms" in m:
+        log(f"{tag}: returning turns' means, ms: " + ", ".join(f"{k} {fmt(v)}" for k, v in
+                                                               m["returning_phases_ms"].items()))
     if died or m["errors"]:
         log(f"{tag}: errors {m['error_samples']} died {died}")
     return m
@@ -329,6 +382,9 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
         s = {k: median([r[k] for r in rs if r.get(k) is not None]) for k in KEYS}
         s.update({k: median([r["counters"].get(k, 0.0) for r in rs]) for k in COUNTERS})
         s["repeats"] = len(rs)
+        for key in ("first_turn_phases_ms", "returning_phases_ms"):
+            if rs and all(key in r for r in rs):
+                s[key] = {ph: median([r[key].get(ph) for r in rs]) for ph in [*PHASES, *STEP_PHASES]}
         s["per_repeat_returning_ttft_p50_ms"] = [r["returning_ttft_p50_ms"] for r in rs]
         s["per_turn_ttft_p50_ms"] = {t: median([r["per_turn_ttft_p50_ms"][t] for r in rs])
                                      for t in rs[0]["per_turn_ttft_p50_ms"]} if rs else {}
